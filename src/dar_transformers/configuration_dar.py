@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""Configuration of Dual Attention Residuals (DAR; arXiv 2607.18730) on a Llama-family decoder.
+
+`DARConfig` is `LlamaConfig` plus the typed DAR fields below; every Llama field keeps its meaning, so a Llama
+`config.json` plus DAR fields describes a DAR model. Field semantics follow DESIGN.md section 2:
+
+- `dar_block_size` K counts *branches* (attention and MLP are separate branches, M = 2 * num_hidden_layers).
+  K = 1 is Full DAR, K = M a single block. `None` picks about 8 blocks (the AttnRes operating point).
+- `dar_num_streams` J: 2 is DAR, 1 is Attention Residuals (AttnRes) through the same code path.
+- `dar_routing` (key stream, value stream) for target stream j: dar (1-j, j), selfkv (j, j), crossv (j, 1-j),
+  fixedkv (0, 1). `None` picks "dar" for two streams and "selfkv" (the only routing) for one.
+- `dar_write_mode`: "duplicate" (c = J, eta = 1, every stream starts from the embedding) or "split"
+  (c = 1, eta = J, every stream starts from embedding / J).
+- `dar_gate_delta`: spread of the anti-symmetric write-gate init (b^0 = +delta xi, b^1 = -delta xi). `None` picks
+  0.7, or 0 for fixedkv, which is only exact at delta = 0 (DESIGN.md section 3).
+- `dar_rho_init`: initial transport coefficient rho in (0, 1) of the partial-block mixing.
+- `dar_include_partial`, `dar_count_scaling`: both True for the exact reduction to the source model; switching
+  either off is a documented ablation / negative control.
+- `dar_branch_family`: which HF family's attention and MLP modules implement the unchanged branches.
+- `dar_implementation`: "fast" (two-phase, cached key norms) or "reference" (the readable eager loop).
+"""
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+DAR_ROUTINGS = ("dar", "selfkv", "crossv", "fixedkv")
+DAR_WRITE_MODES = ("duplicate", "split")
+DAR_BRANCH_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DAR_IMPLEMENTATIONS = ("fast", "reference")
+DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
+DAR_DEFAULT_DELTA = 0.7
+
+# Target stream j -> (key stream, value stream), DESIGN.md section 2 "routing".
+ROUTING_KEY_VALUE_STREAMS = {
+    "dar": ((1, 0), (0, 1)),
+    "selfkv": ((0, 0), (1, 1)),
+    "crossv": ((0, 1), (1, 0)),
+    "fixedkv": ((0, 1), (0, 1)),
+}
+
+
+def _must_be_one_of(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"DARConfig.{field} must be one of {list(allowed)}, got {value!r}.")
+
+
+@strict
+class DARConfig(LlamaConfig):
+    r"""
+    Llama configuration plus the Dual Attention Residuals fields (see the module docstring).
+
+    ```python
+    >>> from dar_transformers import DARConfig, DARForCausalLM
+    >>> config = DARConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    ...                    vocab_size=128, dar_block_size=2)
+    >>> model = DARForCausalLM(config)
+    ```"""
+
+    model_type = "dar"
+
+    dar_block_size: int | None = None
+    dar_num_streams: int = 2
+    dar_routing: str | None = None
+    dar_write_mode: str = "duplicate"
+    dar_gate_delta: float | None = None
+    dar_rho_init: float = 0.95
+    dar_include_partial: bool = True
+    dar_count_scaling: bool = True
+    dar_branch_family: str = "llama"
+    dar_implementation: str = "fast"
+
+    def __post_init__(self, **kwargs):
+        num_branches = 2 * self.num_hidden_layers
+        if self.dar_block_size is None:
+            self.dar_block_size = max(1, math.ceil(num_branches / DAR_TARGET_BLOCKS))
+        if self.dar_routing is None:
+            self.dar_routing = "dar" if self.dar_num_streams == 2 else "selfkv"
+        if self.dar_gate_delta is None:
+            self.dar_gate_delta = 0.0 if self.dar_routing == "fixedkv" else DAR_DEFAULT_DELTA
+        super().__post_init__(**kwargs)
+
+    def validate_dar(self):
+        """Part of `@strict` validation: every DAR field, with the field name and the allowed values."""
+        num_branches = 2 * self.num_hidden_layers
+        if isinstance(self.dar_block_size, bool) or not 1 <= self.dar_block_size <= num_branches:
+            raise ValueError(
+                f"DARConfig.dar_block_size must be an integer in [1, {num_branches}] (branches: 2 per layer, "
+                f"1 = Full DAR, {num_branches} = one block), got {self.dar_block_size!r}."
+            )
+        _must_be_one_of("dar_num_streams", self.dar_num_streams, (1, 2))
+        _must_be_one_of("dar_routing", self.dar_routing, DAR_ROUTINGS if self.dar_num_streams == 2 else ("selfkv",))
+        _must_be_one_of("dar_write_mode", self.dar_write_mode, DAR_WRITE_MODES)
+        _must_be_one_of("dar_branch_family", self.dar_branch_family, DAR_BRANCH_FAMILIES)
+        _must_be_one_of("dar_implementation", self.dar_implementation, DAR_IMPLEMENTATIONS)
+        if not 0.0 < self.dar_rho_init < 1.0:
+            raise ValueError(f"DARConfig.dar_rho_init must lie strictly between 0 and 1, got {self.dar_rho_init!r}.")
+        if not (math.isfinite(self.dar_gate_delta) and self.dar_gate_delta >= 0.0):
+            raise ValueError(f"DARConfig.dar_gate_delta must be a finite number >= 0, got {self.dar_gate_delta!r}.")
+        if self.dar_routing == "fixedkv" and self.dar_gate_delta != 0.0:
+            raise ValueError(
+                "DARConfig.dar_gate_delta must be 0 with dar_routing='fixedkv': values come from stream 1 only, so "
+                f"anti-symmetric write gates would change the function at initialisation (got {self.dar_gate_delta!r})."
+            )
+
+    @property
+    def dar_num_branches(self) -> int:
+        """M: attention and MLP branches of all decoder layers."""
+        return 2 * self.num_hidden_layers
+
+    @property
+    def dar_write_scale(self) -> float:
+        """c in beta = c * sigmoid(b): J for duplicate writes, 1 for split writes (sum of the gates stays c)."""
+        return float(self.dar_num_streams) if self.dar_write_mode == "duplicate" else 1.0
+
+    @property
+    def dar_read_scale(self) -> float:
+        """eta in u = eta * (alpha x^0 + (1 - alpha) x^1): 1 for duplicate writes, J for split writes."""
+        return 1.0 if self.dar_write_mode == "duplicate" else float(self.dar_num_streams)
+
+    @property
+    def dar_embedding_scale(self) -> float:
+        """Each stream's history entry 0 is embedding * this (1 duplicate, 1/J split)."""
+        return 1.0 if self.dar_write_mode == "duplicate" else 1.0 / self.dar_num_streams
+
+
+__all__ = ["DARConfig"]

@@ -1,0 +1,582 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""Dual Attention Residuals (DAR; Yu, Li, Liu et al., arXiv 2607.18730) on an unchanged Llama-family decoder.
+
+What differs from `LlamaModel` (DESIGN.md section 2): the residual path. The attention and MLP branches, their
+input norms, the rotary embedding, the final `norm` and `lm_head` are HF's own modules with Llama's attribute
+names, so a Llama state dict loads without renames. Instead of `h = h + F(h)`, every branch m
+
+  1. reads a softmax mix over depth of each stream's history (AttnRes historical extraction), with reciprocal
+     addressing: target stream j scores the sources with keys from stream kappa(j) and mixes values of stream
+     nu(j) (`DARDepthAttention`), count-scaled by the number of sources N;
+  2. mixes the two extractions with the read gate alpha (`DARReadGate`) into the branch input u;
+  3. writes the branch output y into each stream's partial block state with per-channel gates beta, after the
+     2x2 doubly stochastic transport rho of the partial states (`DARWriteGate`);
+  4. commits the partial states as new history entries at the end of each block of K branches.
+A final depth read (`DARReadout`) over all committed entries feeds Llama's `norm` and `lm_head`.
+
+Two implementations share the modules and the state layout (`config.dar_implementation`):
+  - "reference": the eager loop of DESIGN.md, every read re-normalising every source;
+  - "fast": keys normalised once per committed entry (a per-token inverse RMS), the committed-entry scores of
+    both branches of a decoder layer computed in one batched product (AttnRes two-phase), and the entries that
+    appear later (a block committed mid-layer, the current partial) merged by an online softmax.
+
+Shape legend: B batch, T tokens, D hidden, S depth sources, J streams, Q queries (branches read together).
+Precision policy (`dar_compute_dtype`): history, depth softmax and mixing run in float32, or float64 for a
+float64 model; the branch input is cast once to the model dtype and the branch output once back.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_dar import ROUTING_KEY_VALUE_STREAMS, DARConfig
+
+
+
+def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the DAR state and depth mixing: float32, or wider if the model is wider."""
+    return torch.promote_types(model_dtype, torch.float32)
+
+# The unchanged branch modules per family: (attention class, MLP class). Data, not an if-ladder.
+DAR_BRANCH_MODULES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
+    "llama": (LlamaAttention, LlamaMLP),
+}
+
+
+def _register_branch_family(name: str, attention_class: type[nn.Module], mlp_class: type[nn.Module]) -> None:
+    DAR_BRANCH_MODULES[name] = (attention_class, mlp_class)
+
+
+def _register_optional_families() -> None:
+    """Mistral/Qwen2/Qwen3 branches, imported lazily so the Llama path never depends on them."""
+    from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP
+
+    _register_branch_family("mistral", MistralAttention, MistralMLP)
+    _register_branch_family("qwen2", Qwen2Attention, Qwen2MLP)
+    _register_branch_family("qwen3", Qwen3Attention, Qwen3MLP)
+
+
+_register_optional_families()
+
+
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS over the last axis, as in RMSNorm: [..., D] -> [...]."""
+    return torch.rsqrt(x.pow(2).mean(-1) + eps)
+
+
+def _streams(x: torch.Tensor, streams: tuple[int, ...], dim: int) -> torch.Tensor:
+    """Pick streams along `dim` by a static routing tuple; a view unless the streams are swapped."""
+    if streams == tuple(range(x.shape[dim])):
+        return x
+    if len(set(streams)) == 1:
+        return x.narrow(dim, streams[0], 1).expand_as(x)
+    return x.flip(dim)  # the only other routing on two streams is the swap
+
+
+def depth_attention_committed(
+    queries: torch.Tensor,
+    history: torch.Tensor,
+    history_inv_rms: torch.Tensor,
+    key_streams: tuple[int, ...],
+    value_streams: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of the two-phase read: every query against every committed entry in one batched product.
+
+    queries [Q, J, D] (pseudo-query times key-norm weight, per target stream), history [S, J, B, T, D],
+    history_inv_rms [S, J, B, T] -> (softmax-normalised mix [Q, J, B, T, D], log-sum-exp of the scores [Q, J, B, T]).
+    Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): the normalised keys are never materialised.
+    """
+    if len(set(key_streams)) == 1:  # every target keys on the same stream (fixedkv, or one stream)
+        keys = history[:, key_streams[0]]  # [S, B, T, D]
+        scores = torch.einsum("qjd,sbtd->qjsbt", queries, keys) * history_inv_rms[:, key_streams[0]]  # [Q, J, S, B, T]
+    else:  # a permutation of the streams: permute the (tiny) queries instead of the history
+        scores = torch.einsum("qjd,sjbtd->qjsbt", _streams(queries, key_streams, 1), history)  # [Q, J, S, B, T]
+        scores = _streams(scores * history_inv_rms.transpose(0, 1), key_streams, 1)  # [Q, J, S, B, T]
+    log_normaliser = torch.logsumexp(scores, dim=2)  # [Q, J, B, T]
+    weights = torch.exp(scores - log_normaliser.unsqueeze(2))  # [Q, J, S, B, T]
+    if len(set(value_streams)) == 1:
+        mixed = torch.einsum("qjsbt,sbtd->qjbtd", weights, history[:, value_streams[0]])  # [Q, J, B, T, D]
+    else:
+        mixed = torch.einsum("qjsbt,sjbtd->qjbtd", _streams(weights, value_streams, 1), history)  # [Q, J, B, T, D]
+        mixed = _streams(mixed, value_streams, 1)  # [Q, J, B, T, D]
+    return mixed, log_normaliser
+
+
+def depth_attention_merge(
+    query: torch.Tensor,
+    mixed: torch.Tensor,
+    log_normaliser: torch.Tensor,
+    source: torch.Tensor,
+    source_inv_rms: torch.Tensor,
+    key_streams: tuple[int, ...],
+    value_streams: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2: merge one more source into a normalised mix by online softmax.
+
+    query [J, D], mixed [J, B, T, D], log_normaliser [J, B, T], source [J, B, T, D], source_inv_rms [J, B, T].
+    With z the new source's score, the merged mix is mixed + sigmoid(z - lse) * (value - mixed).
+    """
+    keys = _streams(source, key_streams, 0)  # [J, B, T, D]
+    score = torch.einsum("jd,jbtd->jbt", query, keys) * _streams(source_inv_rms, key_streams, 0)  # [J, B, T]
+    share = torch.sigmoid(score - log_normaliser)  # [J, B, T]
+    mixed = torch.lerp(mixed, _streams(source, value_streams, 0), share.unsqueeze(-1))  # [J, B, T, D]
+    return mixed, torch.logaddexp(log_normaliser, score)
+
+
+class DARStreamRMSNorm(nn.Module):
+    """One RMSNorm weight per target stream for the depth keys (gamma^j_m): weight [J, D]."""
+
+    def __init__(self, num_streams: int, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_streams, hidden_size))
+        self.variance_epsilon = eps
+
+
+class DARDepthAttention(nn.Module):
+    """Depth-wise softmax attention over a history (AttnRes eq. 2-4, routed per DESIGN.md section 2).
+
+    s^j_r = w^j . RMSNorm_{gamma^j}(S^{kappa(j)}_r),  a^j = softmax_r(s^j),  x^j = N * sum_r a^j_r S^{nu(j)}_r.
+    The pseudo-query w is input independent and zero at init (uniform weights); there is no 1/sqrt(d).
+    """
+
+    def __init__(self, config: DARConfig):
+        super().__init__()
+        self.num_streams = config.dar_num_streams
+        self.pseudo_query = nn.Parameter(torch.zeros(config.dar_num_streams, config.hidden_size))
+        self.key_norm = DARStreamRMSNorm(config.dar_num_streams, config.hidden_size, config.rms_norm_eps)
+        self.key_streams, self.value_streams = _routing(config)
+        self.count_scaling = config.dar_count_scaling
+
+    def scoring_query(self, dtype: torch.dtype) -> torch.Tensor:
+        """w * gamma [J, D] in the compute dtype: the key norm weight folded into the query."""
+        return (self.pseudo_query * self.key_norm.weight).to(dtype)
+
+    def count_scale(self, mixed: torch.Tensor, num_sources: int) -> torch.Tensor:
+        """lambda = N turns the uniform mean at zero queries back into the residual sum (DESIGN.md section 3)."""
+        return mixed * num_sources if self.count_scaling else mixed
+
+    def reference(self, sources: torch.Tensor) -> torch.Tensor:
+        """The readable eager read: sources [S, J, B, T, D] float32 -> extraction x [J, B, T, D]."""
+        extractions = []
+        for target in range(self.num_streams):
+            keys = F.rms_norm(
+                sources[:, self.key_streams[target]],
+                (sources.shape[-1],),
+                weight=self.key_norm.weight[target].to(sources.dtype),
+                eps=self.key_norm.variance_epsilon,
+            )  # [S, B, T, D]
+            scores = torch.einsum("d,sbtd->sbt", self.pseudo_query[target].to(sources.dtype), keys)  # [S, B, T]
+            weights = scores.softmax(dim=0)  # [S, B, T]
+            values = sources[:, self.value_streams[target]]  # [S, B, T, D]
+            extractions.append(torch.einsum("sbt,sbtd->btd", weights, values))  # [B, T, D]
+        return self.count_scale(torch.stack(extractions), sources.shape[0])  # [J, B, T, D]
+
+
+class DARReadGate(nn.Module):
+    """Mixes the per-stream extractions into the branch input: u = eta * (alpha x^0 + (1 - alpha) x^1).
+
+    alpha = sigmoid(a), a = 0 at init. With one stream u = eta * x^0 and there is no parameter.
+    """
+
+    def __init__(self, config: DARConfig):
+        super().__init__()
+        self.read_scale = config.dar_read_scale
+        if config.dar_num_streams == 2:
+            self.logit = nn.Parameter(torch.zeros(()))
+
+    def forward(self, extracted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """extracted [J, B, T, D] in the compute dtype -> branch input u [B, T, D] in the model dtype."""
+        if extracted.shape[0] == 1:
+            return (self.read_scale * extracted[0]).to(dtype)
+        alpha = torch.sigmoid(self.logit.to(extracted.dtype))
+        return (self.read_scale * torch.lerp(extracted[1], extracted[0], alpha)).to(dtype)  # [B, T, D]
+
+
+class DARWriteGate(nn.Module):
+    """Transport then gated write of the partial block state (DESIGN.md section 2, "transport+write").
+
+    P^j <- rho P^j + (1 - rho) P^{1-j} + beta^j * y, beta^j = c * sigmoid(b^j) per channel, rho = sigmoid(r).
+    The first branch of a block starts the partial from beta * y, so rho exists only where a partial is carried.
+    """
+
+    def __init__(self, config: DARConfig, branch_index: int):
+        super().__init__()
+        self.branch_index = branch_index
+        self.write_scale = config.dar_write_scale
+        self.starts_block = branch_index % config.dar_block_size == 0
+        if config.dar_num_streams == 2:
+            self.logit = nn.Parameter(torch.zeros(2, config.hidden_size))
+            if not self.starts_block:
+                self.transport_logit = nn.Parameter(torch.zeros(()))
+
+    def forward(self, branch_output: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        """branch_output y [B, T, D] in the compute dtype, partial [J, B, T, D] (ignored at a block start) -> new partial."""
+        if partial.shape[0] == 1:
+            written = branch_output.unsqueeze(0)  # [1, B, T, D]; AttnRes writes y unchanged
+        else:
+            beta = self.write_scale * torch.sigmoid(self.logit.to(partial.dtype))  # [J, D]
+            written = beta[:, None, None, :] * branch_output  # [J, B, T, D]
+        if self.starts_block:
+            return written
+        if partial.shape[0] == 2:
+            rho = torch.sigmoid(self.transport_logit.to(partial.dtype))
+            partial = torch.lerp(partial.flip(0), partial, rho)  # [J, B, T, D]: [[rho, 1-rho], [1-rho, rho]] P
+        return partial + written
+
+
+class DARBranchResidual(nn.Module):
+    """The DAR residual around one branch: its depth read, read gate and write gate."""
+
+    def __init__(self, config: DARConfig, branch_index: int):
+        super().__init__()
+        self.branch_index = branch_index
+        self.depth_attention = DARDepthAttention(config)
+        self.read_gate = DARReadGate(config)
+        self.write_gate = DARWriteGate(config, branch_index)
+
+
+class DARReadout(nn.Module):
+    """The final depth read over all committed entries before Llama's `norm` (own queries, key norms, read gate)."""
+
+    def __init__(self, config: DARConfig):
+        super().__init__()
+        self.config = config
+        self.depth_attention = DARDepthAttention(config)
+        self.read_gate = DARReadGate(config)
+
+    def forward(self, history: torch.Tensor, history_inv_rms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """history [S, J, B, T, D], history_inv_rms [S, J, B, T] -> u_F [B, T, D] in `dtype`."""
+        attention = self.depth_attention
+        if self.config.dar_implementation == "reference":
+            extracted = attention.reference(history)  # [J, B, T, D]
+        else:
+            mixed, _ = depth_attention_committed(
+                attention.scoring_query(history.dtype).unsqueeze(0), history, history_inv_rms, attention.key_streams,
+                attention.value_streams,
+            )  # [1, J, B, T, D]
+            extracted = attention.count_scale(mixed[0], history.shape[0])  # [J, B, T, D]
+        return self.read_gate(extracted, dtype)
+
+
+def _routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(key streams, value streams) indexed by target stream."""
+    if config.dar_num_streams == 1:
+        return (0,), (0,)
+    pairs = ROUTING_KEY_VALUE_STREAMS[config.dar_routing]
+    return tuple(key for key, _ in pairs), tuple(value for _, value in pairs)
+
+
+class DARDecoderLayer(GradientCheckpointingLayer):
+    """A Llama decoder layer whose two residual adds are replaced by DAR reads and writes.
+
+    The DAR state goes in and comes out (pure; gradient checkpointing replays `forward`), positionally so that
+    reentrant checkpointing sees it: history [S, J, B, T, D], its inverse RMS [S, J, B, T], partial [J, B, T, D].
+    """
+
+    def __init__(self, config: DARConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.hidden_size = config.hidden_size
+        attention_class, mlp_class = DAR_BRANCH_MODULES[config.dar_branch_family]
+        self.self_attn = attention_class(config=config, layer_idx=layer_idx)
+        self.mlp = mlp_class(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_residual = DARBranchResidual(config, branch_index=2 * layer_idx)
+        self.mlp_residual = DARBranchResidual(config, branch_index=2 * layer_idx + 1)
+        self.block_size = config.dar_block_size
+        self.num_branches = config.dar_num_branches
+        self.include_partial = config.dar_include_partial
+        self.eps = config.rms_norm_eps
+
+    def _commits(self, branch_index: int) -> bool:
+        return (branch_index + 1) % self.block_size == 0 or branch_index == self.num_branches - 1
+
+    def _reads_partial(self, branch_index: int) -> bool:
+        return self.include_partial and branch_index % self.block_size != 0
+
+    def _read_reference(self, residual, history, partial) -> torch.Tensor:
+        sources = torch.cat([history, partial.unsqueeze(0)]) if self._reads_partial(residual.branch_index) else history
+        return residual.depth_attention.reference(sources)  # [J, B, T, D]
+
+    def _read_fast(self, residual, committed, late_entries) -> torch.Tensor:
+        """committed: (mix, lse, count) from phase 1; late_entries: [(entry, inv_rms)] merged by online softmax."""
+        attention = residual.depth_attention
+        mixed, log_normaliser, num_sources = committed
+        for entry, entry_inv_rms in late_entries:
+            mixed, log_normaliser = depth_attention_merge(
+                attention.scoring_query(mixed.dtype), mixed, log_normaliser, entry, entry_inv_rms, attention.key_streams,
+                attention.value_streams,
+            )
+            num_sources += 1
+        return attention.count_scale(mixed, num_sources)  # [J, B, T, D]
+
+    def _write(self, residual, branch_output, history, history_inv_rms, partial):
+        partial = residual.write_gate(branch_output.to(partial.dtype), partial)  # [J, B, T, D]
+        if self._commits(residual.branch_index):
+            history = torch.cat([history, partial.unsqueeze(0)])  # [S + 1, J, B, T, D]
+            history_inv_rms = torch.cat([history_inv_rms, inverse_rms(partial, self.eps).unsqueeze(0)])  # [S + 1, J, B, T]
+        return history, history_inv_rms, partial
+
+    def forward(
+        self,
+        history: torch.Tensor,
+        history_inv_rms: torch.Tensor,
+        partial: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dtype = self.input_layernorm.weight.dtype
+        reference = self.config.dar_implementation == "reference"
+        attn_index = self.attn_residual.branch_index
+
+        # Attention branch.
+        if reference:
+            extracted = self._read_reference(self.attn_residual, history, partial)
+        else:
+            queries = torch.stack(
+                [
+                    self.attn_residual.depth_attention.scoring_query(history.dtype),
+                    self.mlp_residual.depth_attention.scoring_query(history.dtype),
+                ]
+            )  # [2, J, D]
+            mixed, log_normaliser = depth_attention_committed(
+                queries, history, history_inv_rms, self.attn_residual.depth_attention.key_streams,
+                self.attn_residual.depth_attention.value_streams,
+            )  # [2, J, B, T, D], [2, J, B, T]
+            late = [(partial, inverse_rms(partial, self.eps))] if self._reads_partial(attn_index) else []
+            extracted = self._read_fast(self.attn_residual, (mixed[0], log_normaliser[0], history.shape[0]), late)
+        branch_input = self.attn_residual.read_gate(extracted, dtype)  # [B, T, D]
+        branch_output, _ = self.self_attn(
+            hidden_states=self.input_layernorm(branch_input),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        num_committed = history.shape[0]
+        history, history_inv_rms, partial = self._write(
+            self.attn_residual, branch_output, history, history_inv_rms, partial
+        )
+
+        # MLP branch: the phase-1 mix covers entries committed before this layer; a block committed by the
+        # attention branch and the current partial are merged online.
+        if reference:
+            extracted = self._read_reference(self.mlp_residual, history, partial)
+        else:
+            late = [(history[index], history_inv_rms[index]) for index in range(num_committed, history.shape[0])]
+            if self._reads_partial(self.mlp_residual.branch_index):
+                late.append((partial, inverse_rms(partial, self.eps)))
+            extracted = self._read_fast(self.mlp_residual, (mixed[1], log_normaliser[1], num_committed), late)
+        branch_input = self.mlp_residual.read_gate(extracted, dtype)  # [B, T, D]
+        branch_output = self.mlp(self.post_attention_layernorm(branch_input))
+        return self._write(self.mlp_residual, branch_output, history, history_inv_rms, partial)
+
+
+class DARPreTrainedModel(PreTrainedModel):
+    config: DARConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DARDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    # DAR parameters stay float32 when the model is loaded in half precision (DESIGN.md section 4).
+    _keep_in_fp32_modules_strict = ["attn_residual", "mlp_residual", "final_readout"]
+    # hidden_states[l] is the input u of layer l's attention branch (the embedding for l = 0, Llama's residual
+    # stream at upcycling), then the final readout (replaced by `last_hidden_state` after `norm`).
+    _can_record_outputs = {
+        "hidden_states": [
+            OutputRecorder(DARReadGate, layer_name="attn_residual", capture_initial_hidden_state=False),
+            OutputRecorder(DARReadGate, layer_name="final_readout", capture_initial_hidden_state=False),
+        ],
+        "attentions": "self_attn",
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        config = self.config
+        if isinstance(module, DARDepthAttention):
+            init.zeros_(module.pseudo_query)  # uniform depth weights: the count-scaled read is the residual sum
+            init.ones_(module.key_norm.weight)  # irrelevant while the query is zero
+        elif isinstance(module, DARReadGate) and config.dar_num_streams == 2:
+            init.zeros_(module.logit)  # alpha = 1/2: u is the standard residual state
+        elif isinstance(module, DARWriteGate) and config.dar_num_streams == 2:
+            # b^0 = +delta xi, b^1 = -delta xi: beta^0 + beta^1 = c per channel (exact), streams differ in direction.
+            generator = torch.Generator().manual_seed(module.branch_index)
+            signs = torch.randint(0, 2, (config.hidden_size,), generator=generator).mul(2).sub(1)
+            gate = config.dar_gate_delta * torch.stack([signs, -signs]).to(module.logit.dtype)
+            init.copy_(module.logit, gate)
+            if not module.starts_block:
+                rho = config.dar_rho_init
+                init.constant_(module.transport_logit, math.log(rho / (1.0 - rho)))  # any rho keeps the reduction
+
+
+class DARModel(DARPreTrainedModel):
+    def __init__(self, config: DARConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DARDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.final_readout = DARReadout(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+
+        self.post_init()
+
+    def initial_state(self, inputs_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entry 0 of every stream is the embedding (times 1/J for split writes); the partial starts empty."""
+        config = self.config
+        embedding = inputs_embeds.to(dar_compute_dtype(inputs_embeds.dtype)) * config.dar_embedding_scale  # [B, T, D]
+        history = embedding.expand(1, config.dar_num_streams, *embedding.shape)  # [1, J, B, T, D]
+        history_inv_rms = inverse_rms(history, config.rms_norm_eps)  # [1, J, B, T]
+        return history, history_inv_rms, history[0]  # the first branch starts a block: its partial is unused
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+
+        history, history_inv_rms, partial = self.initial_state(inputs_embeds)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            history, history_inv_rms, partial = decoder_layer(
+                history,
+                history_inv_rms,
+                partial,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(self.final_readout(history, history_inv_rms, inputs_embeds.dtype))
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
+
+    def __init__(self, config: DARConfig):
+        super().__init__(config)
+        self.model = DARModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class DARForSequenceClassification(GenericForSequenceClassification, DARPreTrainedModel): ...
+
+
+__all__ = ["DARPreTrainedModel", "DARModel", "DARForCausalLM", "DARForSequenceClassification"]
