@@ -17,6 +17,12 @@ def _register_auto_classes() -> None:
     AutoModel.register(DARConfig, DARModel, exist_ok=True)
     AutoModelForCausalLM.register(DARConfig, DARForCausalLM, exist_ok=True)
     AutoModelForSequenceClassification.register(DARConfig, DARForSequenceClassification, exist_ok=True)
+    # Saved and pushed checkpoints carry `auto_map` and the flat remote-code files, so they load with
+    # `trust_remote_code=True` where this package is not installed.
+    DARConfig.register_for_auto_class()
+    DARModel.register_for_auto_class("AutoModel")
+    DARForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    DARForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 
 
 _register_auto_classes()
