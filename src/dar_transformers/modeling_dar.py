@@ -300,9 +300,9 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.config = config
         self.hidden_size = config.hidden_size
-        attention_class, mlp_class = DAR_BRANCH_MODULES[config.dar_branch_family]
+        attention_class, _ = DAR_BRANCH_MODULES[config.dar_branch_family]
         self.self_attn = attention_class(config=config, layer_idx=layer_idx)
-        self.mlp = mlp_class(config)
+        self.mlp = self.build_mlp(config, layer_idx)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attn_residual = DARBranchResidual(config, branch_index=2 * layer_idx)
@@ -311,6 +311,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         self.num_branches = config.dar_num_branches
         self.include_partial = config.dar_include_partial
         self.eps = config.rms_norm_eps
+
+    def build_mlp(self, config: DARConfig, layer_idx: int) -> nn.Module:
+        """The MLP branch: the family's dense MLP (the MoE variant overrides this with a sparse MoE block)."""
+        return DAR_BRANCH_MODULES[config.dar_branch_family][1](config)
 
     def _commits(self, branch_index: int) -> bool:
         return (branch_index + 1) % self.block_size == 0 or branch_index == self.num_branches - 1
@@ -446,6 +450,8 @@ class DARPreTrainedModel(PreTrainedModel):
 
 
 class DARModel(DARPreTrainedModel):
+    decoder_layer_class = DARDecoderLayer
+
     def __init__(self, config: DARConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -453,7 +459,7 @@ class DARModel(DARPreTrainedModel):
 
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(
-            [DARDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+            [self.decoder_layer_class(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.final_readout = DARReadout(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
