@@ -18,6 +18,8 @@
 - `dar_include_partial`, `dar_count_scaling`: both True for the exact reduction to the source model; switching
   either off is a documented ablation / negative control.
 - `dar_branch_family`: which HF family's attention and MLP modules implement the unchanged branches.
+- `sliding_window`: Mistral's attention window (None: full causal attention), read by the Mistral branch and
+  by the mask, as in `MistralModel`; kept from the source at conversion so the upcycle stays exact.
 - `dar_implementation`: "fast" (two-phase, cached key norms) or "reference" (the readable eager loop).
 """
 
@@ -71,6 +73,7 @@ class DARConfig(LlamaConfig):
     dar_count_scaling: bool = True
     dar_branch_family: str = "llama"
     dar_implementation: str = "fast"
+    sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
         num_branches = 2 * self.num_hidden_layers
@@ -95,6 +98,8 @@ class DARConfig(LlamaConfig):
         _must_be_one_of("dar_write_mode", self.dar_write_mode, DAR_WRITE_MODES)
         _must_be_one_of("dar_branch_family", self.dar_branch_family, DAR_BRANCH_FAMILIES)
         _must_be_one_of("dar_implementation", self.dar_implementation, DAR_IMPLEMENTATIONS)
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"DARConfig.sliding_window must be None or a positive integer, got {self.sliding_window!r}.")
         if not 0.0 < self.dar_rho_init < 1.0:
             raise ValueError(f"DARConfig.dar_rho_init must lie strictly between 0 and 1, got {self.dar_rho_init!r}.")
         if not (math.isfinite(self.dar_gate_delta) and self.dar_gate_delta >= 0.0):
