@@ -96,6 +96,13 @@ def _streams(x: torch.Tensor, streams: tuple[int, ...], dim: int) -> torch.Tenso
     return x.flip(dim)  # the only other routing on two streams is the swap
 
 
+def _keyed_scores(dots: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
+    """From all-pairs dots [..., J_key, Q, J_target], the pairs target j reads: [..., Q, J] with key stream kappa(j)."""
+    if len(set(key_streams)) == 1:  # every target keys on the same stream (fixedkv, or one stream)
+        return dots.select(-3, key_streams[0])  # [..., Q, J]
+    return torch.diagonal(_streams(dots, key_streams, dots.dim() - 3), dim1=-3, dim2=-1)  # [..., Q, J]
+
+
 def depth_attention_committed(
     queries: torch.Tensor,
     history: torch.Tensor,
@@ -103,25 +110,30 @@ def depth_attention_committed(
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of the two-phase read: every query against every committed entry in one batched product.
+    """Phase 1 of the two-phase read: every query against every committed entry, as two matrix products.
 
-    queries [Q, J, D] (pseudo-query times key-norm weight, per target stream), history [S, J, B, T, D],
-    history_inv_rms [S, J, B, T] -> (softmax-normalised mix [Q, J, B, T, D], log-sum-exp of the scores [Q, J, B, T]).
-    Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): the normalised keys are never materialised.
+    queries [Q, J, D] (pseudo-query times key-norm weight, per target stream), history [B, T, S, J, D],
+    history_inv_rms [B, T, S, J] -> (softmax-normalised mix [B, T, Q, J, D], log-sum-exp of the scores [B, T, Q, J]).
+    Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are never materialised. The
+    token-major history makes both products run on it in place: one [BTSJ, D] x [D, QJ] product scores every
+    stream against every query (the J-fold extra dot products are cheap), one batched [QJ, SJ] x [SJ, D] product
+    per token mixes the values.
     """
-    if len(set(key_streams)) == 1:  # every target keys on the same stream (fixedkv, or one stream)
-        keys = history[:, key_streams[0]]  # [S, B, T, D]
-        scores = torch.einsum("qjd,sbtd->qjsbt", queries, keys) * history_inv_rms[:, key_streams[0]]  # [Q, J, S, B, T]
-    else:  # a permutation of the streams: permute the (tiny) queries instead of the history
-        scores = torch.einsum("qjd,sjbtd->qjsbt", _streams(queries, key_streams, 1), history)  # [Q, J, S, B, T]
-        scores = _streams(scores * history_inv_rms.transpose(0, 1), key_streams, 1)  # [Q, J, S, B, T]
-    log_normaliser = torch.logsumexp(scores, dim=2)  # [Q, J, B, T]
-    weights = torch.exp(scores - log_normaliser.unsqueeze(2))  # [Q, J, S, B, T]
-    if len(set(value_streams)) == 1:
-        mixed = torch.einsum("qjsbt,sbtd->qjbtd", weights, history[:, value_streams[0]])  # [Q, J, B, T, D]
-    else:
-        mixed = torch.einsum("qjsbt,sjbtd->qjbtd", _streams(weights, value_streams, 1), history)  # [Q, J, B, T, D]
-        mixed = _streams(mixed, value_streams, 1)  # [Q, J, B, T, D]
+    batch, tokens, sources, streams, hidden = history.shape
+    num_queries = queries.shape[0]
+    dots = (history.reshape(-1, hidden) @ queries.reshape(-1, hidden).T).view(
+        batch, tokens, sources, streams, num_queries, streams
+    )  # [B, T, S, J_key, Q, J_target]
+    key_inv_rms = _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [B, T, S, 1, J]
+    scores = _keyed_scores(dots, key_streams) * key_inv_rms  # [B, T, S, Q, J]
+    log_normaliser = torch.logsumexp(scores, dim=2)  # [B, T, Q, J]
+    weights = torch.exp(scores - log_normaliser.unsqueeze(2))  # [B, T, S, Q, J]
+    value_selector = torch.eye(streams, dtype=history.dtype, device=history.device)[list(value_streams)]  # [J, J_val]
+    mixing = weights.permute(0, 1, 3, 4, 2).unsqueeze(-1) * value_selector.unsqueeze(1)  # [B, T, Q, J, S, J_val]
+    mixed = torch.bmm(
+        mixing.reshape(batch * tokens, num_queries * streams, sources * streams),
+        history.reshape(batch * tokens, sources * streams, hidden),
+    ).view(batch, tokens, num_queries, streams, hidden)  # [B, T, Q, J, D]
     return mixed, log_normaliser
 
 
@@ -136,13 +148,13 @@ def depth_attention_merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 2: merge one more source into a normalised mix by online softmax.
 
-    query [J, D], mixed [J, B, T, D], log_normaliser [J, B, T], source [J, B, T, D], source_inv_rms [J, B, T].
+    query [J, D], mixed [B, T, J, D], log_normaliser [B, T, J], source [B, T, J, D], source_inv_rms [B, T, J].
     With z the new source's score, the merged mix is mixed + sigmoid(z - lse) * (value - mixed).
     """
-    keys = _streams(source, key_streams, 0)  # [J, B, T, D]
-    score = torch.einsum("jd,jbtd->jbt", query, keys) * _streams(source_inv_rms, key_streams, 0)  # [J, B, T]
-    share = torch.sigmoid(score - log_normaliser)  # [J, B, T]
-    mixed = torch.lerp(mixed, _streams(source, value_streams, 0), share.unsqueeze(-1))  # [J, B, T, D]
+    dots = torch.matmul(source, query.T).unsqueeze(-2)  # [B, T, J_key, 1, J_target]
+    score = _keyed_scores(dots, key_streams).squeeze(-2) * _streams(source_inv_rms, key_streams, 2)  # [B, T, J]
+    share = torch.sigmoid(score - log_normaliser)  # [B, T, J]
+    mixed = torch.lerp(mixed, _streams(source, value_streams, 2), share.unsqueeze(-1))  # [B, T, J, D]
     return mixed, torch.logaddexp(log_normaliser, score)
 
 
@@ -174,25 +186,25 @@ class DARDepthAttention(nn.Module):
         """w * gamma [J, D] in the compute dtype: the key norm weight folded into the query."""
         return (self.pseudo_query * self.key_norm.weight).to(dtype)
 
-    def count_scale(self, mixed: torch.Tensor, num_sources: int) -> torch.Tensor:
+    def count_scale(self, num_sources: int) -> float:
         """lambda = N turns the uniform mean at zero queries back into the residual sum (DESIGN.md section 3)."""
-        return mixed * num_sources if self.count_scaling else mixed
+        return float(num_sources) if self.count_scaling else 1.0
 
     def reference(self, sources: torch.Tensor) -> torch.Tensor:
-        """The readable eager read: sources [S, J, B, T, D] float32 -> extraction x [J, B, T, D]."""
+        """The readable eager read: sources [B, T, S, J, D] -> count-scaled extraction x [B, T, J, D]."""
         extractions = []
         for target in range(self.num_streams):
             keys = F.rms_norm(
-                sources[:, self.key_streams[target]],
+                sources[:, :, :, self.key_streams[target]],
                 (sources.shape[-1],),
                 weight=self.key_norm.weight[target].to(sources.dtype),
                 eps=self.key_norm.variance_epsilon,
-            )  # [S, B, T, D]
-            scores = torch.einsum("d,sbtd->sbt", self.pseudo_query[target].to(sources.dtype), keys)  # [S, B, T]
-            weights = scores.softmax(dim=0)  # [S, B, T]
-            values = sources[:, self.value_streams[target]]  # [S, B, T, D]
-            extractions.append(torch.einsum("sbt,sbtd->btd", weights, values))  # [B, T, D]
-        return self.count_scale(torch.stack(extractions), sources.shape[0])  # [J, B, T, D]
+            )  # [B, T, S, D]
+            scores = torch.einsum("d,btsd->bts", self.pseudo_query[target].to(sources.dtype), keys)  # [B, T, S]
+            weights = scores.softmax(dim=-1)  # [B, T, S]
+            values = sources[:, :, :, self.value_streams[target]]  # [B, T, S, D]
+            extractions.append(torch.einsum("bts,btsd->btd", weights, values))  # [B, T, D]
+        return self.count_scale(sources.shape[2]) * torch.stack(extractions, dim=2)  # [B, T, J, D]
 
 
 class DARReadGate(nn.Module):
@@ -207,12 +219,15 @@ class DARReadGate(nn.Module):
         if config.dar_num_streams == 2:
             self.logit = nn.Parameter(torch.zeros(()))
 
-    def forward(self, extracted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """extracted [J, B, T, D] in the compute dtype -> branch input u [B, T, D] in the model dtype."""
-        if extracted.shape[0] == 1:
-            return (self.read_scale * extracted[0]).to(dtype)
+    def forward(self, extracted: torch.Tensor, dtype: torch.dtype, extraction_scale: float = 1.0) -> torch.Tensor:
+        """extracted [B, T, J, D] in the compute dtype (times `extraction_scale`, the fast path's deferred count
+        scaling) -> branch input u [B, T, D] in the model dtype."""
+        scale = self.read_scale * extraction_scale
+        if extracted.shape[-2] == 1:
+            return (scale * extracted[..., 0, :]).to(dtype)
         alpha = torch.sigmoid(self.logit.to(extracted.dtype))
-        return (self.read_scale * torch.lerp(extracted[1], extracted[0], alpha)).to(dtype)  # [B, T, D]
+        coefficients = scale * torch.stack([alpha, 1.0 - alpha])  # [J]
+        return torch.matmul(coefficients, extracted).to(dtype)  # [B, T, D]
 
 
 class DARWriteGate(nn.Module):
@@ -233,18 +248,16 @@ class DARWriteGate(nn.Module):
                 self.transport_logit = nn.Parameter(torch.zeros(()))
 
     def forward(self, branch_output: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-        """branch_output y [B, T, D] in the compute dtype, partial [J, B, T, D] (ignored at a block start) -> new partial."""
-        if partial.shape[0] == 1:
-            written = branch_output.unsqueeze(0)  # [1, B, T, D]; AttnRes writes y unchanged
-        else:
-            beta = self.write_scale * torch.sigmoid(self.logit.to(partial.dtype))  # [J, D]
-            written = beta[:, None, None, :] * branch_output  # [J, B, T, D]
+        """branch_output y [B, T, D] in the compute dtype, partial [B, T, J, D] (ignored at a block start) -> new partial."""
+        branch_output = branch_output.unsqueeze(-2)  # [B, T, 1, D]
+        if partial.shape[-2] == 1:  # AttnRes writes y unchanged
+            return branch_output if self.starts_block else partial + branch_output
+        beta = self.write_scale * torch.sigmoid(self.logit.to(partial.dtype))  # [J, D]
         if self.starts_block:
-            return written
-        if partial.shape[0] == 2:
-            rho = torch.sigmoid(self.transport_logit.to(partial.dtype))
-            partial = torch.lerp(partial.flip(0), partial, rho)  # [J, B, T, D]: [[rho, 1-rho], [1-rho, rho]] P
-        return partial + written
+            return beta * branch_output  # [B, T, J, D]
+        rho = torch.sigmoid(self.transport_logit.to(partial.dtype))
+        transport = torch.stack([torch.stack([rho, 1.0 - rho]), torch.stack([1.0 - rho, rho])])  # [J, J]
+        return torch.addcmul(torch.matmul(transport, partial), beta, branch_output)  # [B, T, J, D]
 
 
 class DARBranchResidual(nn.Module):
@@ -268,17 +281,15 @@ class DARReadout(nn.Module):
         self.read_gate = DARReadGate(config)
 
     def forward(self, history: torch.Tensor, history_inv_rms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """history [S, J, B, T, D], history_inv_rms [S, J, B, T] -> u_F [B, T, D] in `dtype`."""
+        """history [B, T, S, J, D], history_inv_rms [B, T, S, J] -> u_F [B, T, D] in `dtype`."""
         attention = self.depth_attention
         if self.config.dar_implementation == "reference":
-            extracted = attention.reference(history)  # [J, B, T, D]
-        else:
-            mixed, _ = depth_attention_committed(
-                attention.scoring_query(history.dtype).unsqueeze(0), history, history_inv_rms, attention.key_streams,
-                attention.value_streams,
-            )  # [1, J, B, T, D]
-            extracted = attention.count_scale(mixed[0], history.shape[0])  # [J, B, T, D]
-        return self.read_gate(extracted, dtype)
+            return self.read_gate(attention.reference(history), dtype)
+        mixed, _ = depth_attention_committed(
+            attention.scoring_query(history.dtype).unsqueeze(0), history, history_inv_rms, attention.key_streams,
+            attention.value_streams,
+        )  # [B, T, 1, J, D]
+        return self.read_gate(mixed[:, :, 0], dtype, attention.count_scale(history.shape[2]))
 
 
 def _routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -293,7 +304,8 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     """A Llama decoder layer whose two residual adds are replaced by DAR reads and writes.
 
     The DAR state goes in and comes out (pure; gradient checkpointing replays `forward`), positionally so that
-    reentrant checkpointing sees it: history [S, J, B, T, D], its inverse RMS [S, J, B, T], partial [J, B, T, D].
+    reentrant checkpointing sees it: history [B, T, S, J, D], its inverse RMS [B, T, S, J], partial [B, T, J, D].
+    Token-major, so that the depth products run on the history without copies.
     """
 
     def __init__(self, config: DARConfig, layer_idx: int):
@@ -322,11 +334,12 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     def _reads_partial(self, branch_index: int) -> bool:
         return self.include_partial and branch_index % self.block_size != 0
 
-    def _read_reference(self, residual, history, partial) -> torch.Tensor:
-        sources = torch.cat([history, partial.unsqueeze(0)]) if self._reads_partial(residual.branch_index) else history
-        return residual.depth_attention.reference(sources)  # [J, B, T, D]
+    def _read_reference(self, residual, history, partial, dtype) -> torch.Tensor:
+        if self._reads_partial(residual.branch_index):
+            history = torch.cat([history, partial.unsqueeze(2)], dim=2)  # [B, T, S + 1, J, D]
+        return residual.read_gate(residual.depth_attention.reference(history), dtype)  # [B, T, D]
 
-    def _read_fast(self, residual, committed, late_entries) -> torch.Tensor:
+    def _read_fast(self, residual, committed, late_entries, dtype) -> torch.Tensor:
         """committed: (mix, lse, count) from phase 1; late_entries: [(entry, inv_rms)] merged by online softmax."""
         attention = residual.depth_attention
         mixed, log_normaliser, num_sources = committed
@@ -334,15 +347,15 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             mixed, log_normaliser = depth_attention_merge(
                 attention.scoring_query(mixed.dtype), mixed, log_normaliser, entry, entry_inv_rms, attention.key_streams,
                 attention.value_streams,
-            )
+            )  # [B, T, J, D], [B, T, J]
             num_sources += 1
-        return attention.count_scale(mixed, num_sources)  # [J, B, T, D]
+        return residual.read_gate(mixed, dtype, attention.count_scale(num_sources))  # [B, T, D]
 
     def _write(self, residual, branch_output, history, history_inv_rms, partial):
-        partial = residual.write_gate(branch_output.to(partial.dtype), partial)  # [J, B, T, D]
+        partial = residual.write_gate(branch_output.to(partial.dtype), partial)  # [B, T, J, D]
         if self._commits(residual.branch_index):
-            history = torch.cat([history, partial.unsqueeze(0)])  # [S + 1, J, B, T, D]
-            history_inv_rms = torch.cat([history_inv_rms, inverse_rms(partial, self.eps).unsqueeze(0)])  # [S + 1, J, B, T]
+            history = torch.cat([history, partial.unsqueeze(2)], dim=2)  # [B, T, S + 1, J, D]
+            history_inv_rms = torch.cat([history_inv_rms, inverse_rms(partial, self.eps).unsqueeze(2)], dim=2)
         return history, history_inv_rms, partial
 
     def forward(
@@ -363,7 +376,7 @@ class DARDecoderLayer(GradientCheckpointingLayer):
 
         # Attention branch.
         if reference:
-            extracted = self._read_reference(self.attn_residual, history, partial)
+            branch_input = self._read_reference(self.attn_residual, history, partial, dtype)  # [B, T, D]
         else:
             queries = torch.stack(
                 [
@@ -374,10 +387,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             mixed, log_normaliser = depth_attention_committed(
                 queries, history, history_inv_rms, self.attn_residual.depth_attention.key_streams,
                 self.attn_residual.depth_attention.value_streams,
-            )  # [2, J, B, T, D], [2, J, B, T]
+            )  # [B, T, 2, J, D], [B, T, 2, J]
             late = [(partial, inverse_rms(partial, self.eps))] if self._reads_partial(attn_index) else []
-            extracted = self._read_fast(self.attn_residual, (mixed[0], log_normaliser[0], history.shape[0]), late)
-        branch_input = self.attn_residual.read_gate(extracted, dtype)  # [B, T, D]
+            committed = (mixed[:, :, 0], log_normaliser[:, :, 0], history.shape[2])
+            branch_input = self._read_fast(self.attn_residual, committed, late, dtype)  # [B, T, D]
         branch_output, _ = self.self_attn(
             hidden_states=self.input_layernorm(branch_input),
             attention_mask=attention_mask,
@@ -387,7 +400,7 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        num_committed = history.shape[0]
+        num_committed = history.shape[2]
         history, history_inv_rms, partial = self._write(
             self.attn_residual, branch_output, history, history_inv_rms, partial
         )
@@ -395,13 +408,15 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         # MLP branch: the phase-1 mix covers entries committed before this layer; a block committed by the
         # attention branch and the current partial are merged online.
         if reference:
-            extracted = self._read_reference(self.mlp_residual, history, partial)
+            branch_input = self._read_reference(self.mlp_residual, history, partial, dtype)  # [B, T, D]
         else:
-            late = [(history[index], history_inv_rms[index]) for index in range(num_committed, history.shape[0])]
+            late = [
+                (history[:, :, index], history_inv_rms[:, :, index]) for index in range(num_committed, history.shape[2])
+            ]
             if self._reads_partial(self.mlp_residual.branch_index):
                 late.append((partial, inverse_rms(partial, self.eps)))
-            extracted = self._read_fast(self.mlp_residual, (mixed[1], log_normaliser[1], num_committed), late)
-        branch_input = self.mlp_residual.read_gate(extracted, dtype)  # [B, T, D]
+            committed = (mixed[:, :, 1], log_normaliser[:, :, 1], num_committed)
+            branch_input = self._read_fast(self.mlp_residual, committed, late, dtype)  # [B, T, D]
         branch_output = self.mlp(self.post_attention_layernorm(branch_input))
         return self._write(self.mlp_residual, branch_output, history, history_inv_rms, partial)
 
@@ -472,9 +487,9 @@ class DARModel(DARPreTrainedModel):
         """Entry 0 of every stream is the embedding (times 1/J for split writes); the partial starts empty."""
         config = self.config
         embedding = inputs_embeds.to(dar_compute_dtype(inputs_embeds.dtype)) * config.dar_embedding_scale  # [B, T, D]
-        history = embedding.expand(1, config.dar_num_streams, *embedding.shape)  # [1, J, B, T, D]
-        history_inv_rms = inverse_rms(history, config.rms_norm_eps)  # [1, J, B, T]
-        return history, history_inv_rms, history[0]  # the first branch starts a block: its partial is unused
+        history = embedding[:, :, None, None, :].expand(-1, -1, 1, config.dar_num_streams, -1).contiguous()  # [B, T, 1, J, D]
+        history_inv_rms = inverse_rms(history, config.rms_norm_eps)  # [B, T, 1, J]
+        return history, history_inv_rms, history[:, :, 0]  # the first branch starts a block: its partial is unused
 
     @merge_with_config_defaults
     @capture_outputs
