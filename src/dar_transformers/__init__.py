@@ -7,7 +7,9 @@ Importing the package registers the `dar` model type with the Auto classes (idem
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from .configuration_dar import DARConfig
+from .configuration_dar_moe import DARMoeConfig
 from .modeling_dar import DARForCausalLM, DARForSequenceClassification, DARModel, DARPreTrainedModel
+from .modeling_dar_moe import DARMoeForCausalLM, DARMoeModel, DARMoePreTrainedModel
 
 __version__ = "0.1.0"
 
@@ -23,6 +25,12 @@ def _register_auto_classes() -> None:
     DARModel.register_for_auto_class("AutoModel")
     DARForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     DARForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+    AutoConfig.register(DARMoeConfig.model_type, DARMoeConfig, exist_ok=True)
+    AutoModel.register(DARMoeConfig, DARMoeModel, exist_ok=True)
+    AutoModelForCausalLM.register(DARMoeConfig, DARMoeForCausalLM, exist_ok=True)
+    DARMoeConfig.register_for_auto_class()
+    DARMoeModel.register_for_auto_class("AutoModel")
+    DARMoeForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
 _register_auto_classes()
@@ -33,4 +41,8 @@ __all__ = [
     "DARForCausalLM",
     "DARForSequenceClassification",
     "DARPreTrainedModel",
+    "DARMoeConfig",
+    "DARMoeModel",
+    "DARMoeForCausalLM",
+    "DARMoePreTrainedModel",
 ]
