@@ -103,38 +103,115 @@ def _keyed_scores(dots: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Ten
     return torch.diagonal(_streams(dots, key_streams, dots.dim() - 3), dim1=-3, dim2=-1)  # [..., Q, J]
 
 
-def depth_attention_committed(
+def _committed_forward(
     queries: torch.Tensor,
     history: torch.Tensor,
     history_inv_rms: torch.Tensor,
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of the two-phase read: every query against every committed entry, as two matrix products.
-
-    queries [Q, J, D] (pseudo-query times key-norm weight, per target stream), history [B, T, S, J, D],
-    history_inv_rms [B, T, S, J] -> (softmax-normalised mix [B, T, Q, J, D], log-sum-exp of the scores [B, T, Q, J]).
-    Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are never materialised. The
-    token-major history makes both products run on it in place: one [BTSJ, D] x [D, QJ] product scores every
-    stream against every query (the J-fold extra dot products are cheap), one batched [QJ, SJ] x [SJ, D] product
-    per token mixes the values.
-    """
-    batch, tokens, sources, streams, hidden = history.shape
+) -> tuple[torch.Tensor, ...]:
+    """Phase 1 math. queries [Q, J, D], history [S, B, T, J, D], history_inv_rms [S, B, T, J] ->
+    mix [B, T, Q, J, D], log-sum-exp [B, T, Q, J], softmax weights [S, B, T, Q, J], raw key dots [S, B, T, Q, J]."""
+    sources, batch, tokens, streams, hidden = history.shape
     num_queries = queries.shape[0]
     dots = (history.reshape(-1, hidden) @ queries.reshape(-1, hidden).T).view(
-        batch, tokens, sources, streams, num_queries, streams
-    )  # [B, T, S, J_key, Q, J_target]
-    key_inv_rms = _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [B, T, S, 1, J]
-    scores = _keyed_scores(dots, key_streams) * key_inv_rms  # [B, T, S, Q, J]
-    log_normaliser = torch.logsumexp(scores, dim=2)  # [B, T, Q, J]
-    weights = torch.exp(scores - log_normaliser.unsqueeze(2))  # [B, T, S, Q, J]
-    value_selector = torch.eye(streams, dtype=history.dtype, device=history.device)[list(value_streams)]  # [J, J_val]
-    mixing = weights.permute(0, 1, 3, 4, 2).unsqueeze(-1) * value_selector.unsqueeze(1)  # [B, T, Q, J, S, J_val]
-    mixed = torch.bmm(
-        mixing.reshape(batch * tokens, num_queries * streams, sources * streams),
-        history.reshape(batch * tokens, sources * streams, hidden),
-    ).view(batch, tokens, num_queries, streams, hidden)  # [B, T, Q, J, D]
-    return mixed, log_normaliser
+        sources, batch, tokens, streams, num_queries, streams
+    )  # [S, B, T, J_key, Q, J_target]: every stream against every query in one product
+    keyed_dots = _keyed_scores(dots, key_streams)  # [S, B, T, Q, J]
+    scores = keyed_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, Q, J]
+    log_normaliser = torch.logsumexp(scores, dim=0)  # [B, T, Q, J]
+    weights = torch.exp(scores - log_normaliser)  # [S, B, T, Q, J]
+    mixing = _value_mixing(weights, value_streams)  # [S, BT, QJ, J_val]
+    mixed = history.new_zeros(batch * tokens, num_queries * streams, hidden)  # [BT, QJ, D]
+    for source in range(sources):
+        mixed.baddbmm_(mixing[source], history[source].view(batch * tokens, streams, hidden))
+    return mixed.view(batch, tokens, num_queries, streams, hidden), log_normaliser, weights, keyed_dots
+
+
+def _value_mixing(weights: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """Weights [S, B, T, Q, J] -> per-source mixing matrices [S, BT, QJ, J_val] reading stream nu(j) for target j."""
+    sources, batch, tokens, num_queries, streams = weights.shape
+    selector = torch.eye(streams, dtype=weights.dtype, device=weights.device)[list(value_streams)]  # [J, J_val]
+    return (weights.unsqueeze(-1) * selector).reshape(sources, batch * tokens, num_queries * streams, streams)
+
+
+class _CommittedDepthAttention(torch.autograd.Function):
+    """Phase 1 over the committed entries, reading them from a preallocated depth-major buffer.
+
+    Autograd sees the entries themselves (one input each, so their gradients reach the writes that made them) but
+    the forward reads their copies in the buffer, so no per-read stack of the history is made or saved: backward
+    keeps only the queries, the softmax weights and the raw key dots (a few scalars per token and source) and
+    rebuilds every gradient from the buffer, including the inverse-RMS key normalisation's,
+    d rms^-1 / d h = -rms^-3 h / D.
+    """
+
+    @staticmethod
+    def forward(ctx, queries, history_buffer, inv_rms_buffer, routing, *entries):
+        history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
+        mixed, log_normaliser, weights, keyed_dots = _committed_forward(queries, history, history_inv_rms, *routing)
+        ctx.save_for_backward(queries, weights, keyed_dots)
+        ctx.history, ctx.history_inv_rms, ctx.routing = history, history_inv_rms, routing
+        return mixed, log_normaliser
+
+    @staticmethod
+    def backward(ctx, grad_mixed, grad_log_normaliser):
+        queries, weights, keyed_dots = ctx.saved_tensors
+        history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
+        sources, batch, tokens, streams, hidden = history.shape
+        num_queries = queries.shape[0]
+        grad_mixed = grad_mixed.reshape(batch * tokens, num_queries * streams, hidden)  # [BT, QJ, D]
+        mixing = _value_mixing(weights, value_streams)  # [S, BT, QJ, J_val]
+        grad_history = torch.empty_like(history)  # [S, B, T, J, D]
+        grad_mixing = torch.empty_like(mixing)  # [S, BT, QJ, J_val]
+        for source in range(sources):
+            entry = history[source].view(batch * tokens, streams, hidden)  # [BT, J, D]
+            torch.bmm(grad_mixed, entry.transpose(1, 2), out=grad_mixing[source])
+            torch.bmm(mixing[source].transpose(1, 2), grad_mixed, out=grad_history[source].view_as(entry))
+        selector = torch.eye(streams, dtype=weights.dtype, device=weights.device)[list(value_streams)]  # [J, J_val]
+        grad_weights = (grad_mixing.view(*weights.shape, streams) * selector).sum(-1)  # [S, B, T, Q, J]
+        grad_log_normaliser = torch.zeros_like(weights[0]) if grad_log_normaliser is None else grad_log_normaliser
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0) + grad_log_normaliser)  # [S, B, T, Q, J]
+
+        key_inv_rms = _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, 1, J]
+        grad_keyed = grad_scores * key_inv_rms  # [S, B, T, Q, J]
+        grad_target_inv_rms = (grad_scores * keyed_dots).sum(3)  # [S, B, T, J] by target stream
+        if len(set(key_streams)) == 1:
+            grad_dots = grad_keyed.new_zeros(sources, batch, tokens, streams, num_queries, streams)
+            grad_dots[:, :, :, key_streams[0]] = grad_keyed
+            grad_inv_rms = torch.zeros_like(history_inv_rms)
+            grad_inv_rms[..., key_streams[0]] = grad_target_inv_rms.sum(-1)
+        else:
+            grad_dots = _streams(torch.diag_embed(grad_keyed, dim1=3, dim2=5), key_streams, 3)  # [S, B, T, J, Q, J]
+            grad_inv_rms = _streams(grad_target_inv_rms, key_streams, 3)  # [S, B, T, J] by key stream
+        grad_dots = grad_dots.reshape(-1, num_queries * streams)  # [SBTJ, QJ]
+        flat_history = history.reshape(-1, hidden)  # [SBTJ, D]
+        grad_history.view(-1, hidden).addmm_(grad_dots, queries.reshape(-1, hidden))
+        # d rms^-1 / d h = -rms^-3 h / D: the key normalisation's gradient, folded into the entry gradient.
+        grad_history.addcmul_(history, (grad_inv_rms * history_inv_rms.pow(3) / -hidden).unsqueeze(-1))
+        grad_queries = (grad_dots.T @ flat_history).view_as(queries) if ctx.needs_input_grad[0] else None
+        return (grad_queries, None, None, None, *grad_history.unbind(0))
+
+
+def depth_attention_committed(
+    queries: torch.Tensor,
+    history_buffer: torch.Tensor,
+    inv_rms_buffer: torch.Tensor,
+    entries: tuple[torch.Tensor, ...],
+    key_streams: tuple[int, ...],
+    value_streams: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of the two-phase read (AttnRes Algorithm 1): every query against every committed entry at once.
+
+    queries [Q, J, D] (pseudo-query times key-norm weight, per target stream); the committed entries, each
+    [B, T, J, D], also copied into history_buffer [S_max, B, T, J, D] with their inverse RMS in inv_rms_buffer
+    [S_max, B, T, J] -> (softmax-normalised mix [B, T, Q, J, D], log-sum-exp of the scores [B, T, Q, J]).
+    Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are never materialised.
+    """
+    routing = (key_streams, value_streams)
+    if torch.is_grad_enabled() and (queries.requires_grad or any(entry.requires_grad for entry in entries)):
+        return _CommittedDepthAttention.apply(queries, history_buffer, inv_rms_buffer, routing, *entries)
+    history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
+    return _committed_forward(queries, history, history_inv_rms, *routing)[:2]
 
 
 def depth_attention_merge(
@@ -280,16 +357,16 @@ class DARReadout(nn.Module):
         self.depth_attention = DARDepthAttention(config)
         self.read_gate = DARReadGate(config)
 
-    def forward(self, history: torch.Tensor, history_inv_rms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """history [B, T, S, J, D], history_inv_rms [B, T, S, J] -> u_F [B, T, D] in `dtype`."""
+    def forward(self, history_buffer, inv_rms_buffer, entries: tuple[torch.Tensor, ...], dtype) -> torch.Tensor:
+        """All committed entries (each [B, T, J, D], copied in the buffers) -> u_F [B, T, D] in `dtype`."""
         attention = self.depth_attention
         if self.config.dar_implementation == "reference":
-            return self.read_gate(attention.reference(history), dtype)
+            return self.read_gate(attention.reference(torch.stack(entries, dim=2)), dtype)
         mixed, _ = depth_attention_committed(
-            attention.scoring_query(history.dtype).unsqueeze(0), history, history_inv_rms, attention.key_streams,
-            attention.value_streams,
+            attention.scoring_query(history_buffer.dtype).unsqueeze(0), history_buffer, inv_rms_buffer, entries,
+            attention.key_streams, attention.value_streams,
         )  # [B, T, 1, J, D]
-        return self.read_gate(mixed[:, :, 0], dtype, attention.count_scale(history.shape[2]))
+        return self.read_gate(mixed[:, :, 0], dtype, attention.count_scale(len(entries)))
 
 
 def _routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -303,9 +380,11 @@ def _routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
 class DARDecoderLayer(GradientCheckpointingLayer):
     """A Llama decoder layer whose two residual adds are replaced by DAR reads and writes.
 
-    The DAR state goes in and comes out (pure; gradient checkpointing replays `forward`), positionally so that
-    reentrant checkpointing sees it: history [B, T, S, J, D], its inverse RMS [B, T, S, J], partial [B, T, J, D].
-    Token-major, so that the depth products run on the history without copies.
+    The DAR state goes in and comes out positionally (so that reentrant checkpointing sees it): the partial block
+    state [B, T, J, D] and the committed entries, each [B, T, J, D]. The fast path also reads the entries' copies in
+    a depth-major buffer [S_max, B, T, J, D] (with their inverse RMS [S_max, B, T, J]) that the model allocates
+    once per forward; a commit writes the detached entry into its slot. Autograd never sees the buffer, and a
+    checkpointed replay rewrites the same values, so `forward` stays pure in everything autograd can observe.
     """
 
     def __init__(self, config: DARConfig, layer_idx: int):
@@ -334,10 +413,9 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     def _reads_partial(self, branch_index: int) -> bool:
         return self.include_partial and branch_index % self.block_size != 0
 
-    def _read_reference(self, residual, history, partial, dtype) -> torch.Tensor:
-        if self._reads_partial(residual.branch_index):
-            history = torch.cat([history, partial.unsqueeze(2)], dim=2)  # [B, T, S + 1, J, D]
-        return residual.read_gate(residual.depth_attention.reference(history), dtype)  # [B, T, D]
+    def _read_reference(self, residual, entries, partial, dtype) -> torch.Tensor:
+        sources = (*entries, partial) if self._reads_partial(residual.branch_index) else entries
+        return residual.read_gate(residual.depth_attention.reference(torch.stack(sources, dim=2)), dtype)  # [B, T, D]
 
     def _read_fast(self, residual, committed, late_entries, dtype) -> torch.Tensor:
         """committed: (mix, lse, count) from phase 1; late_entries: [(entry, inv_rms)] merged by online softmax."""
@@ -351,45 +429,50 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             num_sources += 1
         return residual.read_gate(mixed, dtype, attention.count_scale(num_sources))  # [B, T, D]
 
-    def _write(self, residual, branch_output, history, history_inv_rms, partial):
+    def _write(self, residual, branch_output, partial, entries, history_buffer, inv_rms_buffer):
         partial = residual.write_gate(branch_output.to(partial.dtype), partial)  # [B, T, J, D]
         if self._commits(residual.branch_index):
-            history = torch.cat([history, partial.unsqueeze(2)], dim=2)  # [B, T, S + 1, J, D]
-            history_inv_rms = torch.cat([history_inv_rms, inverse_rms(partial, self.eps).unsqueeze(2)], dim=2)
-        return history, history_inv_rms, partial
+            # `.data`: the buffer is a cache invisible to autograd; writing through it leaves the version counter
+            # alone, so reentrant checkpointing (which saves the buffer as a layer input) accepts later commits.
+            with torch.no_grad():
+                history_buffer.data[len(entries)].copy_(partial)
+                inv_rms_buffer.data[len(entries)].copy_(inverse_rms(partial, self.eps))
+            entries = (*entries, partial)
+        return partial, entries
 
     def forward(
         self,
-        history: torch.Tensor,
-        history_inv_rms: torch.Tensor,
         partial: torch.Tensor,
+        history_buffer: torch.Tensor,
+        inv_rms_buffer: torch.Tensor,
+        *entries: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         dtype = self.input_layernorm.weight.dtype
         reference = self.config.dar_implementation == "reference"
         attn_index = self.attn_residual.branch_index
 
         # Attention branch.
         if reference:
-            branch_input = self._read_reference(self.attn_residual, history, partial, dtype)  # [B, T, D]
+            branch_input = self._read_reference(self.attn_residual, entries, partial, dtype)  # [B, T, D]
         else:
             queries = torch.stack(
                 [
-                    self.attn_residual.depth_attention.scoring_query(history.dtype),
-                    self.mlp_residual.depth_attention.scoring_query(history.dtype),
+                    self.attn_residual.depth_attention.scoring_query(partial.dtype),
+                    self.mlp_residual.depth_attention.scoring_query(partial.dtype),
                 ]
             )  # [2, J, D]
             mixed, log_normaliser = depth_attention_committed(
-                queries, history, history_inv_rms, self.attn_residual.depth_attention.key_streams,
+                queries, history_buffer, inv_rms_buffer, entries, self.attn_residual.depth_attention.key_streams,
                 self.attn_residual.depth_attention.value_streams,
             )  # [B, T, 2, J, D], [B, T, 2, J]
             late = [(partial, inverse_rms(partial, self.eps))] if self._reads_partial(attn_index) else []
-            committed = (mixed[:, :, 0], log_normaliser[:, :, 0], history.shape[2])
+            committed = (mixed[:, :, 0], log_normaliser[:, :, 0], len(entries))
             branch_input = self._read_fast(self.attn_residual, committed, late, dtype)  # [B, T, D]
         branch_output, _ = self.self_attn(
             hidden_states=self.input_layernorm(branch_input),
@@ -400,25 +483,26 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        num_committed = history.shape[2]
-        history, history_inv_rms, partial = self._write(
-            self.attn_residual, branch_output, history, history_inv_rms, partial
+        num_committed = len(entries)
+        partial, entries = self._write(
+            self.attn_residual, branch_output, partial, entries, history_buffer, inv_rms_buffer
         )
 
         # MLP branch: the phase-1 mix covers entries committed before this layer; a block committed by the
         # attention branch and the current partial are merged online.
         if reference:
-            branch_input = self._read_reference(self.mlp_residual, history, partial, dtype)  # [B, T, D]
+            branch_input = self._read_reference(self.mlp_residual, entries, partial, dtype)  # [B, T, D]
         else:
-            late = [
-                (history[:, :, index], history_inv_rms[:, :, index]) for index in range(num_committed, history.shape[2])
-            ]
+            late = [(entry, inverse_rms(entry, self.eps)) for entry in entries[num_committed:]]
             if self._reads_partial(self.mlp_residual.branch_index):
                 late.append((partial, inverse_rms(partial, self.eps)))
             committed = (mixed[:, :, 1], log_normaliser[:, :, 1], num_committed)
             branch_input = self._read_fast(self.mlp_residual, committed, late, dtype)  # [B, T, D]
         branch_output = self.mlp(self.post_attention_layernorm(branch_input))
-        return self._write(self.mlp_residual, branch_output, history, history_inv_rms, partial)
+        partial, entries = self._write(
+            self.mlp_residual, branch_output, partial, entries, history_buffer, inv_rms_buffer
+        )
+        return (partial, *entries)
 
 
 class DARPreTrainedModel(PreTrainedModel):
@@ -483,13 +567,19 @@ class DARModel(DARPreTrainedModel):
 
         self.post_init()
 
-    def initial_state(self, inputs_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Entry 0 of every stream is the embedding (times 1/J for split writes); the partial starts empty."""
+    def initial_state(self, inputs_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(partial, history buffer, inverse-RMS buffer, entry 0): entry 0 of every stream is the embedding (times 1/J
+        for split writes); the buffers hold one slot per committed entry (the embedding and one per block)."""
         config = self.config
         embedding = inputs_embeds.to(dar_compute_dtype(inputs_embeds.dtype)) * config.dar_embedding_scale  # [B, T, D]
-        history = embedding[:, :, None, None, :].expand(-1, -1, 1, config.dar_num_streams, -1).contiguous()  # [B, T, 1, J, D]
-        history_inv_rms = inverse_rms(history, config.rms_norm_eps)  # [B, T, 1, J]
-        return history, history_inv_rms, history[:, :, 0]  # the first branch starts a block: its partial is unused
+        entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
+        num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)
+        history_buffer = entry.new_empty(num_slots, *entry.shape)  # [S_max, B, T, J, D]
+        inv_rms_buffer = entry.new_empty(num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
+        with torch.no_grad():
+            history_buffer[0].copy_(entry)
+            inv_rms_buffer[0].copy_(inverse_rms(entry, config.rms_norm_eps))
+        return entry, history_buffer, inv_rms_buffer, entry  # the first branch starts a block: its partial is unused
 
     @merge_with_config_defaults
     @capture_outputs
@@ -528,12 +618,13 @@ class DARModel(DARPreTrainedModel):
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
-        history, history_inv_rms, partial = self.initial_state(inputs_embeds)
+        partial, history_buffer, inv_rms_buffer, *entries = self.initial_state(inputs_embeds)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            history, history_inv_rms, partial = decoder_layer(
-                history,
-                history_inv_rms,
+            partial, *entries = decoder_layer(
                 partial,
+                history_buffer,
+                inv_rms_buffer,
+                *entries,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -542,7 +633,8 @@ class DARModel(DARPreTrainedModel):
                 **kwargs,
             )
 
-        hidden_states = self.norm(self.final_readout(history, history_inv_rms, inputs_embeds.dtype))
+        readout = self.final_readout(history_buffer, inv_rms_buffer, tuple(entries), inputs_embeds.dtype)
+        hidden_states = self.norm(readout)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
