@@ -528,6 +528,13 @@ class DARPreTrainedModel(PreTrainedModel):
         "attentions": "self_attn",
     }
 
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # The branches are HF attention modules that dispatch through ALL_ATTENTION_FUNCTIONS, so switching the
+        # backend works; HF's source heuristic would take `DARDepthAttention` (a softmax over depth) for a
+        # hand-written token attention and refuse `set_attn_implementation`.
+        return True
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)

@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DARConfig: every bad DAR value is refused with a message naming the field and the allowed values; `None`
+defaults resolve as documented; a save/load round trip keeps every DAR field."""
+
+import math
+
+import pytest
+from conftest import tiny_dar_config
+from huggingface_hub.errors import StrictDataclassError
+
+from dar_transformers import DARConfig
+
+# (bad fields, fragments the error message must contain: the field name and the allowed values)
+BAD_VALUES = {
+    "block_size_zero": ({"dar_block_size": 0}, ["dar_block_size", "[1, 4]"]),
+    "block_size_above_num_branches": ({"dar_block_size": 5}, ["dar_block_size", "[1, 4]"]),
+    "unknown_routing": ({"dar_routing": "x"}, ["dar_routing", "'dar', 'selfkv', 'crossv', 'fixedkv'"]),
+    "three_streams": ({"dar_num_streams": 3}, ["dar_num_streams", "[1, 2]"]),
+    "unknown_write_mode": ({"dar_write_mode": "x"}, ["dar_write_mode", "'duplicate', 'split'"]),
+    "fixedkv_with_gate_delta": ({"dar_routing": "fixedkv", "dar_gate_delta": 0.5}, ["dar_gate_delta", "must be 0"]),
+    "rho_init_zero": ({"dar_rho_init": 0.0}, ["dar_rho_init", "between 0 and 1"]),
+    "rho_init_one": ({"dar_rho_init": 1.0}, ["dar_rho_init", "between 0 and 1"]),
+    "one_stream_with_dar_routing": ({"dar_num_streams": 1, "dar_routing": "dar"}, ["dar_routing", "['selfkv']"]),
+    "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'reference'"]),
+    "unknown_branch_family": ({"dar_branch_family": "gpt2"}, ["dar_branch_family", "'llama'"]),
+    "negative_gate_delta": ({"dar_gate_delta": -1.0}, ["dar_gate_delta", ">= 0"]),
+}
+
+
+@pytest.mark.parametrize("fields,fragments", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_bad_value_is_refused_naming_field_and_allowed_values(fields, fragments):
+    with pytest.raises(StrictDataclassError) as error:
+        tiny_dar_config(**fields)  # 2 layers: M = 4 branches
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_bad_value_assigned_after_construction_is_refused_by_validate():
+    config = tiny_dar_config()
+    config.dar_write_mode = "x"
+    with pytest.raises(StrictDataclassError, match="dar_write_mode"):
+        config.validate()
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 4, 5, 8, 12])
+def test_default_block_size_is_about_eight_blocks(num_layers):
+    config = tiny_dar_config(num_hidden_layers=num_layers)
+    assert config.dar_block_size == math.ceil(2 * num_layers / 8)
+    assert config.dar_num_branches == 2 * num_layers
+
+
+def test_default_routing_is_dar_for_two_streams_and_selfkv_for_one():
+    assert tiny_dar_config().dar_routing == "dar"
+    assert tiny_dar_config(dar_num_streams=1).dar_routing == "selfkv"
+
+
+def test_default_gate_delta_is_0_7_and_zero_for_fixedkv():
+    assert tiny_dar_config().dar_gate_delta == 0.7
+    assert tiny_dar_config(dar_routing="crossv").dar_gate_delta == 0.7
+    assert tiny_dar_config(dar_routing="fixedkv").dar_gate_delta == 0.0
+
+
+def test_write_mode_sets_write_read_and_embedding_scales():
+    duplicate, split = tiny_dar_config(dar_write_mode="duplicate"), tiny_dar_config(dar_write_mode="split")
+    assert (duplicate.dar_write_scale, duplicate.dar_read_scale, duplicate.dar_embedding_scale) == (2.0, 1.0, 1.0)
+    assert (split.dar_write_scale, split.dar_read_scale, split.dar_embedding_scale) == (1.0, 2.0, 0.5)
+
+
+def test_save_load_round_trip_keeps_every_dar_field(tmp_path):
+    fields = dict(
+        num_hidden_layers=3,
+        dar_block_size=4,
+        dar_num_streams=2,
+        dar_routing="crossv",
+        dar_write_mode="split",
+        dar_gate_delta=0.25,
+        dar_rho_init=0.6,
+        dar_include_partial=False,
+        dar_count_scaling=False,
+        dar_branch_family="qwen2",
+        dar_implementation="reference",
+    )
+    tiny_dar_config(**fields).save_pretrained(tmp_path)
+    loaded = DARConfig.from_pretrained(tmp_path)
+    assert loaded.model_type == "dar"
+    for name, value in fields.items():
+        assert getattr(loaded, name) == value, name

@@ -1,0 +1,421 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Hugging Face contract of the dense DAR family (DESIGN.md section 4), on tiny random models on CPU.
+
+Auto classes, safetensors round trip, trust_remote_code where the package is absent, generation (greedy, sampling,
+beam search, left padding, static cache) with and without KV cache, eager vs SDPA, recorded outputs, tuple
+returns, logits_to_keep, the loss with num_items_in_batch, gradient checkpointing, bf16, torch.compile, the meta
+device and the `_init_weights` init of every DAR parameter. Most models here have random non-zero DAR parameters
+(`perturb_dar_parameters`), so the checks exercise the depth mixing rather than the Llama reduction.
+"""
+
+import copy as copy_module
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    TINY_LLAMA_FIELDS,
+    dar_parameter_names,
+    is_dar_parameter,
+    perturb_dar_parameters,
+    random_input_ids,
+    tiny_dar_config,
+    tiny_llama,
+    upcycled_dar,
+)
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    LlamaForCausalLM,
+)
+
+import dar_transformers
+from dar_transformers import DARConfig, DARForCausalLM, DARForSequenceClassification, DARModel
+from dar_transformers.modeling_dar import DARDecoderLayer, DARDepthAttention, DARReadGate, DARWriteGate
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def dar(llama):
+    """Llama weights, block size 3 (a block that straddles a layer boundary), random non-zero DAR parameters."""
+    model = upcycled_dar(llama, dar_block_size=3)
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    return model
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _copy_with(model: DARForCausalLM, **from_config_kwargs) -> DARForCausalLM:
+    """The same weights in a new model; the config is copied (`_from_config` writes the attention choice into it)."""
+    copy = DARForCausalLM._from_config(copy_module.deepcopy(model.config), **from_config_kwargs)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
+
+
+# Auto classes and serialisation.
+
+
+def test_import_registers_dar_with_the_auto_classes():
+    config = AutoConfig.for_model("dar", **TINY_LLAMA_FIELDS)
+    assert type(config) is DARConfig
+    assert type(AutoModel.from_config(config)) is DARModel
+    assert type(AutoModelForCausalLM.from_config(config)) is DARForCausalLM
+    classifier = AutoModelForSequenceClassification.from_config(config)
+    assert type(classifier) is DARForSequenceClassification
+    assert classifier(random_input_ids()).logits.shape == (2, config.num_labels)
+
+
+def test_save_and_load_round_trip_in_safetensors(dar, tmp_path):
+    dar.save_pretrained(tmp_path)
+    weight_files = [name for name in os.listdir(tmp_path) if name.endswith((".safetensors", ".bin", ".pt", ".pth"))]
+    assert weight_files == ["model.safetensors"]
+    loaded = DARForCausalLM.from_pretrained(tmp_path).eval()
+    assert dar_parameter_names(loaded) == dar_parameter_names(dar)
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids).logits, dar(input_ids).logits)
+
+
+REMOTE_CODE_SCRIPT = """
+import sys
+sys.path.append({site_packages!r})  # the venv's packages, without its .pth files (the editable install is one)
+try:
+    import dar_transformers
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit("dar_transformers is importable: the check would not prove anything")
+import torch
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+with torch.no_grad():
+    torch.save(model(torch.load({inputs!r})).logits, {outputs!r})
+print("remote:", type(model).__module__)
+"""
+
+
+def test_saved_folder_loads_with_trust_remote_code_where_the_package_is_absent(dar, tmp_path):
+    folder = tmp_path / "checkpoint"
+    dar.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoConfig"] == "configuration_dar.DARConfig"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dar.DARForCausalLM"
+    assert {"configuration_dar.py", "modeling_dar.py"} <= set(os.listdir(folder))
+
+    input_ids = random_input_ids()
+    torch.save(input_ids, tmp_path / "inputs.pt")
+    script = REMOTE_CODE_SCRIPT.format(
+        site_packages=sysconfig.get_paths()["purelib"],
+        folder=str(folder),
+        inputs=str(tmp_path / "inputs.pt"),
+        outputs=str(tmp_path / "outputs.pt"),
+    )
+    clean_env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(tmp_path),
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    # -S: no site module, so no .pth file (and no editable install) is processed; cwd outside the repository.
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", script], env=clean_env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "remote: transformers_modules." in result.stdout
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "outputs.pt"), dar(input_ids).logits)
+
+
+# Generation.
+
+
+GENERATION = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.mark.parametrize(
+    "mode", [dict(do_sample=False), dict(do_sample=True, top_k=0), dict(do_sample=False, num_beams=3)],
+    ids=["greedy", "sampling", "beam_search"],
+)
+def test_generate_with_kv_cache_gives_the_tokens_of_generate_without(dar, mode):
+    input_ids = random_input_ids(length=5)
+    tokens = {}
+    for use_cache in (True, False):
+        torch.manual_seed(7)
+        tokens[use_cache] = dar.generate(input_ids, use_cache=use_cache, **mode, **GENERATION)
+    assert tokens[True].shape == (2, 5 + 8)
+    assert torch.equal(tokens[True], tokens[False])
+
+
+def test_sampling_depends_on_the_seed(dar):
+    """A control for the sampling check above: different seeds give different tokens."""
+    input_ids = random_input_ids(length=5)
+    samples = []
+    for seed in (7, 8):
+        torch.manual_seed(seed)
+        samples.append(dar.generate(input_ids, do_sample=True, top_k=0, **GENERATION))
+    assert not torch.equal(*samples)
+
+
+def test_left_padded_batch_gives_each_prompt_its_own_continuation(dar):
+    long_prompt, short_prompt = random_input_ids(1, 7, seed=1), random_input_ids(1, 4, seed=2)
+    batch = torch.zeros(2, 7, dtype=torch.long)
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    batch[0], batch[1, 3:], attention_mask[1, :3] = long_prompt[0], short_prompt[0], 0
+
+    with torch.no_grad():
+        last_logits = dar(batch, attention_mask=attention_mask).logits[:, -1]
+        assert _max_abs_diff(last_logits[0], dar(long_prompt).logits[0, -1]) <= 1e-5
+        assert _max_abs_diff(last_logits[1], dar(short_prompt).logits[0, -1]) <= 1e-5
+    generated = dar.generate(batch, attention_mask=attention_mask, do_sample=False, **GENERATION)[:, 7:]
+    assert torch.equal(generated[0], dar.generate(long_prompt, do_sample=False, **GENERATION)[0, 7:])
+    assert torch.equal(generated[1], dar.generate(short_prompt, do_sample=False, **GENERATION)[0, 4:])
+
+
+def test_static_cache_gives_the_tokens_of_dynamic_cache(dar):
+    input_ids = random_input_ids(length=5)
+    static = dar.generate(input_ids, do_sample=False, cache_implementation="static", **GENERATION)
+    dynamic = dar.generate(input_ids, do_sample=False, **GENERATION)
+    assert torch.equal(static, dynamic)
+
+
+# Attention implementations and recorded outputs.
+
+
+def test_eager_and_sdpa_attention_agree(dar):
+    eager, sdpa = _copy_with(dar, attn_implementation="eager"), _copy_with(dar, attn_implementation="sdpa")
+    assert (eager.config._attn_implementation, sdpa.config._attn_implementation) == ("eager", "sdpa")
+    batch = random_input_ids(2, 7)
+    attention_mask = torch.ones_like(batch)
+    attention_mask[1, :3] = 0  # left padding: compare the real tokens (padded query rows are undefined)
+    with torch.no_grad():
+        assert _max_abs_diff(eager(batch).logits, sdpa(batch).logits) <= 1e-5
+        eager_logits = eager(batch, attention_mask=attention_mask).logits
+        sdpa_logits = sdpa(batch, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    assert _max_abs_diff(eager_logits[real], sdpa_logits[real]) <= 1e-5
+
+
+def test_set_attn_implementation_switches_between_eager_and_sdpa(dar):
+    model = _copy_with(dar, attn_implementation="sdpa")
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    attentions = model(random_input_ids(), output_attentions=True).attentions
+    assert len(attentions) == model.config.num_hidden_layers
+
+
+def test_hidden_states_start_at_the_embedding_and_count_layers_plus_one(dar):
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        hidden_states = dar(input_ids, output_hidden_states=True).hidden_states
+    assert len(hidden_states) == dar.config.num_hidden_layers + 1
+    assert all(state.shape == (2, 9, dar.config.hidden_size) for state in hidden_states)
+    # alpha x + (1 - alpha) x == x up to rounding for a perturbed alpha; exactly at alpha = 1/2 (test below)
+    embedding = dar.model.embed_tokens(input_ids)
+    assert _max_abs_diff(hidden_states[0], embedding) <= 1e-6 * embedding.abs().max().item()
+
+
+@pytest.mark.parametrize("write_mode", ["duplicate", "split"])
+def test_hidden_states_at_upcycling_init_are_llamas(llama, write_mode):
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        expected = llama(input_ids, output_hidden_states=True).hidden_states
+        hidden_states = upcycled_dar(llama, dar_block_size=3, dar_write_mode=write_mode)(
+            input_ids, output_hidden_states=True
+        ).hidden_states
+    assert len(hidden_states) == len(expected)
+    assert torch.equal(hidden_states[0], llama.model.embed_tokens(input_ids))
+    for layer, (state, llama_state) in enumerate(zip(hidden_states, expected)):
+        assert _max_abs_diff(state, llama_state) <= 1e-5, layer
+
+
+def test_output_attentions_gives_one_attention_map_per_layer_with_eager(dar):
+    eager = _copy_with(dar, attn_implementation="eager")
+    with torch.no_grad():
+        attentions = eager(random_input_ids(), output_attentions=True).attentions
+    assert len(attentions) == eager.config.num_hidden_layers
+    for attention in attentions:
+        assert attention.shape == (2, eager.config.num_attention_heads, 9, 9)
+        assert torch.allclose(attention.sum(-1), torch.ones(2, eager.config.num_attention_heads, 9))
+        assert attention.triu(diagonal=1).abs().max() == 0  # causal
+
+
+def test_return_dict_false_gives_a_tuple(dar):
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        output = dar(input_ids, labels=input_ids, return_dict=False)
+        expected = dar(input_ids, labels=input_ids)
+    assert isinstance(output, tuple)
+    assert torch.equal(output[0], expected.loss)
+    assert torch.equal(output[1], expected.logits)
+
+
+def test_logits_to_keep_slices_the_last_positions_or_given_indices(dar):
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        full = dar(input_ids).logits
+        last = dar(input_ids, logits_to_keep=1).logits
+        picked = dar(input_ids, logits_to_keep=torch.tensor([0, 4, 8])).logits
+    assert last.shape == (2, 1, 97) and torch.allclose(last, full[:, -1:], atol=1e-6)
+    assert picked.shape == (2, 3, 97) and torch.allclose(picked, full[:, [0, 4, 8]], atol=1e-6)
+
+
+def test_loss_honours_num_items_in_batch(dar):
+    input_ids = random_input_ids()
+    labels = input_ids.clone()
+    labels[0, :4] = -100
+    with torch.no_grad():
+        logits = dar(input_ids).logits
+        mean_loss = dar(input_ids, labels=labels).loss
+        summed_loss = dar(input_ids, labels=labels, num_items_in_batch=torch.tensor(5)).loss
+    token_losses = F.cross_entropy(
+        logits[:, :-1].reshape(-1, 97).float(), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    num_items = (labels[:, 1:] != -100).sum()
+    assert torch.allclose(mean_loss, token_losses / num_items, rtol=1e-5)
+    assert torch.allclose(summed_loss, token_losses / 5, rtol=1e-5)
+
+
+# Training-time behaviours.
+
+
+def _gradients(model, input_ids):
+    model.zero_grad()
+    model(input_ids, labels=input_ids).loss.backward()
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_gradients_of_plain_backward(dar, use_reentrant):
+    model = _copy_with(dar)
+    model.config.attention_dropout = 0.0
+    model.train()
+    input_ids = random_input_ids()
+    expected = _gradients(model, input_ids)
+
+    calls = []
+    hook = model.model.layers[0].self_attn.register_forward_hook(lambda *args: calls.append(1))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    try:
+        gradients = _gradients(model, input_ids)
+    finally:
+        hook.remove()
+    assert len(calls) == 2  # forward, then the recomputation during backward: checkpointing is on
+    assert set(gradients) == set(expected)
+    for name, gradient in expected.items():
+        # branch 0 reads only the embedding (same in both streams): its query, key norm and read gate get no gradient
+        assert gradient.abs().max() > 0 or "layers.0.attn_residual." in name, name
+        # reentrant replays run under no_grad, which may round differently: compare to fp32 rounding
+        assert _max_abs_diff(gradients[name], gradient) <= 1e-5 * gradient.abs().max().item(), name
+
+
+def test_bf16_load_keeps_dar_parameters_float32_and_trains_without_nan(dar, tmp_path):
+    dar.save_pretrained(tmp_path)
+    model = DARForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == (torch.float32 if is_dar_parameter(name) else torch.bfloat16), name
+    model.train()
+    input_ids = random_input_ids()
+    output = model(input_ids, labels=input_ids)
+    output.loss.backward()
+    assert output.logits.dtype == torch.bfloat16
+    assert torch.isfinite(output.logits).all() and torch.isfinite(output.loss)
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), name
+    with torch.no_grad():  # bf16 stays close to the fp32 model
+        assert _max_abs_diff(model.eval()(input_ids).logits, dar(input_ids).logits) < 0.1
+
+
+def test_torch_compile_fullgraph_matches_eager(dar):
+    torch._dynamo.reset()
+    compiled = torch.compile(dar, backend="aot_eager", fullgraph=True)
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        assert _max_abs_diff(compiled(input_ids).logits, dar(input_ids).logits) <= 1e-6
+    torch._dynamo.reset()
+
+
+# Construction and initialisation.
+
+
+def test_builds_on_the_meta_device():
+    config = tiny_dar_config(dar_block_size=3)
+    with torch.device("meta"):
+        model = DARForCausalLM(config)
+    reference = DARForCausalLM(config)
+    assert all(parameter.is_meta for parameter in model.parameters())
+    assert {name: p.shape for name, p in model.named_parameters()} == {
+        name: p.shape for name, p in reference.named_parameters()
+    }
+
+
+def _assert_documented_dar_init(model):
+    """Zero queries, unit key norms, alpha logit 0, write gates +-delta * signs, transport logit = logit(rho_init)."""
+    config = model.config
+    rho_logit = math.log(config.dar_rho_init / (1 - config.dar_rho_init))
+    sign_vectors = []
+    num_write_gates = num_transports = 0
+    for module in model.modules():
+        if isinstance(module, DARDepthAttention):
+            assert torch.equal(module.pseudo_query, torch.zeros_like(module.pseudo_query))
+            assert torch.equal(module.key_norm.weight, torch.ones_like(module.key_norm.weight))
+        elif isinstance(module, DARReadGate):
+            assert module.logit.item() == 0.0
+        elif isinstance(module, DARWriteGate):
+            num_write_gates += 1
+            signs = torch.sign(module.logit[0])
+            assert torch.equal(module.logit[0].abs(), torch.full_like(signs, config.dar_gate_delta))
+            assert torch.equal(module.logit[1], -module.logit[0])
+            sign_vectors.append(signs)
+            if not module.starts_block:
+                num_transports += 1
+                assert module.transport_logit.item() == pytest.approx(rho_logit, abs=1e-6)
+    assert num_write_gates == config.dar_num_branches and num_transports > 0
+    signs = torch.stack(sign_vectors)  # [M, D]: a random sign vector per branch, not a constant
+    assert (signs == 1).any() and (signs == -1).any()
+    assert len({tuple(row.tolist()) for row in signs}) == len(sign_vectors)
+
+
+def test_from_pretrained_without_weights_gives_the_documented_dar_init():
+    config = tiny_dar_config(dar_block_size=3, dar_rho_init=0.8)
+    model = DARForCausalLM.from_pretrained(None, config=config, state_dict={})
+    _assert_documented_dar_init(model)
+    # The same init as the constructor: the signs are fixed per branch, not drawn from the global generator.
+    constructed = DARForCausalLM(config)
+    for name, parameter in model.named_parameters():
+        if is_dar_parameter(name):
+            assert torch.equal(parameter, dict(constructed.named_parameters())[name]), name
+
+
+def test_loading_a_llama_checkpoint_gives_the_dar_init_and_llamas_logits(llama, tmp_path):
+    llama.save_pretrained(tmp_path)
+    config = tiny_dar_config(dar_block_size=3)
+    model = DARForCausalLM.from_pretrained(tmp_path, config=config).eval()
+    _assert_documented_dar_init(model)
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        assert _max_abs_diff(model(input_ids).logits, llama(input_ids).logits) <= 1e-5
+
+
+def test_perturbed_init_is_detected(dar):
+    """A control for the init checks above: the perturbed fixture model does not pass them."""
+    with pytest.raises(AssertionError):
+        _assert_documented_dar_init(dar)
