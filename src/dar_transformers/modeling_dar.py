@@ -222,6 +222,7 @@ def depth_attention_merge(
     source_inv_rms: torch.Tensor,
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
+    update_normaliser: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 2: merge one more source into a normalised mix by online softmax.
 
@@ -232,7 +233,27 @@ def depth_attention_merge(
     score = _keyed_scores(dots, key_streams).squeeze(-2) * _streams(source_inv_rms, key_streams, 2)  # [B, T, J]
     share = torch.sigmoid(score - log_normaliser)  # [B, T, J]
     mixed = torch.lerp(mixed, _streams(source, value_streams, 2), share.unsqueeze(-1))  # [B, T, J, D]
-    return mixed, torch.logaddexp(log_normaliser, score)
+    return mixed, torch.logaddexp(log_normaliser, score) if update_normaliser else log_normaliser
+
+
+class DARParameterMemo:
+    """Inference memo for small tensors derived from a module's own parameters (gates, folded queries).
+
+    Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
+    the depth mixing itself. With gradients off and outside `torch.compile`, a derived tensor is memoised under a
+    key of the parameters' version counters and storages (an in-place update, a load or a move invalidates it) and
+    the requested dtype. With gradients on it is always recomputed, so training is untouched.
+    """
+
+    def memoised(self, name: str, dtype: torch.dtype, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return compute()
+        stamp = (dtype, *((p._version, p.data_ptr()) for p in self.parameters()))
+        memo = self.__dict__.setdefault("_dar_memo", {})
+        cached = memo.get(name)
+        if cached is None or cached[0] != stamp:
+            cached = memo[name] = (stamp, compute())
+        return cached[1]
 
 
 class DARStreamRMSNorm(nn.Module):
@@ -244,7 +265,7 @@ class DARStreamRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
 
-class DARDepthAttention(nn.Module):
+class DARDepthAttention(DARParameterMemo, nn.Module):
     """Depth-wise softmax attention over a history (AttnRes eq. 2-4, routed per DESIGN.md section 2).
 
     s^j_r = w^j . RMSNorm_{gamma^j}(S^{kappa(j)}_r),  a^j = softmax_r(s^j),  x^j = N * sum_r a^j_r S^{nu(j)}_r.
@@ -261,7 +282,7 @@ class DARDepthAttention(nn.Module):
 
     def scoring_query(self, dtype: torch.dtype) -> torch.Tensor:
         """w * gamma [J, D] in the compute dtype: the key norm weight folded into the query."""
-        return (self.pseudo_query * self.key_norm.weight).to(dtype)
+        return self.memoised("scoring_query", dtype, lambda: (self.pseudo_query * self.key_norm.weight).to(dtype))
 
     def count_scale(self, num_sources: int) -> float:
         """lambda = N turns the uniform mean at zero queries back into the residual sum (DESIGN.md section 3)."""
@@ -284,7 +305,7 @@ class DARDepthAttention(nn.Module):
         return self.count_scale(sources.shape[2]) * torch.stack(extractions, dim=2)  # [B, T, J, D]
 
 
-class DARReadGate(nn.Module):
+class DARReadGate(DARParameterMemo, nn.Module):
     """Mixes the per-stream extractions into the branch input: u = eta * (alpha x^0 + (1 - alpha) x^1).
 
     alpha = sigmoid(a), a = 0 at init. With one stream u = eta * x^0 and there is no parameter.
@@ -302,12 +323,11 @@ class DARReadGate(nn.Module):
         scale = self.read_scale * extraction_scale
         if extracted.shape[-2] == 1:
             return (scale * extracted[..., 0, :]).to(dtype)
-        alpha = torch.sigmoid(self.logit.to(extracted.dtype))
-        coefficients = scale * torch.stack([alpha, 1.0 - alpha])  # [J]
-        return torch.matmul(coefficients, extracted).to(dtype)  # [B, T, D]
+        alpha = self.memoised("alpha", extracted.dtype, lambda: torch.sigmoid(self.logit.to(extracted.dtype)))
+        return (scale * torch.lerp(extracted[..., 1, :], extracted[..., 0, :], alpha)).to(dtype)  # [B, T, D]
 
 
-class DARWriteGate(nn.Module):
+class DARWriteGate(DARParameterMemo, nn.Module):
     """Transport then gated write of the partial block state (DESIGN.md section 2, "transport+write").
 
     P^j <- rho P^j + (1 - rho) P^{1-j} + beta^j * y, beta^j = c * sigmoid(b^j) per channel, rho = sigmoid(r).
@@ -329,12 +349,12 @@ class DARWriteGate(nn.Module):
         branch_output = branch_output.unsqueeze(-2)  # [B, T, 1, D]
         if partial.shape[-2] == 1:  # AttnRes writes y unchanged
             return branch_output if self.starts_block else partial + branch_output
-        beta = self.write_scale * torch.sigmoid(self.logit.to(partial.dtype))  # [J, D]
+        beta = self.memoised("beta", partial.dtype, lambda: self.write_scale * torch.sigmoid(self.logit.to(partial.dtype)))
         if self.starts_block:
             return beta * branch_output  # [B, T, J, D]
-        rho = torch.sigmoid(self.transport_logit.to(partial.dtype))
-        transport = torch.stack([torch.stack([rho, 1.0 - rho]), torch.stack([1.0 - rho, rho])])  # [J, J]
-        return torch.addcmul(torch.matmul(transport, partial), beta, branch_output)  # [B, T, J, D]
+        rho = self.memoised("rho", partial.dtype, lambda: torch.sigmoid(self.transport_logit.to(partial.dtype)))
+        transported = torch.lerp(partial.flip(-2), partial, rho)  # [B, T, J, D]: [[rho, 1-rho], [1-rho, rho]] P
+        return torch.addcmul(transported, beta, branch_output)  # [B, T, J, D]
 
 
 class DARBranchResidual(nn.Module):
@@ -421,10 +441,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         """committed: (mix, lse, count) from phase 1; late_entries: [(entry, inv_rms)] merged by online softmax."""
         attention = residual.depth_attention
         mixed, log_normaliser, num_sources = committed
-        for entry, entry_inv_rms in late_entries:
+        for position, (entry, entry_inv_rms) in enumerate(late_entries, start=1):
             mixed, log_normaliser = depth_attention_merge(
                 attention.scoring_query(mixed.dtype), mixed, log_normaliser, entry, entry_inv_rms, attention.key_streams,
-                attention.value_streams,
+                attention.value_streams, update_normaliser=position < len(late_entries),
             )  # [B, T, J, D], [B, T, J]
             num_sources += 1
         return residual.read_gate(mixed, dtype, attention.count_scale(num_sources))  # [B, T, D]

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fast path's building blocks against plain autograd: the committed-entry depth attention's hand-written
+backward (gradcheck in float64, every routing), and the inference memo of parameter-derived tensors."""
+
+import itertools
+
+import pytest
+import torch
+
+from dar_transformers import DARConfig, DARForCausalLM
+from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
+from dar_transformers.modeling_dar import _committed_forward, depth_attention_committed, inverse_rms
+
+ROUTINGS = {name: tuple(zip(*pairs)) for name, pairs in ROUTING_KEY_VALUE_STREAMS.items()}
+ROUTINGS["one-stream"] = ((0,), (0,))
+
+
+def _committed_inputs(num_streams, num_sources=4, num_queries=2, batch=2, tokens=3, hidden=6, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    entries = [
+        torch.randn(batch, tokens, num_streams, hidden, generator=generator, dtype=torch.float64).requires_grad_()
+        for _ in range(num_sources)
+    ]
+    queries = torch.randn(num_queries, num_streams, hidden, generator=generator, dtype=torch.float64).requires_grad_()
+    return queries, entries
+
+
+def _fill_buffers(entries, eps):
+    with torch.no_grad():
+        history = torch.stack(entries)  # [S, B, T, J, D]
+        return history.clone(), inverse_rms(history, eps)
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_committed_depth_attention_gradcheck(routing):
+    key_streams, value_streams = ROUTINGS[routing]
+    queries, entries = _committed_inputs(len(key_streams))
+
+    def function(queries, *entries):  # the model writes an entry's copy into the buffer when it commits it
+        history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
+        return depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+
+    assert torch.autograd.gradcheck(function, (queries, *entries), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_committed_depth_attention_matches_plain_autograd(routing):
+    """The custom function (buffer reads, manual backward) equals autograd through the same math on the entries."""
+    key_streams, value_streams = ROUTINGS[routing]
+    queries, entries = _committed_inputs(len(key_streams), seed=1)
+    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
+    mixed, lse = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    history = torch.stack(entries)
+    reference_mixed, reference_lse, _, _ = _committed_forward(
+        queries, history, inverse_rms(history, 1e-6), key_streams, value_streams
+    )
+    torch.testing.assert_close(mixed, reference_mixed, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, reference_lse, rtol=0, atol=1e-12)
+    upstream = torch.randn_like(mixed), torch.randn_like(lse)
+    grads = torch.autograd.grad((mixed * upstream[0]).sum() + (lse * upstream[1]).sum(), (queries, *entries))
+    reference_grads = torch.autograd.grad(
+        (reference_mixed * upstream[0]).sum() + (reference_lse * upstream[1]).sum(), (queries, *entries)
+    )
+    for grad, reference in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
+
+
+def test_committed_depth_attention_negative_control_stale_buffer():
+    """The forward reads the buffer, not the entries: a buffer out of sync with the entries must show."""
+    key_streams, value_streams = ROUTINGS["dar"]
+    queries, entries = _committed_inputs(2, seed=2)
+    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
+    history_buffer[1] += 1.0
+    mixed, _ = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    history = torch.stack(entries)
+    reference, _, _, _ = _committed_forward(queries, history, inverse_rms(history, 1e-6), key_streams, value_streams)
+    assert (mixed - reference).abs().max() > 1e-2
+
+
+def _perturbed_tiny_dar(block_size):
+    torch.manual_seed(0)
+    config = DARConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, dar_block_size=block_size,
+    )
+    model = DARForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "_residual" in name or "final_readout" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return model
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_parameter_memo_follows_in_place_updates(block_size):
+    """No-grad forwards memoise gates; an in-place update (an optimiser step, a load) must invalidate them."""
+    model = _perturbed_tiny_dar(block_size)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)  # fills the memo
+        for name, parameter in model.named_parameters():
+            if "_residual" in name or "final_readout" in name:
+                parameter.mul_(-1.5)
+        memoised = model(ids).logits
+    recomputed = model(ids).logits.detach()  # gradients on: nothing is memoised
+    torch.testing.assert_close(memoised, recomputed, rtol=0, atol=0)
+    with torch.no_grad():
+        state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        model.load_state_dict({name: tensor * 0.5 if "gate" in name else tensor for name, tensor in state.items()})
+        after_load = model(ids).logits
+    torch.testing.assert_close(after_load, model(ids).logits.detach(), rtol=0, atol=0)
+    assert (after_load - memoised).abs().max() > 1e-4  # the load changed the function, and the memo saw it
+
+
+def test_parameter_memo_follows_dtype_changes():
+    model = _perturbed_tiny_dar(2)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        float32_logits = model(ids).logits
+        model.double()
+        float64_logits = model(ids).logits
+    assert float64_logits.dtype == torch.float64
+    torch.testing.assert_close(float64_logits.float(), float32_logits, rtol=1e-4, atol=1e-4)
