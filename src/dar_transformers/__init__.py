@@ -10,6 +10,7 @@ from .configuration_dar import DARConfig
 from .configuration_dar_moe import DARMoeConfig
 from .modeling_dar import DARForCausalLM, DARForSequenceClassification, DARModel, DARPreTrainedModel
 from .modeling_dar_moe import DARMoeForCausalLM, DARMoeModel, DARMoePreTrainedModel
+from .peft_utils import register_peft_defaults
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,8 @@ def _register_auto_classes() -> None:
 
 
 _register_auto_classes()
+# PEFT's default target modules for model_type "dar" are Llama's (same module names); see peft_utils.
+register_peft_defaults(DARConfig.model_type)
 
 __all__ = [
     "DARConfig",

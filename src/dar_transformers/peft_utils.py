@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PEFT integration: default target modules for model_type "dar", and a LoRA config that can train DAR too.
+
+PEFT picks default target modules by `config.model_type` from its `TRANSFORMERS_MODELS_TO_*_MAPPING` tables
+(`peft/utils/constants.py`; LoRA reads its table in `LoraModel._prepare_adapter_config`). DAR keeps Llama's
+module names (`q_proj`, `v_proj`, `down_proj`, `input_layernorm`, ...), so every Llama default applies as is:
+`register_peft_defaults()` copies each table's "llama" entry to "dar". The package calls it once at import, so
+`get_peft_model(dar_model, LoraConfig(task_type="CAUSAL_LM"))` works without listing target modules. Where the
+package is not imported (a checkpoint loaded with `trust_remote_code=True`), run the same one-liner:
+
+    peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["dar"] = ["q_proj", "v_proj"]
+
+The DAR residual parameters are not adapted by LoRA (they are `nn.Parameter`s, not linear layers). To train
+them fully next to the adapters, list their modules in `modules_to_save` (`dar_lora_config(train_dar=True)`):
+PEFT then trains and saves a copy of each `attn_residual`, `mlp_residual` and `final_readout`, and
+`merge_and_unload()` puts the trained copies back in place.
+"""
+
+import importlib.util
+
+from transformers.utils import logging
+
+from .training import DAR_MODULE_NAMES
+
+logger = logging.get_logger(__name__)
+
+MAPPING_SOURCE_MODEL_TYPE = "llama"
+
+
+def register_peft_defaults(model_type: str = "dar", like: str = MAPPING_SOURCE_MODEL_TYPE) -> list[str]:
+    """Give `model_type` the PEFT defaults of `like` in every PEFT target-module table; idempotent.
+
+    Returns the names of the tables that gained an entry. Entries already present are left alone, so a user's
+    own registration wins. Does nothing (returns []) when PEFT is not installed.
+    """
+    if importlib.util.find_spec("peft") is None:
+        return []
+    from peft.utils import constants
+
+    registered = []
+    for table_name in sorted(vars(constants)):
+        table = getattr(constants, table_name)
+        if (
+            table_name.startswith("TRANSFORMERS_MODELS_TO_")
+            and isinstance(table, dict)
+            and like in table
+            and model_type not in table
+        ):
+            value = table[like]
+            table[model_type] = list(value) if isinstance(value, list) else value
+            registered.append(table_name)
+    if registered:
+        logger.debug(f"PEFT defaults of {like!r} registered for model_type {model_type!r} in {registered}")
+    return registered
+
+
+def dar_lora_config(train_dar: bool = False, **lora_kwargs):
+    """A `peft.LoraConfig` for causal LM on a DAR model: default target modules (those of Llama) unless given,
+    and with `train_dar=True` the DAR residual modules in `modules_to_save` (fully trained and saved)."""
+    from peft import LoraConfig
+
+    lora_kwargs.setdefault("task_type", "CAUSAL_LM")
+    if train_dar:
+        modules_to_save = list(lora_kwargs.pop("modules_to_save", None) or [])
+        lora_kwargs["modules_to_save"] = modules_to_save + [name for name in DAR_MODULE_NAMES if name not in modules_to_save]
+    return LoraConfig(**lora_kwargs)
+
+
+__all__ = ["register_peft_defaults", "dar_lora_config"]

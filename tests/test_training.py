@@ -1,0 +1,346 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Training with DAR on CPU: optimiser groups, gradient accumulation, gradient checkpointing, bf16 autocast, and
+the fine-tuning example (examples/finetune.py) on real text.
+
+Tiny models come from conftest (hidden 32, 2 layers, vocab 97). The real-text corpus for the example is built
+here from the docstrings of the installed torch and transformers (real English prose present on every machine
+that can run the tests); the full Debian corpus (scripts/prepare_corpus.py) is used by the documented SmolLM2 run.
+"""
+
+import importlib.util
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import perturb_dar_parameters, random_input_ids, tiny_llama, upcycled_dar
+from datasets import Dataset
+from transformers import Trainer, TrainingArguments, default_data_collator
+
+from dar_transformers import DARForCausalLM
+from dar_transformers.training import (
+    DAR_MODULE_NAMES,
+    create_dar_optimizer,
+    dar_optimizer_cls_and_kwargs,
+    dar_parameter_groups,
+    dar_parameter_names,
+    keep_dar_parameters_fp32,
+)
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+# Branch 0 reads only the embedding, identical in both streams: these get an identically zero gradient.
+INERT_BRANCH_0_PARAMETERS = ("depth_attention.pseudo_query", "depth_attention.key_norm.weight", "read_gate.logit")
+
+
+def load_example(name: str):
+    """Import examples/<name>.py as a module (examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPOSITORY / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_docstring_corpus(directory: Path) -> Path:
+    """A small real-text corpus in the layout of scripts/prepare_corpus.py ({split}.jsonl), from library docstrings.
+
+    Every documented public class of torch.nn and transformers' trainer/modeling modules is one document; every
+    fifth document (in sorted order) is held out. Returns `directory`.
+    """
+    import torch.nn
+    import transformers.generation.utils
+    import transformers.modeling_utils
+    import transformers.trainer
+    import transformers.training_args
+
+    documents = {}
+    for module in (torch.nn, torch.optim, transformers.trainer, transformers.training_args, transformers.modeling_utils,
+                   transformers.generation.utils):
+        for name, value in sorted(vars(module).items()):
+            text = inspect.getdoc(value) if inspect.isclass(value) or inspect.isfunction(value) else None
+            if text and len(text) > 400 and not name.startswith("_"):
+                documents[f"{module.__name__}.{name}"] = text
+    directory.mkdir(parents=True, exist_ok=True)
+    splits = {"train": [], "validation": []}
+    for index, (path, text) in enumerate(sorted(documents.items())):
+        splits["validation" if index % 5 == 4 else "train"].append({"package": "docstrings", "path": path, "text": text})
+    for split, records in splits.items():
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return directory
+
+
+def dar_modules_parameter_names(model: torch.nn.Module) -> set[str]:
+    """DAR parameters found structurally: everything below a module registered under a DAR module name."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if module_name.split(".")[-1] in DAR_MODULE_NAMES:
+            names |= {f"{module_name}.{name}" for name, _ in module.named_parameters()}
+    return names
+
+
+def training_arguments(tmp_path: Path, **overrides) -> TrainingArguments:
+    defaults = dict(output_dir=str(tmp_path / "trainer"), report_to="none", use_cpu=True, save_strategy="no",
+                    logging_strategy="no", disable_tqdm=True, seed=0, max_grad_norm=0.0, warmup_steps=0,
+                    lr_scheduler_type="constant", dataloader_num_workers=0)
+    return TrainingArguments(**{**defaults, **overrides})
+
+
+def labelled_dataset(num_examples: int = 8, length: int = 12, seed: int = 0) -> Dataset:
+    """Token ids with a different number of ignored (-100) label positions in every example."""
+    ids = random_input_ids(batch=num_examples, length=length, seed=seed)
+    labels = ids.clone()
+    for row in range(num_examples):
+        labels[row, : 1 + (row * row) % (length - 2)] = -100  # 1 .. length - 2 ignored positions, uneven
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimiser groups
+
+
+def test_parameter_groups_partition_parameters_and_isolate_dar():
+    model = upcycled_dar(tiny_llama(), dar_block_size=2)
+    groups = {group["name"]: group for group in dar_parameter_groups(model, 1e-3, 0.1, dar_learning_rate=1e-2)}
+    names_of = {id(parameter): name for name, parameter in model.named_parameters()}
+    grouped = {name: [names_of[id(parameter)] for parameter in group["params"]] for name, group in groups.items()}
+
+    all_names = [name for name, _ in model.named_parameters()]
+    assert sorted(sum(grouped.values(), [])) == sorted(all_names)  # every parameter exactly once
+    assert set(grouped["dar"]) == dar_modules_parameter_names(model) == set(dar_parameter_names(model))
+    # 4 branches x (query, key norm, read gate, write gate) + rho where a block continues (branches 1, 3) + readout 3
+    assert len(grouped["dar"]) == 4 * 4 + 2 + 3
+    assert (groups["dar"]["weight_decay"], groups["dar"]["lr"]) == (0.0, 1e-2)
+    assert (groups["decay"]["weight_decay"], groups["decay"]["lr"]) == (0.1, 1e-3)
+    assert "model.layers.0.self_attn.q_proj.weight" in grouped["decay"]
+    assert "model.layers.1.input_layernorm.weight" in grouped["no_decay"] and "model.norm.weight" in grouped["no_decay"]
+
+
+def test_no_weight_decay_on_dar_parameters_numerically():
+    """With zero gradients an AdamW step is pure decoupled decay: p <- p (1 - lr wd) in the decay group only."""
+    model = upcycled_dar(tiny_llama(), dar_block_size=2)
+    perturb_dar_parameters(model)
+    args = TrainingArguments(output_dir="unused", learning_rate=0.1, weight_decay=0.5, report_to="none")
+    optimizer, scheduler = create_dar_optimizer(model, args, dar_learning_rate=0.3)
+    assert scheduler is None
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    decayed = {name for group in optimizer.param_groups if group["name"] == "decay"
+               for name, parameter in model.named_parameters() if any(parameter is p for p in group["params"])}
+    for name, parameter in model.named_parameters():
+        expected = before[name] * (1 - 0.1 * 0.5) if name in decayed else before[name]
+        torch.testing.assert_close(parameter.detach(), expected, rtol=1e-6, atol=0, msg=name)
+    assert dar_parameter_names(model) and not decayed & set(dar_parameter_names(model))
+    # The DAR group is the only one with its own learning rate.
+    assert {group["name"]: group["lr"] for group in optimizer.param_groups} == {"decay": 0.1, "no_decay": 0.1, "dar": 0.3}
+
+
+def test_trainer_builds_dar_groups_through_optimizer_factory(tmp_path):
+    model = upcycled_dar(tiny_llama(), dar_block_size=2)
+    perturb_dar_parameters(model)  # at the upcycling init the key norms get no gradient (zero queries)
+    args = training_arguments(tmp_path, learning_rate=2e-3, weight_decay=0.01, max_steps=2, warmup_steps=4,
+                              lr_scheduler_type="constant_with_warmup", per_device_train_batch_size=4)
+    trainer = Trainer(model=model, args=args, train_dataset=labelled_dataset(), data_collator=default_data_collator,
+                      optimizer_cls_and_kwargs=dar_optimizer_cls_and_kwargs(args, dar_learning_rate=2e-2))
+    dar_before = {name: p.detach().clone() for name, p in model.named_parameters() if name in dar_parameter_names(model)}
+    trainer.train()
+    groups = {group["name"]: group for group in trainer.optimizer.param_groups}
+    assert groups["dar"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.01
+    # The warm-up schedule scales every group's own initial learning rate by the same factor (2/4 after 2 steps).
+    assert groups["dar"]["initial_lr"] == 2e-2 and groups["decay"]["initial_lr"] == 2e-3
+    assert (groups["dar"]["lr"], groups["decay"]["lr"]) == pytest.approx((1e-2, 1e-3))
+    changed = [name for name, value in dar_before.items() if not torch.equal(value, model.get_parameter(name))]
+    assert len(changed) == len(dar_before) - 3  # all but branch 0's inert read (see the next test)
+
+
+def test_dar_parameters_must_stay_fp32():
+    model = upcycled_dar(tiny_llama(), dar_block_size=2).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="must stay float32"):
+        dar_parameter_groups(model, 1e-3, 0.0)
+    assert keep_dar_parameters_fp32(model) == len(dar_parameter_names(model))
+    assert keep_dar_parameters_fp32(model) == 0
+    dtypes = {name: parameter.dtype for name, parameter in model.named_parameters()}
+    assert all((dtypes[name] == torch.float32) == (name in dar_parameter_names(model)) for name in dtypes)
+    assert len(dar_parameter_groups(model, 1e-3, 0.0)) == 3
+    with torch.no_grad():  # the mixed-precision model still runs: DAR mixing is float32 by design
+        assert torch.isfinite(model(random_input_ids()).logits).all()
+
+
+def test_bad_optimizer_settings_raise():
+    model = upcycled_dar(tiny_llama())
+    with pytest.raises(ValueError, match="learning rates must be positive"):
+        dar_parameter_groups(model, 1e-3, 0.0, dar_learning_rate=-1.0)
+    with pytest.raises(ValueError, match="weight_decay"):
+        dar_parameter_groups(model, 1e-3, -0.1)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        dar_parameter_groups(model, 1e-3, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradients: every parameter gets one (DDP without unused-parameter search), accumulation, checkpointing
+
+
+def _gradients(model, input_ids, labels, **forward_kwargs) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    model(input_ids=input_ids, labels=labels, **forward_kwargs).loss.backward()
+    return {name: parameter.grad.detach().clone() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_every_parameter_receives_a_gradient(block_size):
+    """DDP with find_unused_parameters=False needs every parameter in the graph. Exactly three get a gradient that
+    is identically zero: branch 0 reads a single source (the embedding), so its depth softmax is constant (query and
+    key norm), and both streams' extractions are that same embedding, so its read gate alpha mixes equal values."""
+    model = upcycled_dar(tiny_llama(), dar_block_size=block_size).train()
+    perturb_dar_parameters(model)
+    input_ids = random_input_ids()
+    model.zero_grad()
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    missing = [name for name, parameter in model.named_parameters() if parameter.grad is None]
+    assert missing == []
+    zero = {name for name, parameter in model.named_parameters() if not parameter.grad.abs().max() > 0}
+    assert zero == {f"model.layers.0.attn_residual.{name}" for name in INERT_BRANCH_0_PARAMETERS}
+
+
+def test_num_items_in_batch_makes_accumulated_gradients_equal_the_full_batch():
+    """The model path Trainer uses: micro-batch losses summed over the global token count add up exactly."""
+    model = upcycled_dar(tiny_llama(), dar_block_size=2).double().train()
+    perturb_dar_parameters(model)
+    data = labelled_dataset()
+    input_ids, labels = torch.tensor(data["input_ids"]), torch.tensor(data["labels"])
+    full = _gradients(model, input_ids, labels)
+
+    num_items = (labels[:, 1:] != -100).sum()
+    model.zero_grad()
+    for half in (slice(0, 4), slice(4, 8)):
+        model(input_ids=input_ids[half], labels=labels[half], num_items_in_batch=num_items).loss.backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, full[name], rtol=1e-10, atol=1e-12, msg=name)
+
+    # Negative control: averaging per-micro-batch means (no num_items_in_batch) is measurably different,
+    # because the micro-batches hold different numbers of labelled tokens.
+    model.zero_grad()
+    for half in (slice(0, 4), slice(4, 8)):
+        (model(input_ids=input_ids[half], labels=labels[half]).loss / 2).backward()
+    difference = max((parameter.grad - full[name]).abs().max().item() for name, parameter in model.named_parameters())
+    assert difference > 1e-4
+
+
+def _one_sgd_step_parameter_change(tmp_path, batch_size, accumulation, **argument_overrides):
+    model = upcycled_dar(tiny_llama(), dar_block_size=2).train()
+    perturb_dar_parameters(model)
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    args = training_arguments(tmp_path, per_device_train_batch_size=batch_size,
+                              gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0,
+                              train_sampling_strategy="sequential", **argument_overrides)
+    trainer = Trainer(model=model, args=args, train_dataset=labelled_dataset(), data_collator=default_data_collator,
+                      optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None))
+    trainer.train()
+    return {name: before[name] - parameter.detach() for name, parameter in model.named_parameters()}  # = gradient
+
+
+def test_trainer_gradient_accumulation_equals_larger_batch(tmp_path):
+    """One SGD step (lr 1) moves every parameter by its gradient: 4 micro-batches of 2 vs one batch of 8."""
+    accumulated = _one_sgd_step_parameter_change(tmp_path, batch_size=2, accumulation=4)
+    full = _one_sgd_step_parameter_change(tmp_path, batch_size=8, accumulation=1)
+    assert max(step.abs().max().item() for step in full.values()) > 1e-3
+    for name in full:
+        torch.testing.assert_close(accumulated[name], full[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
+    model = upcycled_dar(tiny_llama(), dar_block_size=2).double().train()
+    perturb_dar_parameters(model)
+    input_ids = random_input_ids()
+    plain = _gradients(model, input_ids, input_ids)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert model.is_activation_checkpointing
+    if use_reentrant:  # reentrant checkpointing needs an input that requires grad (what Trainer and PEFT do)
+        model.enable_input_require_grads()
+    checkpointed = _gradients(model, input_ids, input_ids, use_cache=False)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_trainer_with_gradient_checkpointing_matches_plain_step(tmp_path):
+    plain = _one_sgd_step_parameter_change(tmp_path, batch_size=4, accumulation=1)
+    checkpointed = _one_sgd_step_parameter_change(tmp_path, batch_size=4, accumulation=1, activation_checkpointing=True)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bf16_autocast_forward_backward_keeps_dar_fp32():
+    model = upcycled_dar(tiny_llama(), dar_block_size=2).train()
+    perturb_dar_parameters(model, scale=0.2)
+    input_ids = random_input_ids(batch=4, length=16)
+    reference_loss = model(input_ids=input_ids, labels=input_ids).loss.item()
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = model(input_ids=input_ids, labels=input_ids)
+    output.loss.backward()
+    assert output.logits.dtype == torch.bfloat16 and output.loss.dtype == torch.float32
+    assert abs(output.loss.item() - reference_loss) < 0.02 * reference_loss  # bf16 matmuls, fp32 loss
+    for name in dar_parameter_names(model):
+        parameter = model.get_parameter(name)
+        assert parameter.dtype == torch.float32 and parameter.grad.dtype == torch.float32
+        assert torch.isfinite(parameter.grad).all()
+
+
+def test_trainer_bf16_training_lowers_loss(tmp_path):
+    model = upcycled_dar(tiny_llama(), dar_block_size=2)
+    dataset = labelled_dataset(num_examples=4)
+    args = training_arguments(tmp_path, bf16=True, max_steps=12, learning_rate=1e-2, per_device_train_batch_size=4,
+                              logging_strategy="steps", logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+                      optimizers=create_dar_optimizer(model, args))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert len(losses) == 12 and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(model.get_parameter(name).dtype == torch.float32 for name in dar_parameter_names(model))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The example
+
+
+@pytest.fixture(scope="session")
+def docstring_corpus(tmp_path_factory) -> Path:
+    return write_docstring_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_finetune_example_tiny_lowers_heldout_perplexity(tmp_path, docstring_corpus, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    finetune = load_example("finetune")
+    trainer, results = finetune.main([
+        "--tiny", "--corpus-dir", str(docstring_corpus), "--output-dir", str(tmp_path / "run"), "--max-steps", "40",
+        "--sequence-length", "64", "--batch-size", "4", "--learning-rate", "3e-3", "--dar-learning-rate", "1e-2",
+        "--train-documents", "200", "--eval-documents", "40", "--eval-blocks", "16", "--logging-steps", "10", "--save",
+    ])
+    assert results["steps"] == 40 and results["eval_blocks"] == 16
+    assert results["perplexity_after"] < 0.6 * results["perplexity_before"]
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == pytest.approx(results)
+    # Step 0 was the upcycled random Llama: the DAR parameters moved from their init and stayed float32.
+    model = trainer.model
+    fresh = DARForCausalLM(model.config)
+    unmoved = {name for name in dar_parameter_names(model)
+               if torch.equal(model.get_parameter(name), fresh.get_parameter(name))}
+    assert unmoved == {f"model.layers.0.attn_residual.{name}" for name in INERT_BRANCH_0_PARAMETERS}
+    saved = DARForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    for name, parameter in model.named_parameters():
+        assert torch.equal(saved.get_parameter(name), parameter), name
+    assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
+
+
+def test_finetune_example_rejects_a_missing_corpus(tmp_path):
+    finetune = load_example("finetune")
+    with pytest.raises(SystemExit):
+        finetune.main(["--tiny", "--corpus-dir", str(tmp_path / "nothing")])
+
