@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DAR overhead against `LlamaForCausalLM` at identical dimensions, measured side by side in one run.
+
+Models: Llama (the baseline), Block DAR (about 8 blocks) and Full DAR (K = 1), all built from one config, in
+float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machine noise hits all models alike:
+  - train step: forward + backward + AdamW step on a [batch, seq] random batch with labels;
+  - prefill: forward of the prompt with a fresh KV cache;
+  - decode: one-token forwards with the KV cache after the prompt (median per token);
+  - saved activations: bytes of the tensors autograd keeps for backward in one training forward (deduplicated
+    by storage; a deterministic measure of training activation memory that excludes weights and optimiser);
+  - peak RSS: resident memory high-water mark of a fresh process doing one training step or one prefill.
+Medians and ratios to Llama are printed as a table and written to a JSON file.
+
+    python benchmarks/overhead.py                 # SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads)
+    python benchmarks/overhead.py --shape small   # a smaller shape for a quick look
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dar_transformers import DARConfig, DARForCausalLM
+
+SHAPES = {
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+}
+
+
+def build_model(name: str, shape: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape))
+    num_branches = 2 * shape["num_hidden_layers"]
+    block_size = 1 if name == "dar-full" else None  # None: about 8 blocks
+    config = DARConfig(**shape, dar_block_size=block_size)
+    assert config.dar_block_size <= num_branches
+    return DARForCausalLM(config)
+
+
+def time_train_step(model, optimizer, batch) -> float:
+    start = time.perf_counter()
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def time_prefill(model, prompt) -> float:
+    start = time.perf_counter()
+    model(input_ids=prompt, use_cache=True)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def time_decode(model, prompt, new_tokens: int) -> float:
+    """Median seconds per decoded token (one-token forwards with the KV cache)."""
+    output = model(input_ids=prompt, use_cache=True)
+    cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(new_tokens):
+        start = time.perf_counter()
+        output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - start)
+        cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+    return statistics.median(times)
+
+
+def saved_activation_bytes(model, batch) -> int:
+    """Bytes of distinct storages autograd saves for backward in one training forward."""
+    storages = {}
+
+    def pack(tensor):
+        if not tensor.is_meta and not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=batch, labels=batch).loss
+    del loss
+    return sum(size for pointer, size in storages.items() if pointer not in parameters)
+
+
+def peak_rss_subprocess(name: str, shape_name: str, mode: str, batch: int, seq: int) -> float:
+    """Peak resident MiB of a fresh process that builds the model and runs one `mode` step ('train': forward,
+    backward and an AdamW step; 'prefill': a no-grad forward with the KV cache)."""
+    code = f"""
+import resource, sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from overhead import SHAPES, build_model
+model = build_model({name!r}, SHAPES[{shape_name!r}])
+batch = torch.randint(0, 1000, ({batch}, {seq}))
+if {mode!r} == "train":
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+else:
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=batch, use_cache=True)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128, help="training / prefill sequence length")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of each measurement")
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--models", default="llama,dar-block,dar-full")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
+    args = parser.parse_args()
+
+    shape = SHAPES[args.shape]
+    names = args.models.split(",")
+    models = {name: build_model(name, shape) for name in names}
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-5) for name, model in models.items()}
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=generator)
+    prompt = batch[:1]
+    block_sizes = {name: getattr(model.config, "dar_block_size", None) for name, model in models.items()}
+    print(f"shape {args.shape}: {shape}; batch {args.batch} x {args.seq}; threads {torch.get_num_threads()}")
+    print(f"block sizes (branches): {block_sizes}")
+
+    samples = {name: {"train_step_s": [], "prefill_s": [], "decode_token_s": []} for name in names}
+    for name in names:  # warm-up: first calls allocate and pick kernels
+        models[name].train()
+        time_train_step(models[name], optimizers[name], batch)
+        models[name].eval()
+        time_prefill(models[name], prompt)
+    for _ in range(args.repeats):
+        for name in names:
+            model = models[name]
+            model.train()
+            samples[name]["train_step_s"].append(time_train_step(model, optimizers[name], batch))
+            model.eval()
+            samples[name]["prefill_s"].append(time_prefill(model, prompt))
+            samples[name]["decode_token_s"].append(time_decode(model, prompt, args.decode_tokens))
+
+    results = {}
+    for name in names:
+        model = models[name]
+        model.train()
+        results[name] = {key: statistics.median(values) for key, values in samples[name].items()}
+        results[name]["saved_activation_mib"] = saved_activation_bytes(model, batch) / 2**20
+        if not args.no_rss:
+            results[name]["peak_rss_train_mib"] = peak_rss_subprocess(name, args.shape, "train", args.batch, args.seq)
+            results[name]["peak_rss_prefill_mib"] = peak_rss_subprocess(name, args.shape, "prefill", 1, args.seq)
+        results[name]["parameters"] = sum(p.numel() for p in model.parameters())
+
+    metrics = [key for key in results[names[0]] if key != "parameters"]
+    header = f"{'metric':<24}" + "".join(f"{name:>14}" for name in names) + "".join(
+        f"{name + '/llama':>18}" for name in names if name != "llama"
+    )
+    print(header)
+    for metric in metrics:
+        row = f"{metric:<24}" + "".join(f"{results[name][metric]:>14.4f}" for name in names)
+        if "llama" in results:
+            row += "".join(
+                f"{results[name][metric] / results['llama'][metric]:>17.3f}x" for name in names if name != "llama"
+            )
+        print(row)
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "shape": args.shape, "dims": shape, "batch": args.batch, "seq": args.seq, "repeats": args.repeats,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "block_sizes": block_sizes, "results": results, "samples": samples,
+    }
+    args.output.write_text(json.dumps(record, indent=2))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
