@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""The `dar` command: `dar convert SOURCE OUTPUT [...]` and `dar generate FOLDER [...]`.
+
+`convert` upcycles an HF folder or a GGUF file into DAR (see `dar_transformers.convert`), prints the
+verification table and writes a Hub-ready folder; `generate` streams a (chat) answer from any causal-LM folder.
+"""
+
+import argparse
+import sys
+
+from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
+from .convert import DTYPES, TARGET_KINDS, VerificationError, upcycle
+
+# CLI option -> target config field. Other kinds (the MoE variant) add their options and rows here.
+CONVERT_FIELD_OPTIONS: dict[str, str] = {
+    "block_size": "dar_block_size",
+    "routing": "dar_routing",
+    "streams": "dar_num_streams",
+    "write_mode": "dar_write_mode",
+}
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="an HF model folder (safetensors) or a .gguf file")
+    parser.add_argument("output", help="the folder to write (must not exist or be empty, unless --overwrite)")
+    parser.add_argument("--kind", default="dar", choices=sorted(TARGET_KINDS), help="target model kind")
+    parser.add_argument(
+        "--block-size", type=int, default=None,
+        help="DAR block size K in branches (2 per layer); 1 = Full DAR; default: about 8 blocks",
+    )
+    parser.add_argument("--routing", choices=DAR_ROUTINGS, default=None, help="depth routing (default: dar)")
+    parser.add_argument("--streams", type=int, choices=(1, 2), default=None, help="residual streams (1 = AttnRes)")
+    parser.add_argument("--write-mode", choices=DAR_WRITE_MODES, default=None, help="stream write mode")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype (and of the check)")
+    parser.add_argument(
+        "--tolerance", type=float, default=None,
+        help="max abs logit difference allowed (default 2e-4, 1e-8 for float64); a larger value relaxes the "
+        "check, e.g. for bfloat16, and the model card says so",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens compared per prompt")
+    parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
+    parser.add_argument("--base-model", default=None, help="Hub id of the source, for the model card")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
+
+
+def convert_fields(args: argparse.Namespace) -> dict:
+    """The target config fields given on the command line (unset options keep the config defaults)."""
+    return {field: getattr(args, option) for option, field in CONVERT_FIELD_OPTIONS.items() if getattr(args, option) is not None}
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    try:
+        result = upcycle(
+            args.source,
+            args.output,
+            kind=args.kind,
+            dtype=args.dtype,
+            tolerance=args.tolerance,
+            max_new_tokens=args.max_new_tokens,
+            max_shard_size=args.max_shard_size,
+            base_model=args.base_model,
+            overwrite=args.overwrite,
+            **convert_fields(args),
+        )
+    except VerificationError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as error:
+        print(f"dar convert: error: {error}", file=sys.stderr)
+        return 1
+    print(result.report.table())
+    config = result.model.config
+    print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).")
+    return 0
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a DAR (or any causal-LM) model folder")
+    parser.add_argument("--prompt", default="What is the capital of France?", help="the user message / text")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--no-chat-template", action="store_true", help="use the prompt as plain text")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    from .convert import chat_input_ids, resolve_dtype
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=resolve_dtype(args.dtype)).eval()
+    except (OSError, ValueError) as error:
+        print(f"dar generate: error: cannot load {args.model}: {error}", file=sys.stderr)
+        return 1
+    if tokenizer.chat_template is not None and not args.no_chat_template:
+        input_ids = chat_input_ids(tokenizer, args.prompt)
+    else:
+        input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    model.generate(
+        input_ids, attention_mask=input_ids.new_ones(input_ids.shape), max_new_tokens=args.max_new_tokens,
+        streamer=streamer, **sampling,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dar", description="Dual Attention Residuals (arXiv 2607.18730) tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert_parser = commands.add_parser("convert", help="upcycle a Llama/Mistral/Qwen2/Qwen3 model into DAR")
+    add_convert_arguments(convert_parser)
+    convert_parser.set_defaults(run=run_convert)
+    generate_parser = commands.add_parser("generate", help="stream a (chat) answer from a model folder")
+    add_generate_arguments(generate_parser)
+    generate_parser.set_defaults(run=run_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
