@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PEFT LoRA on DAR, on CPU with tiny models: default target modules for model_type "dar", only adapter (and,
+when asked, DAR) parameters train, merge_and_unload() keeps the logits, adapters save and load onto a base DAR
+checkpoint, and PEFT + gradient checkpointing."""
+
+import pytest
+import torch
+from conftest import perturb_dar_parameters, random_input_ids, tiny_llama, upcycled_dar
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import constants as peft_constants
+
+from dar_transformers import DARForCausalLM
+from dar_transformers.peft_utils import dar_lora_config, register_peft_defaults
+from dar_transformers.training import DAR_MODULE_NAMES, create_dar_optimizer, is_dar_parameter
+
+LLAMA_LORA_DEFAULTS = {"q_proj", "v_proj"}
+
+
+def base_model(seed: int = 0) -> DARForCausalLM:
+    """A tiny upcycled DAR model with perturbed DAR parameters (so DAR reads are not at their init)."""
+    model = upcycled_dar(tiny_llama(seed), dar_block_size=2)
+    perturb_dar_parameters(model, scale=0.3, seed=seed)
+    return model
+
+
+def train_steps(model, steps: int = 5, learning_rate: float = 1e-2) -> None:
+    """A few AdamW steps on random tokens, through the DAR optimiser helper (groups of trainable parameters)."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", learning_rate=learning_rate, weight_decay=0.1, report_to="none")
+    optimizer, _ = create_dar_optimizer(model, args)
+    model.train()
+    for step in range(steps):
+        input_ids = random_input_ids(batch=4, length=12, seed=100 + step)
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def base_name(peft_name: str) -> str:
+    """The base model's name of a parameter inside a PEFT model (LoRA-wrapped layers add `base_layer`)."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def test_peft_defaults_are_registered_for_dar_at_import():
+    assert peft_constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["dar"] == ["q_proj", "v_proj"]
+    assert peft_constants.TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING["dar"] == \
+        peft_constants.TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING["llama"]
+    assert register_peft_defaults("dar") == []  # idempotent: a second call adds nothing
+
+
+def test_lora_without_target_modules_wraps_the_llama_projections():
+    model = get_peft_model(base_model(), LoraConfig(task_type="CAUSAL_LM", r=4))
+    wrapped = {name.removeprefix("base_model.model.") for name, module in model.named_modules()
+               if hasattr(module, "lora_A") and not name.endswith(("lora_A", "lora_B"))}
+    assert wrapped == {f"model.layers.{layer}.self_attn.{projection}" for layer in (0, 1)
+                       for projection in LLAMA_LORA_DEFAULTS}
+    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+
+
+def test_lora_without_the_registration_needs_target_modules(monkeypatch):
+    """Negative control: the default above comes from the registration, not from PEFT guessing."""
+    monkeypatch.delitem(peft_constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, "dar")
+    with pytest.raises(ValueError, match="target_modules"):
+        get_peft_model(base_model(), LoraConfig(task_type="CAUSAL_LM", r=4))
+
+
+@pytest.mark.parametrize("train_dar", [False, True])
+def test_lora_training_changes_only_adapters_and_requested_dar_parameters(train_dar):
+    base = base_model()
+    initial = {name: parameter.detach().clone() for name, parameter in base.named_parameters()}
+    model = get_peft_model(base, dar_lora_config(train_dar=train_dar, r=4, lora_alpha=8))
+    train_steps(model)
+
+    changed, unchanged = set(), set()
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name or ".modules_to_save." in name:
+            continue
+        original = base_name(name).replace(".original_module.", ".")
+        (unchanged if torch.equal(parameter, initial[original]) else changed).add(original)
+    assert changed == set() and len(unchanged) == len(initial)  # the base model (including DAR originals) is frozen
+
+    lora = {name: parameter for name, parameter in model.named_parameters() if ".lora_B." in name}
+    assert lora and all(parameter.abs().max() > 0 for parameter in lora.values())  # B starts at zero, so it trained
+    trained_dar = {base_name(name).replace(".modules_to_save.default.", "."): parameter
+                   for name, parameter in model.named_parameters() if ".modules_to_save." in name}
+    if train_dar:
+        dar_names = {name for name in initial if is_dar_parameter(name)}
+        assert set(trained_dar) == dar_names
+        moved = {name for name, parameter in trained_dar.items() if not torch.equal(parameter, initial[name])}
+        # all but branch 0's query, key norm and read gate, which get an identically zero gradient
+        assert len(moved) == len(dar_names) - 3
+    else:
+        assert trained_dar == {}
+
+
+@pytest.mark.parametrize("train_dar", [False, True])
+def test_merge_and_unload_gives_the_adapted_logits(train_dar):
+    model = get_peft_model(base_model(), dar_lora_config(train_dar=train_dar, r=4, lora_alpha=8))
+    train_steps(model)
+    input_ids = random_input_ids(batch=3, length=10, seed=7)
+    with torch.no_grad():
+        adapted = model(input_ids).logits
+        merged_model = model.merge_and_unload()
+        merged = merged_model(input_ids).logits
+    assert type(merged_model) is DARForCausalLM
+    assert not any("lora_" in name or "modules_to_save" in name for name, _ in merged_model.named_parameters())
+    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
+    with torch.no_grad():  # and the adapters did change the function
+        assert (base_model()(input_ids).logits - merged).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("train_dar", [False, True])
+def test_adapters_save_and_load_onto_a_base_dar_checkpoint(tmp_path, train_dar):
+    base_model().save_pretrained(tmp_path / "base")
+    model = get_peft_model(
+        DARForCausalLM.from_pretrained(tmp_path / "base"), dar_lora_config(train_dar=train_dar, r=4, lora_alpha=8)
+    )
+    train_steps(model)
+    model.save_pretrained(tmp_path / "adapter")
+    saved = set((tmp_path / "adapter").iterdir())
+    assert {path.name for path in saved} >= {"adapter_config.json", "adapter_model.safetensors"}
+
+    reloaded = PeftModel.from_pretrained(DARForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
+    input_ids = random_input_ids(batch=2, length=9, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=1e-6)
+        # Negative control: the base checkpoint alone differs.
+        assert (DARForCausalLM.from_pretrained(tmp_path / "base")(input_ids).logits - model(input_ids).logits).abs().max() > 1e-3
+
+
+def test_lora_with_gradient_checkpointing_matches_without():
+    model = get_peft_model(base_model(), dar_lora_config(train_dar=True, r=4, lora_alpha=8))
+    train_steps(model, steps=1)  # non-zero lora_B, so lora_A gets gradients too
+    model.train()
+    input_ids = random_input_ids(batch=2, length=12, seed=5)
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.requires_grad}
+
+    plain = gradients()
+    model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()  # what PEFT's prepare / Trainer do for reentrant checkpointing
+    checkpointed = gradients()
+    assert set(plain) == set(checkpointed) and any(name for name in plain if "modules_to_save" in name)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert all(plain[name].abs().max() > 0 for name in plain if ".lora_" in name)
+
+
+def test_dar_lora_config_merges_modules_to_save():
+    config = dar_lora_config(train_dar=True, modules_to_save=["lm_head", "final_readout"], r=2)
+    assert config.modules_to_save == ["lm_head", "final_readout", "attn_residual", "mlp_residual"]
+    assert set(DAR_MODULE_NAMES) <= set(config.modules_to_save)
+    assert dar_lora_config().modules_to_save is None and dar_lora_config().task_type == "CAUSAL_LM"
