@@ -11,6 +11,8 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -107,6 +109,67 @@ def logits(model, input_ids) -> torch.Tensor:
         return model(input_ids).logits
 
 
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's rotary layout for attn_q / attn_k (transformers' GGUF loader undoes it)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}
+
+
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> Path:
+    """A float32 Llama GGUF with a BPE ("gpt2") tokenizer and chat template, as llama.cpp's converter writes it."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get) + [f"<unused{i}>" for i in range(config.vocab_size - len(vocab))]
+    special = {added["content"] for added in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in special else 1 for token in tokens])  # 3: control, 1: normal
+    writer.add_token_merges([merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(tokenizer.chat_template)
+    for key, tensor in model.state_dict().items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.numpy().astype(np.float32)
+        if key in GGUF_GLOBAL_NAMES:
+            writer.add_tensor(GGUF_GLOBAL_NAMES[key], array)
+            continue
+        layer, module = key.split(".")[2], ".".join(key.split(".")[3:-1])
+        if module == "self_attn.q_proj":
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif module == "self_attn.k_proj":
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 @pytest.fixture(scope="module")
 def converted_llama(tmp_path_factory):
     """A tied tiny Llama folder converted with all default verification prompts (text and chat)."""
@@ -189,6 +252,28 @@ def test_untied_sharded_llama_folder_converts_to_a_sharded_exact_repo(tmp_path):
     ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
     source_model = LlamaForCausalLM.from_pretrained(source).eval()
     assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5
+
+
+def test_gguf_file_converts_exactly_with_its_tokenizer_and_chat_template(tmp_path):
+    source_model, tokenizer = make_source("llama", tied=True), make_tokenizer()
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", source_model, tokenizer)
+    before = tree_digest(tmp_path / "gguf")
+    result = upcycle(gguf_path, tmp_path / "out", dar_block_size=2, tolerance=1e-5, **FAST)
+    assert result.report.passed and result.report.checks[-1].name.startswith("chat:")
+    out = tmp_path / "out"
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5  # against the HF original
+    from transformers import AutoTokenizer
+
+    written = AutoTokenizer.from_pretrained(out)
+    text = "The capital of France is Paris. Hello"
+    assert written(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert written.chat_template == tokenizer.chat_template
+    assert tree_digest(tmp_path / "gguf") == before
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
