@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The dar-transformers authors.
-"""The `dar` command: `dar convert SOURCE OUTPUT [...]` and `dar generate FOLDER [...]`.
+"""The `dar` command: `dar convert SOURCE OUTPUT [...]`, `dar generate FOLDER [...]`, `dar analyze MODEL [...]`.
 
 `convert` upcycles an HF folder or a GGUF file into DAR (see `dar_transformers.convert`), prints the
 verification table and writes a Hub-ready folder; `generate` streams a (chat) answer from any causal-LM folder.
@@ -9,6 +9,8 @@ verification table and writes a Hub-ready folder; `generate` streams a (chat) an
 import argparse
 import sys
 
+from .analysis import add_arguments as add_analyze_arguments
+from .analysis import run_command as run_analyze
 from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
 from .convert import DTYPES, TARGET_KINDS, VerificationError, upcycle
 
@@ -117,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser = commands.add_parser("generate", help="stream a (chat) answer from a model folder")
     add_generate_arguments(generate_parser)
     generate_parser.set_defaults(run=run_generate)
+    analyze_parser = commands.add_parser(
+        "analyze", help="depth-weight maps, cross-stream CKA, rescue gain, stream balance of a DAR model (PNGs + JSON)"
+    )
+    add_analyze_arguments(analyze_parser)
+    analyze_parser.set_defaults(run=run_analyze)
     return parser
 
 

@@ -1,0 +1,608 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""Analyses of a DAR model (DESIGN.md section 1 claims; residual-methods.md section 6.8): what the depth reads do.
+
+Instrumentation never changes the model math. For the duration of `record_depth_reads` the model runs its readable
+reference loop (`config.dar_implementation = "reference"`) and every `DARDepthAttention.reference` is wrapped on
+the instance: the wrapper calls the original read, records its depth weights and extractions, and (for the rescue
+intervention only) may swap the returned extraction for another. Leaving the context restores everything.
+
+  depth-weight maps   mean softmax weight a^j_r over tokens, per branch m and stream j, and its entropy
+  cross-stream CKA    linear CKA (Kornblith et al. 2019) between x^0_m and x^1_n for every pair of depths m, n
+  rescue gain         corrupt both extractions x^0_m, x^1_m at a branch with another sequence's, restore one
+                      stream (or none), measure how much of the clean output comes back (docs/results.md)
+  stream balance      RMS of each stream's history entries, their cosine, read gate alpha, write-gate spread, rho
+
+Shape legend: B batch, T tokens, D hidden, S depth sources, J streams, M branches (+1 for the final readout).
+Command line: `dar analyze MODEL --text FILE --out DIR` or `python -m dar_transformers.analysis MODEL ...`.
+"""
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.utils import logging
+
+from .configuration_dar import DARConfig
+from .modeling_dar import DARDepthAttention, DARReadGate, DARWriteGate
+
+logger = logging.get_logger(__name__)
+
+READOUT = "readout"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Linear CKA
+
+
+def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA (Kornblith et al. 2019, eq. 5) between two representations of the same N examples.
+
+    x [N, D1], y [N, D2]: CKA = ||Yc^T Xc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F) with column-centred Xc, Yc.
+    1 for representations equal up to an orthogonal transform and isotropic scaling; near 0 when independent.
+    """
+    x = x.double() - x.double().mean(0, keepdim=True)  # [N, D1]
+    y = y.double() - y.double().mean(0, keepdim=True)  # [N, D2]
+    cross = torch.linalg.matrix_norm(y.T @ x) ** 2
+    denominator = torch.linalg.matrix_norm(x.T @ x) * torch.linalg.matrix_norm(y.T @ y)
+    return float(cross / denominator) if denominator > 0 else float("nan")
+
+
+def cka_matrix(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
+    """CKA[m, n] = linear_cka(xs[m], ys[n]) for lists of [N, D] representations of the same N examples: [M, M'].
+
+    Picks the cheaper of two exact forms: the feature form above (cost ~ M M' N D^2), or centred Gram matrices
+    K = Xc Xc^T, with ||Yc^T Xc||_F^2 = <K_x, K_y>_F, so that the whole matrix is one product (~ (M + M') N^2 D).
+    """
+    size, width = xs[0].shape
+    if len(xs) * len(ys) * width**2 <= (len(xs) + len(ys)) * size**2 + len(xs) * len(ys) * size:
+        return torch.tensor([[linear_cka(x, y) for y in ys] for x in xs], dtype=torch.float64)
+
+    # float64 unless that would need more than about 256 MB (SmolLM2-sized depth); CKA is clamped to [0, 1].
+    dtype = torch.float64 if (len(xs) + len(ys)) * size**2 <= 2**25 else torch.float32
+
+    def normalised_grams(representations: list[torch.Tensor]) -> torch.Tensor:
+        grams = []
+        for x in representations:
+            x = x.double() - x.double().mean(0, keepdim=True)  # [N, D]
+            gram = (x @ x.T).flatten()  # [N * N]
+            grams.append((gram / torch.linalg.vector_norm(gram).clamp_min(1e-300)).to(dtype))
+        return torch.stack(grams)  # [M, N * N]
+
+    return (normalised_grams(xs) @ normalised_grams(ys).T).double().clamp(0.0, 1.0)  # [M, M']
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Instrumentation
+
+
+@dataclass
+class DepthRead:
+    """One recorded depth read: the weights of every target stream and the extractions it returned."""
+
+    name: str
+    weights: torch.Tensor  # [J, S, B, T]
+    extracted: torch.Tensor  # [J, B, T, D], count-scaled, as returned by the read (before any intervention)
+    entry_rms: torch.Tensor | None = None  # [S, J] mean RMS of each source (kept for the final readout only)
+    entry_cosine: torch.Tensor | None = None  # [S] mean cross-stream cosine of each source (final readout only)
+
+
+@dataclass
+class DARBranchModules:
+    """The DAR modules around one depth read: branch m (or the final readout, with no write gate)."""
+
+    name: str
+    branch_index: int | None
+    depth_attention: DARDepthAttention
+    read_gate: DARReadGate
+    write_gate: DARWriteGate | None
+
+
+def dar_branches(model: torch.nn.Module) -> list[DARBranchModules]:
+    """Every depth read of a DAR model in execution order: L{l}.attn, L{l}.mlp for each layer, then the readout."""
+    base = model.base_model
+    if not isinstance(base.config, DARConfig):
+        raise TypeError(f"Expected a DAR model (model_type 'dar'), got {type(model).__name__}.")
+    branches = []
+    for layer_index, layer in enumerate(base.layers):
+        for kind, residual in (("attn", layer.attn_residual), ("mlp", layer.mlp_residual)):
+            branches.append(
+                DARBranchModules(
+                    f"L{layer_index}.{kind}", residual.branch_index, residual.depth_attention, residual.read_gate,
+                    residual.write_gate,
+                )
+            )
+    readout = base.final_readout
+    branches.append(DARBranchModules(READOUT, None, readout.depth_attention, readout.read_gate, None))
+    return branches
+
+
+def depth_weights(attention: DARDepthAttention, sources: torch.Tensor) -> torch.Tensor:
+    """The softmax weights a^j of a read, recomputed as in `DARDepthAttention.reference`.
+
+    sources [S, J, B, T, D] -> weights [J, S, B, T].
+    """
+    weights = []
+    for target in range(attention.num_streams):
+        keys = F.rms_norm(
+            sources[:, attention.key_streams[target]],
+            (sources.shape[-1],),
+            weight=attention.key_norm.weight[target].to(sources.dtype),
+            eps=attention.key_norm.variance_epsilon,
+        )  # [S, B, T, D]
+        scores = torch.einsum("d,sbtd->sbt", attention.pseudo_query[target].to(sources.dtype), keys)  # [S, B, T]
+        weights.append(scores.softmax(dim=0))  # [S, B, T]
+    return torch.stack(weights)  # [J, S, B, T]
+
+
+def _source_statistics(sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean RMS of every source and stream [S, J], and the mean cross-stream cosine of every source [S]."""
+    entry_rms = sources.pow(2).mean(-1).sqrt().mean((-1, -2))  # [S, J]
+    if sources.shape[1] < 2:
+        return entry_rms, None
+    cosine = F.cosine_similarity(sources[:, 0], sources[:, 1], dim=-1).mean((-1, -2))  # [S]
+    return entry_rms, cosine
+
+
+# The model's reference read takes sources [B, T, S, J, D] and returns x [B, T, J, D] (token-major state); the
+# analyses use depth-major [S, J, B, T, D] and [J, B, T, D]. These three views are the only layout coupling.
+def _sources_from_model(sources: torch.Tensor) -> torch.Tensor:
+    return sources.permute(2, 3, 0, 1, 4)  # [B, T, S, J, D] -> [S, J, B, T, D]
+
+
+def _extraction_from_model(extracted: torch.Tensor) -> torch.Tensor:
+    return extracted.permute(2, 0, 1, 3)  # [B, T, J, D] -> [J, B, T, D]
+
+
+def _extraction_to_model(extracted: torch.Tensor) -> torch.Tensor:
+    return extracted.permute(1, 2, 0, 3)  # [J, B, T, D] -> [B, T, J, D]
+
+
+@contextmanager
+def record_depth_reads(
+    model: torch.nn.Module,
+    interventions: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+) -> Iterator[dict[str, DepthRead]]:
+    """Run `model` through its reference loop and record every depth read (keyed by branch name).
+
+    interventions: branch name -> function of the read's extraction [J, B, T, D] returning the extraction the branch
+    should use instead (the recorded `extracted` stays the original). Without interventions the outputs are the
+    model's own (the reference loop agrees with the fast path to fp32 rounding; DESIGN.md section 4).
+    """
+    interventions = interventions or {}
+    reads: dict[str, DepthRead] = {}
+    branches = dar_branches(model)
+    unknown = set(interventions) - {branch.name for branch in branches}
+    if unknown:
+        raise KeyError(f"No depth read named {sorted(unknown)}; names are L<layer>.attn, L<layer>.mlp, {READOUT}.")
+    configs = {
+        id(module.config): module.config
+        for module in model.modules()
+        if isinstance(getattr(module, "config", None), DARConfig)
+    }
+    previous = {key: config.dar_implementation for key, config in configs.items()}
+
+    def wrap(branch: DARBranchModules) -> Callable[[torch.Tensor], torch.Tensor]:
+        original = branch.depth_attention.reference  # the bound method of the class
+
+        def reference(model_sources: torch.Tensor) -> torch.Tensor:
+            model_extracted = original(model_sources)  # the model's own layout
+            sources, extracted = _sources_from_model(model_sources), _extraction_from_model(model_extracted)
+            with torch.no_grad():
+                weights = depth_weights(branch.depth_attention, sources)  # [J, S, B, T]
+                record = DepthRead(branch.name, weights.detach(), extracted.detach())
+                if branch.name == READOUT:
+                    record.entry_rms, record.entry_cosine = _source_statistics(sources.detach())
+            reads[branch.name] = record
+            intervention = interventions.get(branch.name)
+            return model_extracted if intervention is None else _extraction_to_model(intervention(extracted))
+
+        return reference
+
+    try:
+        for config in configs.values():
+            config.dar_implementation = "reference"
+        for branch in branches:
+            branch.depth_attention.reference = wrap(branch)  # an instance attribute shadows the method
+        yield reads
+    finally:
+        for branch in branches:
+            branch.depth_attention.__dict__.pop("reference", None)
+        for key, config in configs.items():
+            config.dar_implementation = previous[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The analyses
+
+
+def token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy per predicted token: logits [B, T, V], input_ids [B, T] -> [B, T - 1]."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), input_ids[:, 1:], reduction="none")
+
+
+def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModules], config: DARConfig) -> dict:
+    """Mean depth weight per (branch, stream, source) and mean per-token entropy.
+
+    Sources are laid out on a common axis: committed entries 0..E-1 (0 = embedding, e = block e's sum, or branch
+    e's output for Full DAR), then one column for the current partial block (empty where a read has none).
+    """
+    num_committed = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)
+    streams = config.dar_num_streams
+    maps = torch.full((streams, len(branches), num_committed + 1), float("nan"))  # [J, M + 1, E + 1]
+    entropy = torch.zeros(streams, len(branches))  # [J, M + 1]
+    normalised_entropy = torch.zeros(streams, len(branches))  # [J, M + 1]
+    for row, branch in enumerate(branches):
+        weights = reads[branch.name].weights.float()  # [J, S, B, T]
+        num_sources = weights.shape[1]
+        if branch.branch_index is None:
+            committed, has_partial = num_sources, False
+        else:
+            committed = 1 + branch.branch_index // config.dar_block_size
+            has_partial = config.dar_include_partial and branch.branch_index % config.dar_block_size != 0
+        if committed + int(has_partial) != num_sources:
+            raise RuntimeError(f"{branch.name}: {num_sources} sources, expected {committed} + partial {has_partial}.")
+        mean = weights.mean((-1, -2))  # [J, S]
+        maps[:, row, :committed] = mean[:, :committed]
+        if has_partial:
+            maps[:, row, -1] = mean[:, -1]
+        token_entropy = -(weights * weights.clamp_min(1e-30).log()).sum(1)  # [J, B, T]
+        entropy[:, row] = token_entropy.mean((-1, -2))
+        normalised_entropy[:, row] = entropy[:, row] / math.log(num_sources) if num_sources > 1 else 0.0
+    return {
+        "source_labels": [f"e{index}" for index in range(num_committed)] + ["partial"],
+        "mean_weight": _nan_to_none(maps.tolist()),
+        "entropy_nats": entropy.tolist(),
+        "entropy_normalised": normalised_entropy.tolist(),
+    }
+
+
+def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModules], max_tokens: int = 1024) -> dict:
+    """CKA[m][n] = CKA(x^0_m, x^1_n) over tokens, for every pair of depth reads (rows stream 0, columns stream 1).
+
+    Uses at most `max_tokens` tokens (the same random subset at every depth) to bound the cost on large models.
+    """
+    flat = [reads[branch.name].extracted.flatten(1, 2) for branch in branches]  # each [J, B*T, D]
+    tokens = flat[0].shape[1]
+    if tokens > max_tokens:
+        keep = torch.randperm(tokens, generator=torch.Generator().manual_seed(0))[:max_tokens]
+        flat = [x[:, keep] for x in flat]
+    matrix = cka_matrix([x[0] for x in flat], [x[1] for x in flat])  # [M + 1, M + 1]
+    # The same comparison inside stream 0, the reference for "how similar are different depths anyway".
+    within = cka_matrix([x[0] for x in flat], [x[0] for x in flat])  # [M + 1, M + 1]
+    off = ~torch.eye(len(flat), dtype=torch.bool)
+    return {
+        "tokens": int(flat[0].shape[1]),
+        "matrix": matrix.tolist(),
+        "matched_depth": matrix.diagonal().tolist(),
+        "matched_depth_mean": float(matrix.diagonal().mean()),
+        "off_diagonal_mean": float(matrix[off].mean()) if off.any() else float("nan"),
+        "within_stream0_off_diagonal_mean": float(within[off].mean()) if off.any() else float("nan"),
+    }
+
+
+@torch.no_grad()
+def rescue_gain(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    branch_names: list[str] | None = None,
+    clean_logits: torch.Tensor | None = None,
+    clean_reads: dict[str, DepthRead] | None = None,
+) -> dict:
+    """The rescue-gain intervention at each named depth read (default: every read).
+
+    For a read m: the clean run gives logits z and extractions x^j_m. The corrupted run replaces both x^0_m and x^1_m
+    of sequence b by those of sequence b - 1 (a real state of another input; the batch rolled by one, so B >= 2).
+    The restore-j run keeps stream j's own clean extraction and corrupts the other. With d(z') the mean over
+    predicted tokens of ||z' - z||^2 and L the mean next-token loss:
+
+      rescue_gain_j      = 1 - d(restore j) / d(corrupted)          (logit distance; 1 = stream j alone restores all)
+      rescue_gain_loss_j = (L(corrupted) - L(restore j)) / (L(corrupted) - L(clean))
+
+    Nothing else changes: every other read and branch runs unmodified on the clean input.
+    """
+    if input_ids.shape[0] < 2:
+        raise ValueError("rescue_gain needs a batch of at least 2 sequences (the donor is another sequence).")
+    if clean_logits is None or clean_reads is None:
+        with record_depth_reads(model) as clean_reads:
+            clean_logits = model(input_ids=input_ids).logits.float()
+    clean_loss = token_losses(clean_logits, input_ids).mean().item()
+    names = branch_names or [branch.name for branch in dar_branches(model)]
+    results = {}
+    for name in names:
+        donor = clean_reads[name].extracted.roll(1, dims=1)  # [J, B, T, D]: sequence b - 1's extraction
+
+        def corrupt(streams: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+            def intervention(extracted: torch.Tensor) -> torch.Tensor:
+                changed = extracted.clone()  # [J, B, T, D]
+                changed[list(streams)] = donor[list(streams)].to(changed.dtype)
+                return changed
+
+            return intervention
+
+        outcome = {}
+        for label, streams in (("corrupted", (0, 1)), ("restore0", (1,)), ("restore1", (0,))):
+            with record_depth_reads(model, {name: corrupt(streams)}):
+                logits = model(input_ids=input_ids).logits.float()
+            outcome[label] = (
+                (logits - clean_logits)[:, :-1].pow(2).sum(-1).mean().item(),
+                token_losses(logits, input_ids).mean().item(),
+            )
+        corrupted_distance, corrupted_loss = outcome["corrupted"]
+        entry = {
+            "logit_distance_corrupted": corrupted_distance, "loss_clean": clean_loss, "loss_corrupted": corrupted_loss
+        }
+        for stream in (0, 1):
+            distance, loss = outcome[f"restore{stream}"]
+            entry[f"logit_distance_restore{stream}"] = distance
+            entry[f"loss_restore{stream}"] = loss
+            gain = 1.0 - distance / corrupted_distance if corrupted_distance > 0 else float("nan")
+            entry[f"rescue_gain{stream}"] = gain
+            damage = corrupted_loss - clean_loss
+            entry[f"rescue_gain_loss{stream}"] = (corrupted_loss - loss) / damage if damage != 0 else float("nan")
+        results[name] = entry
+    gains = torch.tensor([[results[n]["rescue_gain0"], results[n]["rescue_gain1"]] for n in names])  # [M', 2]
+    return {
+        "definition": "rescue_gain_j = 1 - d(restore j)/d(corrupted), d = mean squared logit distance to the clean run",
+        "branches": results,
+        "mean_rescue_gain": gains.nanmean(0).tolist(),
+        # balance in [0, 1]: 1 when both streams rescue equally, 0 when one stream rescues nothing.
+        "mean_balance": float((gains.min(1).values / gains.max(1).values.clamp_min(1e-12)).clamp(0, 1).nanmean()),
+    }
+
+
+def stream_balance(reads: dict[str, DepthRead], branches: list[DARBranchModules], config: DARConfig) -> dict:
+    """Norms of the streams' entries, their cross-stream cosine, read-gate alpha, write-gate spread and rho."""
+    readout = reads[READOUT]
+    balance = {
+        "entry_rms": readout.entry_rms.tolist(),  # [S][J]
+        "entry_cross_stream_cosine": readout.entry_cosine.tolist() if readout.entry_cosine is not None else None,
+        "extraction_rms": [reads[b.name].extracted.pow(2).mean(-1).sqrt().mean((-1, -2)).tolist() for b in branches],
+    }
+    if config.dar_num_streams == 2:
+        balance["alpha"] = [torch.sigmoid(b.read_gate.logit.detach().float()).item() for b in branches]
+        writers = [b.write_gate for b in branches if b.write_gate is not None]
+        beta = [config.dar_write_scale * torch.sigmoid(gate.logit.detach().float()) for gate in writers]  # [J, D] each
+        balance["beta_mean"] = [gate.mean(-1).tolist() for gate in beta]
+        # spread: mean |beta^0 - beta^1| / c per channel (0: identical gates, 1: each channel written to one stream)
+        balance["beta_spread"] = [((gate[0] - gate[1]).abs().mean() / config.dar_write_scale).item() for gate in beta]
+        # rho exists only where a partial block is carried (not at a block's first branch): None there.
+        balance["rho"] = [
+            torch.sigmoid(gate.transport_logit.detach().float()).item() if not gate.starts_block else None
+            for gate in writers
+        ]
+    return balance
+
+
+@torch.no_grad()
+def analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: list[str] | None = None) -> dict:
+    """Every analysis on one batch of token ids [B, T]; returns a JSON-serialisable summary."""
+    model.eval()
+    config = model.config
+    branches = dar_branches(model)
+    with record_depth_reads(model) as reads:
+        logits = model(input_ids=input_ids).logits.float()
+    summary = {
+        "model_type": config.model_type,
+        "num_streams": config.dar_num_streams,
+        "block_size": config.dar_block_size,
+        "routing": config.dar_routing,
+        "num_hidden_layers": config.num_hidden_layers,
+        "tokens": int(input_ids.numel()),
+        "batch": list(input_ids.shape),
+        "loss": token_losses(logits, input_ids).mean().item(),
+        "branches": [branch.name for branch in branches],
+        "depth_weights": depth_weight_maps(reads, branches, config),
+        "stream_balance": stream_balance(reads, branches, config),
+    }
+    if config.dar_num_streams == 2:
+        summary["cross_stream_cka"] = cross_stream_cka(reads, branches)
+        summary["rescue_gain"] = rescue_gain(model, input_ids, rescue_branches, logits, reads)
+    else:
+        logger.info("One-stream model: cross-stream CKA and rescue gain need two streams and are skipped.")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plots (matplotlib, Agg backend, saved files only)
+
+
+def save_plots(summary: dict, out_dir: Path) -> list[Path]:
+    """Heatmaps and bar charts of a summary from `analyze`; returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = summary["branches"]
+    written = []
+
+    def finish(figure, filename: str) -> None:
+        figure.tight_layout()
+        path = out_dir / filename
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+
+    maps = summary["depth_weights"]
+    for stream, rows in enumerate(maps["mean_weight"]):
+        values = torch.tensor([[math.nan if v is None else v for v in row] for row in rows])
+        figure, axis = plt.subplots(figsize=(1.2 + 0.45 * values.shape[1], 1.2 + 0.3 * values.shape[0]))
+        image = axis.imshow(values.numpy(), cmap="viridis", vmin=0.0, aspect="auto")
+        axis.set_xticks(range(len(maps["source_labels"])), maps["source_labels"], rotation=90, fontsize=7)
+        axis.set_yticks(range(len(names)), names, fontsize=7)
+        axis.set_xlabel("depth source")
+        axis.set_title(f"stream {stream}: mean depth weight", fontsize=9)
+        figure.colorbar(image, ax=axis)
+        finish(figure, f"depth_weights_stream{stream}.png")
+
+    figure, axis = plt.subplots(figsize=(6, 3))
+    for stream, values in enumerate(maps["entropy_normalised"]):
+        axis.plot(range(len(names)), values, marker="o", label=f"stream {stream}")
+    axis.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
+    axis.set_ylabel("entropy / log N")
+    axis.set_ylim(0, 1.05)
+    axis.legend()
+    finish(figure, "depth_entropy.png")
+
+    if "cross_stream_cka" in summary:
+        matrix = torch.tensor(summary["cross_stream_cka"]["matrix"])
+        figure, axis = plt.subplots(figsize=(2 + 0.3 * len(names), 1.5 + 0.3 * len(names)))
+        image = axis.imshow(matrix.numpy(), cmap="magma", vmin=0.0, vmax=1.0)
+        axis.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
+        axis.set_yticks(range(len(names)), names, fontsize=7)
+        axis.set_xlabel("stream 1 extraction x^1 at depth")
+        axis.set_ylabel("stream 0 extraction x^0 at depth")
+        axis.set_title("cross-stream linear CKA", fontsize=9)
+        figure.colorbar(image, ax=axis)
+        finish(figure, "cross_stream_cka.png")
+
+        gains = summary["rescue_gain"]["branches"]
+        rescue_names = list(gains)
+        figure, axis = plt.subplots(figsize=(max(4, 0.35 * len(rescue_names)), 3))
+        positions = torch.arange(len(rescue_names)).float()
+        for stream, offset in ((0, -0.2), (1, 0.2)):
+            axis.bar(positions + offset, [gains[n][f"rescue_gain{stream}"] for n in rescue_names], 0.4,
+                     label=f"restore stream {stream}")
+        axis.set_xticks(positions.tolist(), rescue_names, rotation=90, fontsize=7)
+        axis.set_ylabel("rescue gain (logit distance)")
+        axis.axhline(0, color="black", linewidth=0.5)
+        axis.legend(fontsize=7)
+        finish(figure, "rescue_gain.png")
+
+    balance = summary["stream_balance"]
+    panels = 3 if "alpha" in balance else 1
+    figure, axes = plt.subplots(1, panels, figsize=(4 * panels, 3), squeeze=False)
+    rms = torch.tensor(balance["entry_rms"])  # [S, J]
+    for stream in range(rms.shape[1]):
+        axes[0][0].plot(rms[:, stream].numpy(), marker="o", label=f"stream {stream}")
+    axes[0][0].set_xlabel("committed entry")
+    axes[0][0].set_ylabel("mean RMS")
+    axes[0][0].set_yscale("log")
+    axes[0][0].legend(fontsize=7)
+    if panels == 3:
+        axes[0][1].plot(balance["alpha"], marker="o")
+        axes[0][1].axhline(0.5, color="grey", linewidth=0.5)
+        axes[0][1].set_ylim(0, 1)
+        axes[0][1].set_xlabel("depth read")
+        axes[0][1].set_ylabel("read gate alpha")
+        axes[0][2].plot(balance["beta_spread"], marker="o")
+        axes[0][2].ticklabel_format(axis="y", useOffset=False)
+        axes[0][2].set_xlabel("branch")
+        axes[0][2].set_ylabel("write-gate spread mean|beta0-beta1|/c")
+    finish(figure, "stream_balance.png")
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def evenly_spaced(names: list[str], count: int) -> list[str]:
+    """At most `count` names spread over the depth, always keeping the first and the last."""
+    if count <= 0 or count >= len(names):
+        return list(names)
+    picks = sorted({round(index * (len(names) - 1) / (count - 1)) for index in range(count)}) if count > 1 else [0]
+    return [names[index] for index in picks]
+
+
+def text_batch(tokenizer, text: str, num_sequences: int, seq_len: int) -> torch.Tensor:
+    """The first num_sequences x seq_len tokens of `text` as [B, T] (fewer sequences if the text is short)."""
+    ids = tokenizer(text[: num_sequences * seq_len * 16], add_special_tokens=False)["input_ids"]
+    available = len(ids) // seq_len
+    if available < 2:
+        raise ValueError(f"The text gives {len(ids)} tokens; the analysis needs at least 2 x {seq_len}.")
+    if available < num_sequences:
+        logger.warning(f"The text gives only {available} sequences of {seq_len} tokens (asked for {num_sequences}).")
+    count = min(available, num_sequences)
+    return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `analyze` arguments (shared by `dar analyze` and `python -m dar_transformers.analysis`)."""
+    parser.add_argument("model", help="a DAR checkpoint directory (or anything from_pretrained accepts locally)")
+    parser.add_argument("--text", type=Path, required=True, help="a UTF-8 text file to run the model on")
+    parser.add_argument("--out", type=Path, required=True, help="output directory for summary.json and the PNGs")
+    parser.add_argument("--tokenizer", help="tokenizer location if the checkpoint has none")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--num-sequences", type=int, default=8)
+    parser.add_argument("--max-rescue-branches", type=int, default=16,
+                        help="rescue gain at this many depth reads spread over the depth (0 = all)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    parser.add_argument("--trust-remote-code", action="store_true")
+    return parser
+
+
+def run_from_arguments(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import _register_auto_classes
+
+    _register_auto_classes()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    input_ids = text_batch(tokenizer, args.text.read_text(encoding="utf-8"), args.num_sequences, args.seq_len)
+    names = evenly_spaced([branch.name for branch in dar_branches(model)], args.max_rescue_branches)
+    summary = analyze(model, input_ids, rescue_branches=names)
+    summary["model"] = str(args.model)
+    summary["text"] = str(args.text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=True))
+    for path in save_plots(summary, args.out):
+        logger.info(f"wrote {path}")
+    logger.info(f"wrote {args.out / 'summary.json'}")
+    return summary
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The `dar analyze` subcommand: exit status 0 and the written files on stdout (command-line output, like the
+    other `dar` subcommands), or 1 with a message on stderr for a model that is not DAR or unreadable input."""
+    try:
+        summary = run_from_arguments(args)
+    except (TypeError, ValueError, OSError) as error:
+        print(f"dar analyze: error: {error}", file=sys.stderr)
+        return 1
+    print(f"loss {summary['loss']:.4f} on {summary['tokens']} tokens; wrote {args.out}/summary.json and "
+          f"{len(list(args.out.glob('*.png')))} PNGs")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m dar_transformers.analysis", description=__doc__,
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+    return run_command(parser.parse_args(argv))
+
+
+def _nan_to_none(values):
+    if isinstance(values, list):
+        return [_nan_to_none(value) for value in values]
+    return None if isinstance(values, float) and math.isnan(values) else values
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = [
+    "DepthRead",
+    "analyze",
+    "cka_matrix",
+    "cross_stream_cka",
+    "dar_branches",
+    "depth_weight_maps",
+    "linear_cka",
+    "record_depth_reads",
+    "rescue_gain",
+    "save_plots",
+    "stream_balance",
+]

@@ -1,0 +1,200 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dar_transformers.analysis on CPU: linear CKA's invariances, recording that leaves the model unchanged, the
+rescue-gain bookkeeping on a tiny model, and the summary plus PNGs of `analyze`."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import perturb_dar_parameters, tiny_dar_config
+
+from dar_transformers import DARForCausalLM
+from dar_transformers.cli import main as cli_main
+from dar_transformers.analysis import (
+    analyze,
+    cka_matrix,
+    dar_branches,
+    linear_cka,
+    main,
+    record_depth_reads,
+    rescue_gain,
+    save_plots,
+)
+
+
+def trained_like_dar(seed: int = 0, **overrides) -> DARForCausalLM:
+    """A tiny DAR model whose DAR parameters are away from their init (non-uniform reads, gates not at 1/2)."""
+    torch.manual_seed(seed)
+    model = DARForCausalLM(tiny_dar_config(**overrides)).eval()
+    perturb_dar_parameters(model, scale=0.5, seed=seed)
+    return model
+
+
+def token_batch(batch: int = 3, length: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------------- CKA
+
+
+def test_cka_of_identical_inputs_is_one():
+    x = torch.randn(500, 16, generator=torch.Generator().manual_seed(0))
+    assert linear_cka(x, x) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_cka_of_independent_random_inputs_is_near_zero():
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4000, 8, generator=generator), torch.randn(4000, 8, generator=generator)
+    # E[CKA] ~ D1 * D2 / (N * sqrt(D1 * D2)) for independent Gaussians: about 0.002 here.
+    assert linear_cka(x, y) < 0.02
+
+
+def test_cka_is_invariant_to_isotropic_scaling_and_orthogonal_transforms():
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 12, generator=generator, dtype=torch.float64)
+    y = x @ torch.randn(12, 10, generator=generator, dtype=torch.float64) + 0.5 * torch.randn(
+        300, 10, generator=generator, dtype=torch.float64
+    )
+    orthogonal, _ = torch.linalg.qr(torch.randn(10, 10, generator=generator, dtype=torch.float64))
+    reference = linear_cka(x, y)
+    assert 0.05 < reference < 0.999  # a non-trivial value, so the invariances are tested
+    assert linear_cka(x, 7.5 * y) == pytest.approx(reference, abs=1e-10)
+    assert linear_cka(x, y @ orthogonal) == pytest.approx(reference, abs=1e-10)
+    assert linear_cka(0.01 * x, y) == pytest.approx(reference, abs=1e-10)
+
+
+def test_cka_is_not_invariant_to_anisotropic_scaling():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 6, generator=generator)
+    y = x + 0.3 * torch.randn(300, 6, generator=generator)
+    stretched = y * torch.tensor([10.0, 1, 1, 1, 1, 0.1])
+    assert abs(linear_cka(x, stretched) - linear_cka(x, y)) > 1e-3
+
+
+@pytest.mark.parametrize("tokens, width", [(40, 8), (12, 30)])
+def test_cka_matrix_feature_and_gram_forms_agree_with_pairwise_cka(tokens, width):
+    generator = torch.Generator().manual_seed(4)
+    xs = [torch.randn(tokens, width, generator=generator) for _ in range(3)]
+    ys = [x + torch.randn(tokens, width, generator=generator) * scale for x, scale in zip(xs, (0.1, 1.0, 10.0))]
+    expected = torch.tensor([[linear_cka(x, y) for y in ys] for x in xs], dtype=torch.float64)
+    torch.testing.assert_close(cka_matrix(xs, ys), expected, rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- instrumentation
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_recording_keeps_the_logits_and_restores_the_fast_path(block_size):
+    model = trained_like_dar(dar_block_size=block_size)
+    input_ids = token_batch()
+    with torch.no_grad():
+        fast = model(input_ids=input_ids).logits
+        with record_depth_reads(model) as reads:
+            recorded = model(input_ids=input_ids).logits
+            assert model.config.dar_implementation == "reference"
+    assert model.config.dar_implementation == "fast"
+    assert "reference" not in model.model.final_readout.depth_attention.__dict__
+    torch.testing.assert_close(recorded, fast, rtol=1e-4, atol=1e-5)
+    names = [branch.name for branch in dar_branches(model)]
+    assert list(reads) == names  # every read recorded, in execution order
+    for name, read in reads.items():
+        assert read.weights.shape[0] == 2 and read.extracted.shape == (2, 3, 12, 32)
+        torch.testing.assert_close(read.weights.sum(1), torch.ones(2, 3, 12))  # softmax over depth
+
+
+def test_uniform_reads_at_initialisation():
+    torch.manual_seed(0)
+    model = DARForCausalLM(tiny_dar_config(dar_block_size=1)).eval()
+    summary = analyze(model, token_batch())
+    entropy = torch.tensor(summary["depth_weights"]["entropy_normalised"])
+    torch.testing.assert_close(entropy[:, 1:], torch.ones_like(entropy[:, 1:]))  # zero queries: uniform weights
+    first = summary["depth_weights"]["mean_weight"][0][2]  # branch 2 of Full DAR reads e0, e1, e2
+    assert first[:3] == pytest.approx([1 / 3] * 3) and first[3] is None
+
+
+# ------------------------------------------------------------------------------------------------- rescue gain
+
+
+def test_rescue_gain_bookkeeping():
+    model = trained_like_dar(dar_block_size=2)
+    input_ids = token_batch(batch=4)
+    result = rescue_gain(model, input_ids, ["L0.mlp", "L1.attn", "readout"])
+    for name, entry in result["branches"].items():
+        assert entry["logit_distance_corrupted"] > 0, name
+        for stream in (0, 1):
+            # restoring one stream sits between nothing restored (gain 0) and everything restored (gain 1)
+            assert entry[f"rescue_gain{stream}"] == pytest.approx(
+                1 - entry[f"logit_distance_restore{stream}"] / entry["logit_distance_corrupted"]
+            )
+            damage = entry["loss_corrupted"] - entry["loss_clean"]
+            assert entry[f"rescue_gain_loss{stream}"] == pytest.approx(
+                (entry["loss_corrupted"] - entry[f"loss_restore{stream}"]) / damage
+            )
+    assert len(result["mean_rescue_gain"]) == 2 and 0 <= result["mean_balance"] <= 1
+
+
+def test_rescue_gain_follows_the_read_gate():
+    """With alpha = 1 the branch reads only stream 0: restoring it restores everything, restoring stream 1 nothing."""
+    model = trained_like_dar(dar_block_size=2)
+    with torch.no_grad():
+        model.model.layers[1].attn_residual.read_gate.logit.fill_(40.0)
+    entry = rescue_gain(model, token_batch(batch=4), ["L1.attn"])["branches"]["L1.attn"]
+    assert entry["rescue_gain0"] == pytest.approx(1.0, abs=1e-6)
+    assert entry["rescue_gain1"] == pytest.approx(0.0, abs=1e-6)
+    assert entry["loss_restore0"] == pytest.approx(entry["loss_clean"], abs=1e-6)
+
+
+def test_rescue_gain_needs_two_sequences():
+    with pytest.raises(ValueError, match="at least 2"):
+        rescue_gain(trained_like_dar(), token_batch(batch=1))
+
+
+# ---------------------------------------------------------------------------------------------- summary, files
+
+
+def test_analyze_writes_json_and_pngs(tmp_path):
+    model = trained_like_dar(dar_block_size=2)
+    summary = analyze(model, token_batch(batch=3))
+    json.dumps(summary)  # serialisable
+    cka = torch.tensor(summary["cross_stream_cka"]["matrix"])
+    assert cka.shape == (5, 5) and ((cka >= -1e-9) & (cka <= 1 + 1e-9)).all()
+    balance = summary["stream_balance"]
+    assert len(balance["alpha"]) == 5 and len(balance["beta_spread"]) == 4
+    assert all(math.isfinite(value) for value in balance["beta_spread"])
+    paths = save_plots(summary, tmp_path)
+    expected = {"depth_weights_stream0.png", "depth_weights_stream1.png", "depth_entropy.png", "cross_stream_cka.png",
+                "rescue_gain.png", "stream_balance.png"}
+    assert {path.name for path in paths} == expected
+    assert all(path.stat().st_size > 1000 for path in paths)
+
+
+def test_one_stream_model_skips_the_two_stream_analyses(tmp_path):
+    model = trained_like_dar(dar_num_streams=1, dar_block_size=2)
+    summary = analyze(model, token_batch())
+    assert "cross_stream_cka" not in summary and "rescue_gain" not in summary
+    assert {path.name for path in save_plots(summary, tmp_path)} >= {"depth_weights_stream0.png", "stream_balance.png"}
+
+
+def test_command_line_on_a_saved_checkpoint(tmp_path):
+    """`dar analyze` and `python -m dar_transformers.analysis` on a saved checkpoint with its tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    model = trained_like_dar(dar_block_size=2)
+    model.save_pretrained(tmp_path / "model")
+    words = [f"w{index}" for index in range(90)]
+    vocabulary = {"[UNK]": 0, **{word: index + 1 for index, word in enumerate(words)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(words[(7 * index) % 90] for index in range(200)))
+    arguments = [str(tmp_path / "model"), "--text", str(text), "--seq-len", "16", "--num-sequences", "3",
+                 "--max-rescue-branches", "2"]
+    assert main([*arguments, "--out", str(tmp_path / "out")]) == 0  # python -m dar_transformers.analysis
+    assert cli_main(["analyze", *arguments, "--out", str(tmp_path / "cli")]) == 0  # dar analyze
+    assert (tmp_path / "cli" / "summary.json").exists()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["batch"] == [3, 16] and list(summary["rescue_gain"]["branches"]) == ["L0.attn", "readout"]
+    assert (tmp_path / "out" / "cross_stream_cka.png").exists()
