@@ -270,11 +270,11 @@ def _oracle_logits(model, input_ids):
         residual = layer.attn_residual if branch % 2 == 0 else layer.mlp_residual
         position_in_block = branch % block_size
         sources = history + ([partial] if position_in_block > 0 and config.dar_include_partial else [])
-        u = _oracle_read_gate(
-            residual.read_gate, _oracle_extraction(residual.depth_attention, sources, config.dar_routing, config), config
-        )
+        extractions = _oracle_extraction(residual.depth_attention, sources, config.dar_routing, config)
+        u = _oracle_read_gate(residual.read_gate, extractions, config)
         if branch % 2 == 0:  # sdpa with no mask is causal
-            y = layer.self_attn(layer.input_layernorm(u), position_embeddings=position_embeddings, attention_mask=None)[0]
+            normed = layer.input_layernorm(u)
+            y = layer.self_attn(normed, position_embeddings=position_embeddings, attention_mask=None)[0]
         else:
             y = layer.mlp(layer.post_attention_layernorm(u))
         if num_streams == 1:

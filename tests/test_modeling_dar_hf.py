@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import textwrap
 
 import pytest
 import torch
@@ -30,17 +29,10 @@ from conftest import (
     tiny_llama,
     upcycled_dar,
 )
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    LlamaForCausalLM,
-)
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-import dar_transformers
 from dar_transformers import DARConfig, DARForCausalLM, DARForSequenceClassification, DARModel
-from dar_transformers.modeling_dar import DARDecoderLayer, DARDepthAttention, DARReadGate, DARWriteGate
+from dar_transformers.modeling_dar import DARDepthAttention, DARReadGate, DARWriteGate
 
 
 @pytest.fixture(scope="module")
