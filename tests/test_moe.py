@@ -15,6 +15,9 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -29,6 +32,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
+    PreTrainedTokenizerFast,
     Trainer,
     TrainingArguments,
 )
@@ -37,12 +41,13 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 
 from dar_transformers import DARMoeConfig, DARMoeForCausalLM, DARMoeModel
 from dar_transformers.modeling_dar_moe import DARMoeSparseMoeBlock
+from dar_transformers.cli import main as cli_main
+from dar_transformers.convert import verify_conversion
 from dar_transformers.moe_upcycling import (
-    convert_checkpoint_to_dar_moe,
     convert_to_dar_moe,
     dar_moe_config_from_source,
     fuse_expert_weights,
-    verify_conversion,
+    upcycle_to_dar_moe,
 )
 
 TINY = dict(
@@ -367,8 +372,8 @@ def test_sparse_upcycling_of_a_dense_llama_is_exact():
         assert torch.equal(experts.gate_up_proj[expert], torch.cat([dense_mlp.gate_proj.weight, dense_mlp.up_proj.weight]))
         assert torch.equal(experts.down_proj[expert], dense_mlp.down_proj.weight)
     input_ids = tokens()
-    report = verify_conversion(llama, moe, input_ids)
-    assert report.max_abs_logit_diff <= 1e-5 and report.greedy_identical
+    report = verify_conversion(llama, moe, [("random", input_ids[:1])], max_new_tokens=8, progress=False)
+    assert report.max_abs_logit_difference <= 1e-5 and report.greedy_identical
     with torch.no_grad():
         assert llama(input_ids).logits.abs().max() > 1.0
         router_logits = moe(input_ids, output_router_logits=True).router_logits
@@ -440,8 +445,9 @@ def test_moe_checkpoints_convert_exactly(source_kind):
     assert config.num_experts == 4 and config.num_experts_per_tok == 2
     assert config.norm_topk_prob == getattr(source.config, "norm_topk_prob", True)  # Mixtral always renormalises
     input_ids = tokens(length=12)
-    report = verify_conversion(source, converted, input_ids)
-    assert report.max_abs_logit_diff <= 1e-5 and report.greedy_identical, report
+    report = verify_conversion(source, converted, [("random", input_ids[:1])], max_new_tokens=8, progress=False)
+    assert report.max_abs_logit_difference <= 1e-5 and report.greedy_identical, report.table()
+    assert max_logit_diff(source, converted, input_ids) <= 1e-5  # the whole batch too
     # The routers, experts (and shared expert) are the source's: identical router logits in every sparse layer.
     with torch.no_grad():
         source_routers = source(input_ids, output_router_logits=True).router_logits
@@ -494,11 +500,72 @@ def test_conversion_rejects_bad_inputs():
         dar_moe_config_from_source(AutoConfig.for_model("gpt2"), num_experts=4, top_k=2)
 
 
-def test_checkpoint_conversion_saves_a_loadable_exact_model(tmp_path):
+def word_tokenizer(vocab_size: int = TINY["vocab_size"]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (the converter writes one into the repo folder)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{index}": index for index in range(3, vocab_size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+PROMPTS = [" ".join(f"w{3 + (7 * index) % 90}" for index in range(24)), "w5 w9 w11 w60 w61 w62 w3 w4"]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("float64", 1e-8)])
+def test_upcycle_to_dar_moe_verifies_and_writes_a_loadable_repo(tmp_path, dtype, tolerance):
     llama = tiny_llama()
-    llama.save_pretrained(tmp_path / "llama")
-    report = convert_checkpoint_to_dar_moe(str(tmp_path / "llama"), str(tmp_path / "moe"), num_experts=4, top_k=2)
-    assert report.max_abs_logit_diff <= 1e-5 and report.greedy_identical
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    result = upcycle_to_dar_moe(
+        llama, tmp_path / "moe", tokenizer=word_tokenizer(), num_experts=4, top_k=2, dtype=dtype, prompts=PROMPTS,
+        max_new_tokens=8, progress=False, dar_block_size=2,
+    )
+    assert result.report.passed and result.report.greedy_identical
+    assert result.report.max_abs_logit_difference <= tolerance
+    assert result.model.config._experts_implementation == ("batched_mm" if dtype == "float64" else "grouped_mm")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).eval()
     assert type(reloaded) is DARMoeForCausalLM and reloaded.config.num_experts == 4
+    assert reloaded.config.dar_block_size == 2 and reloaded.config.architectures == ["DARMoeForCausalLM"]
     assert max_logit_diff(llama, reloaded, tokens()) <= 1e-5
+    assert "DAR-MoE" in (tmp_path / "moe" / "README.md").read_text()
+
+
+def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
+    llama = tiny_llama(max_position_embeddings=256)  # the converter's default prompts are about 80 tokens
+    llama.save_pretrained(tmp_path / "llama")
+    word_tokenizer().save_pretrained(tmp_path / "llama")
+    code = cli_main(
+        ["convert", str(tmp_path / "llama"), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2", "--max-new-tokens",
+         "8", "--block-size", "1"]
+    )
+    output = capsys.readouterr().out
+    assert code == 0 and "PASSED" in output
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    assert type(reloaded) is DARMoeForCausalLM and reloaded.config.num_experts_per_tok == 2
+    assert reloaded.config.dar_block_size == 1
+    assert max_logit_diff(llama, reloaded, tokens()) <= 1e-5
+
+    # Drop-Upcycling: written, but the check says plainly that it is relaxed and the logits differ.
+    code = cli_main(
+        ["convert", str(tmp_path / "llama"), str(tmp_path / "noisy"), "--experts", "4", "--top-k", "2",
+         "--expert-noise", "0.25", "--max-new-tokens", "8"]
+    )
+    output = capsys.readouterr().out
+    assert code == 0 and "RELAXED" in output
+    noisy = AutoModelForCausalLM.from_pretrained(tmp_path / "noisy").eval()
+    assert max_logit_diff(llama, noisy, tokens()) > 1e-3
+
+    # Bad input: a clear error naming the field, nothing written.
+    code = cli_main(["convert", str(tmp_path / "llama"), str(tmp_path / "bad"), "--experts", "2", "--top-k", "3"])
+    assert code == 1 and "num_experts_per_tok must be an integer in [1, num_experts=2]" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):
+    torch.manual_seed(0)
+    fields = {**TINY, **INIT, "max_position_embeddings": 256}
+    mixtral = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **fields)).eval()
+    mixtral.save_pretrained(tmp_path / "mixtral")  # per-expert tensors on disk
+    word_tokenizer().save_pretrained(tmp_path / "mixtral")
+    code = cli_main(["convert", str(tmp_path / "mixtral"), str(tmp_path / "moe"), "--kind", "dar_moe", "--max-new-tokens", "8"])
+    assert code == 0 and "PASSED" in capsys.readouterr().out
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    assert max_logit_diff(mixtral, reloaded, tokens()) <= 1e-5

@@ -13,6 +13,7 @@ from .analysis import add_arguments as add_analyze_arguments
 from .analysis import run_command as run_analyze
 from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
 from .convert import DTYPES, TARGET_KINDS, VerificationError, upcycle
+from .moe_upcycling import upcycle_to_dar_moe  # also registers --kind dar_moe
 
 # CLI option -> target config field. Other kinds (the MoE variant) add their options and rows here.
 CONVERT_FIELD_OPTIONS: dict[str, str] = {
@@ -36,6 +37,16 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-mode", choices=DAR_WRITE_MODES, default=None, help="stream write mode")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype (and of the check)")
     parser.add_argument(
+        "--experts", type=int, default=None,
+        help="DAR-MoE (implies --kind dar_moe): sparse-upcycle each dense MLP into E identical experts",
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="DAR-MoE: experts per token (weights renormalised)")
+    parser.add_argument(
+        "--expert-noise", type=float, default=0.0,
+        help="DAR-MoE: Drop-Upcycling share in [0, 1] of each expert's hidden units re-initialised to break expert "
+        "symmetry; the result is NOT exact, so the check only reports differences unless --tolerance is given",
+    )
+    parser.add_argument(
         "--tolerance", type=float, default=None,
         help="max abs logit difference allowed (default 2e-4, 1e-8 for float64); a larger value relaxes the "
         "check, e.g. for bfloat16, and the model card says so",
@@ -52,11 +63,15 @@ def convert_fields(args: argparse.Namespace) -> dict:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    convert_function, kind_options = upcycle, {"kind": args.kind}
+    if args.kind == "dar_moe" or args.experts is not None or args.top_k is not None or args.expert_noise:
+        convert_function = upcycle_to_dar_moe
+        kind_options = {"num_experts": args.experts, "top_k": args.top_k, "expert_noise": args.expert_noise}
     try:
-        result = upcycle(
+        result = convert_function(
             args.source,
             args.output,
-            kind=args.kind,
+            **kind_options,
             dtype=args.dtype,
             tolerance=args.tolerance,
             max_new_tokens=args.max_new_tokens,

@@ -40,6 +40,8 @@ logger = logging.get_logger(__name__)
 
 # Source model_type -> dar_branch_family (the HF attention/MLP classes DAR composes, see DAR_BRANCH_MODULES).
 SOURCE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# MoE sources convert to kind "dar_moe" only (`dar_transformers.moe_upcycling`).
+MOE_SOURCE_FAMILIES: dict[str, str] = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
 # Source key (regex, full match) -> DAR key (template). DAR keeps Llama's attribute names, so each row maps a
 # shared parameter onto itself; a source key that matches no row is "unexpected" and stops the conversion.
@@ -247,6 +249,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def source_family(config: PreTrainedConfig) -> str:
     """The DAR branch family of a source config, or a clear error listing the supported ones."""
     model_type = config.model_type
+    if model_type in MOE_SOURCE_FAMILIES:
+        return MOE_SOURCE_FAMILIES[model_type]
     if model_type not in SOURCE_FAMILIES:
         architectures = getattr(config, "architectures", None) or [type(config).__name__]
         raise UnsupportedArchitectureError(

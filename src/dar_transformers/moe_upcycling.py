@@ -2,7 +2,10 @@
 # Copyright 2026 The dar-transformers authors.
 """Conversion to DAR-MoE: sparse upcycling of dense checkpoints, and Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints.
 
-Two sources, one target (`DARMoeForCausalLM`), one verification (logits and greedy tokens against the source):
+`dar convert SOURCE OUT --experts E --top-k k [--expert-noise X]` (or `--kind dar_moe` for an MoE source) and
+`upcycle_to_dar_moe` run it through `dar_transformers.convert` as the "dar_moe" target kind, so it gets the dense
+converter's sources (HF folder, GGUF, in-memory model), key checks, verification (max |logit difference| and greedy
+continuations on the same prompts and tolerances) and Hub-ready output folder. Two sources, one target:
 
 - **Sparse upcycling** (Komatsuzaki et al., arXiv 2212.05055) of a dense Llama-family model (Llama, Mistral,
   Qwen2, Qwen3): every expert of every sparse layer is a copy of that layer's dense MLP, the router is fresh and
@@ -20,34 +23,38 @@ Two sources, one target (`DARMoeForCausalLM`), one verification (logits and gree
   Per-expert tensors (`experts.N.w1/w2/w3`, `experts.N.gate_proj/up_proj/down_proj`, Mixtral's
   `block_sparse_moe`) are fused into the 3-D layout by `fuse_expert_weights`.
 
-The conversion is data plus a small function (STYLE.md item 10): the tables below, the list of new parameters,
-a check that nothing else is missing or unexpected, and a numerical verification.
+The conversion is data plus a small function (STYLE.md item 10): the tables below, the list of new parameters
+(`dar_moe_target_kind`), and the converter's check that nothing else is missing or unexpected.
 """
 
 import dataclasses
 import math
+import os
 import re
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PretrainedConfig
+from huggingface_hub.errors import StrictDataclassError
+from transformers import PreTrainedModel, PretrainedConfig
 from transformers.utils import logging
 
 from .configuration_dar_moe import DARMoeConfig
+from .convert import (
+    DAR_NEW_PARAMETERS,
+    MOE_SOURCE_FAMILIES,
+    SOURCE_FAMILIES,
+    ConversionResult,
+    TargetKind,
+    register_target_kind,
+    upcycle,
+    upcycle_model,
+)
 from .modeling_dar_moe import DARMoeForCausalLM
 
 logger = logging.get_logger(__name__)
 
 # Source model_type -> the DAR branch family whose attention module reproduces it.
-SOURCE_BRANCH_FAMILIES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mixtral": "mistral",
-    "qwen2_moe": "qwen2",
-    "qwen3_moe": "qwen3",
-}
-MOE_SOURCE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SOURCE_BRANCH_FAMILIES = {**SOURCE_FAMILIES, **MOE_SOURCE_FAMILIES}
+MOE_SOURCE_TYPES = tuple(MOE_SOURCE_FAMILIES)
 
 # Llama-part config fields copied from the source when it has them (None values leave DARConfig's default).
 SHARED_CONFIG_FIELDS = (
@@ -92,20 +99,12 @@ PER_EXPERT_KEY = re.compile(
     r"^(?P<prefix>.*\.)(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\.(?P<name>w1|w2|w3|gate_proj|up_proj|down_proj)"
     r"\.weight$"
 )
-# Parameters the conversion creates: DAR's residual modules (initialised by `_init_weights` to the exact reduction),
-# and, when upcycling a dense model, the routers (random, as in sparse upcycling).
-DAR_PARAMETER = re.compile(r"(^|\.)(attn_residual|mlp_residual|final_readout)\.")
-ROUTER_PARAMETER = re.compile(r"(^|\.)layers\.\d+\.mlp\.gate\.weight$")
-
-
-@dataclasses.dataclass
-class MoeConversionReport:
-    """What `verify_conversion` measured: the target against its source on the same tokens."""
-
-    max_abs_logit_diff: float
-    greedy_identical: bool
-    exact_by_construction: bool  # False with expert_noise > 0 (Drop-Upcycling breaks the reduction on purpose)
-    dtype: str
+# The DAR options a conversion may set (the architecture and MoE fields come from the source).
+DAR_OPTION_FIELDS = frozenset(
+    field.name
+    for field in dataclasses.fields(DARMoeConfig)
+    if field.name.startswith("dar_") and field.name != "dar_branch_family"
+) | {"router_aux_loss_coef", "output_router_logits"}
 
 
 def dar_moe_config_from_source(
@@ -119,6 +118,9 @@ def dar_moe_config_from_source(
     `dar_fields` sets any other DARMoeConfig field (e.g. `dar_block_size`); exactness holds for every DAR setting
     that DESIGN.md section 3 calls exact.
     """
+    unknown = sorted(name for name in dar_fields if name not in DAR_OPTION_FIELDS)
+    if unknown:
+        raise TypeError(f"Unknown DAR-MoE field(s) {unknown}; allowed: {sorted(DAR_OPTION_FIELDS)}.")
     model_type = source_config.model_type
     if model_type not in SOURCE_BRANCH_FAMILIES:
         raise ValueError(
@@ -165,7 +167,10 @@ def dar_moe_config_from_source(
             norm_topk_prob=True,  # the top-k weights of identical experts must sum to 1 (DESIGN.md section 3)
             shared_expert_intermediate_size=0,
         )
-    return DARMoeConfig(**{**fields, **dar_fields})
+    try:
+        return DARMoeConfig(**{**fields, **dar_fields})
+    except StrictDataclassError as error:  # the validator's own message names the field and the allowed values
+        raise ValueError(str(error.__cause__ or error)) from error
 
 
 def fuse_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -229,11 +234,65 @@ def upcycle_dense_mlps(
                 down_proj[expert][:, dropped] = down.mean() + down.std() * noise  # [D, r * I]
         upcycled[f"{prefix}experts.gate_up_proj"] = gate_up_proj
         upcycled[f"{prefix}experts.down_proj"] = down_proj
+    if expert_noise > 0.0:
+        logger.warning(
+            f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
+            "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
+        )
     return upcycled
 
 
-def _is_new_parameter(key: str, upcycled: bool) -> bool:
-    return bool(DAR_PARAMETER.search(key) or (upcycled and ROUTER_PARAMETER.search(key)))
+def is_moe_state_dict(state_dict: dict[str, torch.Tensor]) -> bool:
+    """True for an MoE checkpoint (fused or per-expert experts), False for a dense one."""
+    return any(".experts." in key or ".block_sparse_moe." in key for key in state_dict)
+
+
+def map_dar_moe_state_dict(
+    source_state: dict[str, torch.Tensor], config: DARMoeConfig, expert_noise: float = 0.0, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Source state dict -> DAR-MoE state dict: MoE experts fused, or dense MLPs upcycled into experts."""
+    if is_moe_state_dict(source_state):
+        if expert_noise:
+            raise ValueError("expert_noise applies to sparse upcycling of a dense model only, not to an MoE source.")
+        return fuse_expert_weights(source_state)
+    return upcycle_dense_mlps(source_state, config, expert_noise=expert_noise, seed=seed)
+
+
+def build_dar_moe_target_config(
+    source_config: PretrainedConfig, branch_family: str, dtype: torch.dtype, fields: dict
+) -> DARMoeConfig:
+    """`TargetKind.build_config` of "dar_moe": `fields` holds num_experts, num_experts_per_tok and DAR options.
+
+    `branch_family` is the converter's `source_family`; `dar_moe_config_from_source` derives the same one (and
+    Llama's attention for a Qwen2-MoE source without q/k/v biases).
+    """
+    fields = dict(fields)
+    config = dar_moe_config_from_source(
+        source_config, fields.pop("num_experts", None), fields.pop("num_experts_per_tok", None), **fields
+    )
+    if dtype == torch.float64:
+        # transformers' grouped_mm experts kernel takes float32/bf16/fp16 only; batched_mm is its float64-capable peer.
+        config._experts_implementation = "batched_mm"
+    config.dtype = dtype
+    config.architectures = ["DARMoeForCausalLM"]
+    return config
+
+
+def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
+    """The DAR-MoE target of `dar_transformers.convert`; `expert_noise > 0` is Drop-Upcycling (not exact)."""
+    return TargetKind(
+        model_class=DARMoeForCausalLM,
+        build_config=build_dar_moe_target_config,
+        map_state_dict=lambda source_state, config: map_dar_moe_state_dict(source_state, config, expert_noise, seed),
+        # The routers are new when upcycling a dense model; an MoE source supplies them, so they are never missing.
+        new_parameters=(*DAR_NEW_PARAMETERS, r"model\.layers\.\d+\.mlp\.gate\.weight"),
+        description="DAR-MoE (Dual Attention Residuals, sparse mixture of experts)"
+        + (f", Drop-Upcycling expert_noise={expert_noise} (not exact)" if expert_noise else ""),
+    )
+
+
+register_target_kind("dar_moe", dar_moe_target_kind())
+DROP_UPCYCLING_KIND = "dar_moe_drop_upcycling"  # registered per call with the requested noise and seed
 
 
 def convert_to_dar_moe(
@@ -242,105 +301,60 @@ def convert_to_dar_moe(
     top_k: int | None = None,
     expert_noise: float = 0.0,
     seed: int = 0,
+    dtype: torch.dtype | None = None,
     **dar_fields,
 ) -> DARMoeForCausalLM:
-    """A DAR-MoE model with the source's weights: sparse upcycling (dense source) or an MoE source converted as is.
+    """An in-memory source -> DAR-MoE, unverified: sparse upcycling (dense source) or an MoE source as is.
 
-    The target runs in float32, or float64 for a float64 source. Raises if any source tensor would be dropped or any
-    target parameter other than the new ones (DAR residual modules; routers when upcycling) would stay unloaded.
+    Raises if any source tensor would be dropped or any target parameter other than the new ones (DAR residual
+    modules; routers when upcycling) would stay unloaded. For a verified, written conversion use `upcycle_to_dar_moe`.
     """
-    config = dar_moe_config_from_source(source.config, num_experts, top_k, **dar_fields)
-    is_moe_source = source.config.model_type in MOE_SOURCE_TYPES
-    if is_moe_source and expert_noise:
-        raise ValueError("expert_noise applies to sparse upcycling of a dense model only, not to an MoE source.")
-    state_dict = fuse_expert_weights(source.state_dict())
-    if not is_moe_source:
-        state_dict = upcycle_dense_mlps(state_dict, config, expert_noise=expert_noise, seed=seed)
-
-    dtype = torch.promote_types(source.dtype, torch.float32)
-    target = DARMoeForCausalLM(config).to(dtype)
-    missing, unexpected = target.load_state_dict(state_dict, strict=False)
-    unexplained = [key for key in missing if not _is_new_parameter(key, upcycled=not is_moe_source)]
-    if unexplained or unexpected:
-        raise ValueError(
-            f"Conversion of {source.config.model_type} to DAR-MoE left target parameters unloaded {unexplained} or "
-            f"source tensors unused {list(unexpected)}."
-        )
-    if dtype == torch.float64:
-        # transformers' grouped_mm experts kernel takes float32/bf16/fp16 only; batched_mm is its float64-capable peer.
-        target.set_experts_implementation("batched_mm")
-    if expert_noise > 0.0:
-        logger.warning(
-            f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
-            "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
-        )
-    return target.eval()
+    kind = _kind_for(expert_noise, seed)
+    fields = dict(num_experts=num_experts, num_experts_per_tok=top_k, **dar_fields)
+    return upcycle_model(source, kind, dtype, **fields)
 
 
-@torch.no_grad()
-def verify_conversion(
-    source: PreTrainedModel,
-    target: DARMoeForCausalLM,
-    input_ids: torch.LongTensor,
-    max_new_tokens: int = 8,
-    exact_by_construction: bool = True,
-) -> MoeConversionReport:
-    """Max |logit difference| on `input_ids` and whether greedy continuations agree (DESIGN.md section 3 checks)."""
-    source_logits = source(input_ids).logits
-    target_logits = target(input_ids).logits
-    max_abs_logit_diff = (source_logits.double() - target_logits.double()).abs().max().item()
-    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=source.config.eos_token_id)
-    source_tokens = source.generate(input_ids, **greedy)
-    target_tokens = target.generate(input_ids, **greedy)
-    greedy_identical = source_tokens.shape == target_tokens.shape and bool((source_tokens == target_tokens).all())
-    return MoeConversionReport(max_abs_logit_diff, greedy_identical, exact_by_construction, str(target_logits.dtype))
-
-
-def convert_checkpoint_to_dar_moe(
-    source_path: str,
-    output_dir: str,
+def upcycle_to_dar_moe(
+    source: PreTrainedModel | str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    *,
     num_experts: int | None = None,
     top_k: int | None = None,
     expert_noise: float = 0.0,
     seed: int = 0,
-    gguf_file: str | None = None,
-    tolerance: float = 2e-4,
-    verify_input_ids: torch.LongTensor | None = None,
-    **dar_fields,
-) -> MoeConversionReport:
-    """Load a source checkpoint (folder, or GGUF), convert it to DAR-MoE, verify, and `save_pretrained` it.
+    **options,
+) -> ConversionResult:
+    """`dar convert --experts E --top-k k [--expert-noise X]`: convert, verify and write, as the dense converter.
 
-    Raises if an exact conversion misses `tolerance` in float32 or changes greedy tokens; with `expert_noise > 0`
-    the differences are reported (logged), not raised, because that conversion is deliberately not exact.
+    A dense source is sparse-upcycled (E and k required); an MoE source (Mixtral, Qwen2-MoE, Qwen3-MoE) keeps its
+    experts and routing. `options` are those of `dar_transformers.convert.upcycle` (dtype, tolerance, tokenizer,
+    DAR fields, ...). With `expert_noise > 0` the result is deliberately not exact: unless a tolerance is given, the
+    verification only reports the differences (a relaxed check, recorded in the model card) instead of refusing.
+
+    ```python
+    >>> from dar_transformers.moe_upcycling import upcycle_to_dar_moe
+    >>> result = upcycle_to_dar_moe("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-dar-moe", num_experts=4, top_k=2)
+    ```
     """
-    source = AutoModelForCausalLM.from_pretrained(source_path, gguf_file=gguf_file, dtype=torch.float32).eval()
-    target = convert_to_dar_moe(source, num_experts, top_k, expert_noise=expert_noise, seed=seed, **dar_fields)
-    if verify_input_ids is None:
-        verify_input_ids = torch.arange(1, 17).unsqueeze(0) % source.config.vocab_size  # [1, 16] fixed token ids
-    report = verify_conversion(source, target, verify_input_ids, exact_by_construction=expert_noise == 0.0)
-    logger.warning(
-        f"DAR-MoE conversion check: max |logit diff| {report.max_abs_logit_diff:.3g} ({report.dtype}), "
-        f"greedy continuation identical: {report.greedy_identical}."
-    )
-    if report.exact_by_construction and not (
-        math.isfinite(report.max_abs_logit_diff)
-        and report.max_abs_logit_diff <= tolerance
-        and report.greedy_identical
-    ):
-        raise RuntimeError(
-            f"DAR-MoE conversion is not exact: max |logit diff| {report.max_abs_logit_diff:.3g} > {tolerance} or "
-            f"greedy continuations differ ({report.greedy_identical=})."
-        )
-    target.save_pretrained(output_dir)
-    return report
+    if expert_noise and options.get("tolerance") is None:
+        options["tolerance"] = math.inf
+    kind = _kind_for(expert_noise, seed)
+    return upcycle(source, output, kind=kind, num_experts=num_experts, num_experts_per_tok=top_k, **options)
+
+
+def _kind_for(expert_noise: float, seed: int) -> str:
+    if not expert_noise:
+        return "dar_moe"
+    register_target_kind(DROP_UPCYCLING_KIND, dar_moe_target_kind(expert_noise, seed))
+    return DROP_UPCYCLING_KIND
 
 
 __all__ = [
-    "MoeConversionReport",
     "dar_moe_config_from_source",
     "fuse_expert_weights",
     "upcycle_dense_mlps",
+    "map_dar_moe_state_dict",
+    "dar_moe_target_kind",
     "convert_to_dar_moe",
-    "verify_conversion",
-    "convert_checkpoint_to_dar_moe",
+    "upcycle_to_dar_moe",
 ]
