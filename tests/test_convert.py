@@ -19,12 +19,17 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -37,6 +42,7 @@ from dar_transformers.cli import main as cli_main
 from dar_transformers.convert import (
     UnsupportedArchitectureError,
     VerificationError,
+    chat_input_ids,
     convert,
     upcycle,
 )
@@ -267,8 +273,6 @@ def test_gguf_file_converts_exactly_with_its_tokenizer_and_chat_template(tmp_pat
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
     assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5  # against the HF original
-    from transformers import AutoTokenizer
-
     written = AutoTokenizer.from_pretrained(out)
     text = "The capital of France is Paris. Hello"
     assert written(text)["input_ids"] == tokenizer(text)["input_ids"]
@@ -328,11 +332,11 @@ def test_unsupported_architecture_is_refused_listing_the_supported_families(tmp_
     with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2'.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
         upcycle(source, tmp_path / "out", progress=False)
     assert_nothing_written(tmp_path, before)
-    gemma = pytest.importorskip("transformers").GemmaForCausalLM
-    from transformers import GemmaConfig
-
     with pytest.raises(UnsupportedArchitectureError, match="'gemma'"):
-        upcycle(gemma(GemmaConfig(**SHAPE, vocab_size=VOCAB, head_dim=8)), progress=False)
+        upcycle(GemmaForCausalLM(GemmaConfig(**SHAPE, vocab_size=VOCAB, head_dim=8)), progress=False)
+    mixtral = MixtralForCausalLM(MixtralConfig(**SHAPE, vocab_size=VOCAB, num_local_experts=2))
+    with pytest.raises(UnsupportedArchitectureError, match="Kind 'dar' converts dense.*'mixtral' needs another kind"):
+        upcycle(mixtral, progress=False)
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt", "incomplete"])
@@ -438,8 +442,6 @@ def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
     streamed = capsys.readouterr().out
     tokenizer = make_tokenizer()
     dar = AutoModelForCausalLM.from_pretrained(out).eval()
-    from dar_transformers.convert import chat_input_ids
-
     ids = chat_input_ids(tokenizer, "What is the capital of France?")
     expected = tokenizer.decode(dar.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:], skip_special_tokens=True)
     assert streamed.strip() == expected.strip()

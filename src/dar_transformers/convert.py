@@ -195,6 +195,11 @@ def build_dar_config(
     unknown = sorted(set(fields) - set(allowed))
     if unknown:
         raise TypeError(f"Unknown DAR field(s) {unknown} for kind 'dar'; allowed: {allowed}.")
+    if source_config.model_type not in SOURCE_FAMILIES:  # a family other kinds accept (MoE) but dense DAR does not
+        raise UnsupportedArchitectureError(
+            f"Kind 'dar' converts dense {sorted(SOURCE_FAMILIES)} models; model_type {source_config.model_type!r} "
+            f"needs another kind (available: {sorted(TARGET_KINDS)})."
+        )
     if branch_family in ("qwen2", "qwen3"):
         _check_no_sliding_layers(source_config, branch_family)
     source_fields = source_config.to_dict()
