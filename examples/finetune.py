@@ -43,6 +43,7 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 TINY_VOCABULARY = 512
 END_OF_TEXT = "<|endoftext|>"
+PADDING = "<|pad|>"
 # Llama config fields that describe a checkpoint's provenance rather than the architecture.
 NON_ARCHITECTURE_FIELDS = ("model_type", "architectures", "transformers_version", "quantization_config", "dtype",
                            "_name_or_path", "auto_map")
@@ -114,19 +115,20 @@ def train_tiny_tokenizer(texts: list[str], directory: Path) -> PreTrainedTokeniz
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCABULARY, special_tokens=[END_OF_TEXT],
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCABULARY, special_tokens=[END_OF_TEXT, PADDING],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT,
-                                      pad_token=END_OF_TEXT, model_max_length=TINY_SHAPE["max_position_embeddings"])
+                                      pad_token=PADDING, model_max_length=TINY_SHAPE["max_position_embeddings"])
     wrapped.save_pretrained(directory)
     return wrapped
 
 
 def tiny_llama(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    # No pad_token_id: blocks are packed, and a padding index would freeze the end-of-text embedding at zero.
-    special = dict.fromkeys(("bos_token_id", "eos_token_id"), tokenizer.eos_token_id)
+    # A padding token of its own: the padding index's embedding is frozen at zero, end-of-text must train.
+    special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
     return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **TINY_SHAPE, **special))
 
 
@@ -169,7 +171,12 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
         warmup_steps=arguments.warmup_steps,
         lr_scheduler_type="cosine",
         logging_steps=arguments.logging_steps,
-        eval_strategy="no",
+        # Held-out loss at step 0 and after the last step, both inside `train()`. Calling `trainer.evaluate()`
+        # before `train()` would mark the model as prepared without wrapping it in DDP (transformers 5.23 with
+        # accelerate), and the ranks would then train apart without a word.
+        eval_strategy="steps",
+        eval_steps=arguments.max_steps,
+        eval_on_start=True,
         save_strategy="no",
         report_to="none",
         bf16=arguments.bf16,
@@ -218,9 +225,11 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=dar_optimizer_cls_and_kwargs(training_arguments, arguments.dar_learning_rate),
     )
-    before = trainer.evaluate()["eval_loss"]
     train_output = trainer.train()
-    after = trainer.evaluate()["eval_loss"]
+    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    (before, after) = (evaluations[0]["eval_loss"], evaluations[-1]["eval_loss"])
+    if [entry["step"] for entry in evaluations] != [0, train_output.global_step]:
+        raise RuntimeError(f"expected evaluations at steps 0 and {train_output.global_step}, got {evaluations}")
     results = {
         "model": "tiny" if arguments.tiny else "SmolLM2-135M-Instruct",
         "train_blocks": len(train_blocks),
