@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
 from .configuration_dar import DARConfig
@@ -493,9 +494,30 @@ def chat_input_ids(tokenizer, message: str) -> torch.Tensor:
     return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
 
+class TokenProgress(BaseStreamer):
+    """A generation streamer that only advances a progress bar, one step per generated token."""
+
+    def __init__(self, total: int, description: str, enabled: bool):
+        self.bar = logging.tqdm(total=total, desc=description, unit="token", disable=not enabled, leave=False)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:  # the first call carries the prompt
+            self.bar.update()
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.bar.close()
+
+
 @torch.no_grad()
 def greedy_continuations(
-    model: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int, pad_token_id: int = 0
+    model: PreTrainedModel,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    pad_token_id: int = 0,
+    description: str = "Greedy decoding",
+    progress: bool = False,
 ) -> list[list[int]]:
     """Exactly `max_new_tokens` greedy tokens per prompt, all prompts in one left-padded batch.
 
@@ -514,6 +536,7 @@ def greedy_continuations(
         do_sample=False,
         eos_token_id=None,
         pad_token_id=pad_token_id,
+        streamer=TokenProgress(max_new_tokens, description, progress),
     )
     return output[:, length:].tolist()
 
@@ -536,8 +559,9 @@ def verify_conversion(
         logit_pairs.append((source_model(input_ids).logits.double(), target_model(input_ids).logits.double()))  # [1, T, V]
         steps.update()
     continuations = []
-    for model in (source_model, target_model):
-        continuations.append(greedy_continuations(model, [ids for _, ids in prompts], max_new_tokens))
+    for role, model in (("source", source_model), ("converted", target_model)):
+        description = f"Greedy decoding, {role} model ({len(prompts)} prompts)"
+        continuations.append(greedy_continuations(model, [ids for _, ids in prompts], max_new_tokens, 0, description, progress))
         steps.update()
     steps.close()
     checks = []
