@@ -101,7 +101,9 @@ def test_config_defaults_and_round_trip():
     assert config.moe_layer_indices == [0, 1]
     reloaded = AutoConfig.for_model(**config.to_dict())
     assert isinstance(reloaded, DARMoeConfig) and reloaded.to_dict() == config.to_dict()
-    sparse_every_second = DARMoeConfig(**{**TINY_MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    sparse_every_second = DARMoeConfig(
+        **{**TINY_MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    )
     assert sparse_every_second.moe_layer_indices == [1]
 
 
@@ -129,7 +131,9 @@ def test_config_rejects_bad_values_naming_the_field(field, value, message):
 
 
 def test_sparse_and_dense_layers_follow_the_config():
-    model = tiny_dar_moe(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], shared_expert_intermediate_size=16)
+    model = tiny_dar_moe(
+        num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], shared_expert_intermediate_size=16
+    )
     kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
     assert kinds == ["LlamaMLP", "DARMoeSparseMoeBlock", "LlamaMLP", "LlamaMLP"]
     block = model.model.layers[1].mlp
@@ -355,6 +359,111 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, output_r
         torch.testing.assert_close(checkpointed[name], gradient, atol=1e-5, rtol=1e-4, msg=name)
 
 
+GENERATION = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def dar_moe():
+    """Random experts and routers, block size 3, random non-zero DAR parameters: nothing reduces to a simpler model."""
+    model = tiny_dar_moe(**INIT, dar_block_size=3)
+    perturb_dar_parameters(model)
+    return model
+
+
+@pytest.mark.parametrize(
+    "mode", [dict(do_sample=True, top_k=0), dict(do_sample=False, num_beams=3)], ids=["sampling", "beam_search"]
+)
+def test_sampling_and_beam_search_with_and_without_cache_agree(dar_moe, mode):
+    input_ids = tokens(length=5)
+    generated = {}
+    for use_cache in (True, False):
+        torch.manual_seed(7)
+        generated[use_cache] = dar_moe.generate(input_ids, use_cache=use_cache, **mode, **GENERATION)
+    assert generated[True].shape == (2, 13) and torch.equal(generated[True], generated[False])
+
+
+def test_static_cache_gives_the_tokens_of_dynamic_cache(dar_moe):
+    input_ids = tokens(length=5)
+    static = dar_moe.generate(input_ids, do_sample=False, cache_implementation="static", **GENERATION)
+    assert torch.equal(static, dar_moe.generate(input_ids, do_sample=False, **GENERATION))
+
+
+def test_eager_and_sdpa_attention_and_reference_dar_path_agree(dar_moe):
+    input_ids = tokens()
+    with torch.no_grad():
+        expected = dar_moe(input_ids).logits
+        for attention in ("eager", "sdpa"):
+            config = DARMoeConfig(**dar_moe.config.to_dict())
+            copy = DARMoeForCausalLM._from_config(config, attn_implementation=attention)
+            copy.load_state_dict(dar_moe.state_dict())
+            assert copy.config._attn_implementation == attention
+            assert torch.allclose(copy.eval()(input_ids).logits, expected, atol=1e-5)
+        # DAR's readable eager loop against its two-phase fast path, around the MoE branch (float64: exact order)
+        reference = DARMoeForCausalLM(DARMoeConfig(**{**dar_moe.config.to_dict(), "dar_implementation": "reference"}))
+        reference.load_state_dict(dar_moe.state_dict())
+        fast64, reference64 = copy_of(dar_moe).double(), reference.double().eval()
+        for model in (fast64, reference64):
+            model.set_experts_implementation("batched_mm")  # grouped_mm takes no float64
+        assert max_logit_diff(fast64, reference64, input_ids) <= 1e-10
+
+
+def copy_of(model: DARMoeForCausalLM) -> DARMoeForCausalLM:
+    copy = DARMoeForCausalLM(DARMoeConfig(**model.config.to_dict()))
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
+
+
+def test_tuple_return_and_logits_to_keep(dar_moe):
+    input_ids = tokens()
+    with torch.no_grad():
+        expected = dar_moe(input_ids, labels=input_ids, output_router_logits=True)
+        output = dar_moe(input_ids, labels=input_ids, output_router_logits=True, return_dict=False)
+        last = dar_moe(input_ids, logits_to_keep=1).logits
+    assert isinstance(output, tuple)
+    assert torch.equal(output[0], expected.loss) and torch.equal(output[1], expected.aux_loss)
+    assert torch.equal(output[2], expected.logits)
+    assert last.shape == (2, 1, 97) and torch.allclose(last, expected.logits[:, -1:], atol=1e-6)
+
+
+def test_bf16_load_keeps_dar_parameters_float32_and_trains(dar_moe, tmp_path):
+    dar_moe.save_pretrained(tmp_path)
+    model = DARMoeForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, parameter in model.named_parameters():
+        is_dar = any(part in name for part in ("attn_residual", "mlp_residual", "final_readout"))
+        assert parameter.dtype == (torch.float32 if is_dar else torch.bfloat16), name
+    assert model.config._experts_implementation == "grouped_mm"
+    model.train()
+    input_ids = tokens()
+    output = model(input_ids, labels=input_ids, output_router_logits=True)
+    output.loss.backward()
+    assert output.logits.dtype == torch.bfloat16 and torch.isfinite(output.loss)
+    assert torch.isfinite(model.model.layers[0].mlp.experts.gate_up_proj.grad).all()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().max() > 0
+    with torch.no_grad():
+        assert (model.eval()(input_ids).logits.double() - dar_moe(input_ids).logits.double()).abs().max() < 0.2
+
+
+def test_torch_compile_fullgraph_matches_eager(dar_moe):
+    torch._dynamo.reset()
+    compiled = torch.compile(dar_moe, backend="aot_eager", fullgraph=True)
+    input_ids = tokens()
+    with torch.no_grad():
+        assert torch.allclose(compiled(input_ids).logits, dar_moe(input_ids).logits, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_missing_weights_get_the_moe_init():
+    """`_init_weights` covers experts, routers and shared experts: HF initialises missing keys only through it."""
+    config = DARMoeConfig(**TINY_MOE, shared_expert_intermediate_size=16, mlp_only_layers=[0])
+    loaded = DARMoeForCausalLM.from_pretrained(None, config=config, state_dict={})
+    block = loaded.model.layers[1].mlp
+    for name in ("experts.gate_up_proj", "experts.down_proj", "gate.weight", "shared_expert_gate.weight"):
+        parameter = block.get_parameter(name)  # torch.empty would leave arbitrary values
+        assert torch.isfinite(parameter).all() and 0.01 < parameter.std() < 0.03, name  # normal(0, 0.02)
+    assert loaded.model.layers[1].mlp_residual.depth_attention.pseudo_query.abs().max() == 0  # the DAR init
+    assert not torch.equal(block.experts.gate_up_proj[0], block.experts.gate_up_proj[1])  # independent experts
+
+
 # --------------------------------------------------------------------------------------------------- conversion
 
 
@@ -369,7 +478,8 @@ def test_sparse_upcycling_of_a_dense_llama_is_exact():
     dense_mlp = llama.model.layers[1].mlp
     experts = moe.model.layers[1].mlp.experts
     for expert in range(4):  # every expert is the dense MLP, gate rows then up rows
-        assert torch.equal(experts.gate_up_proj[expert], torch.cat([dense_mlp.gate_proj.weight, dense_mlp.up_proj.weight]))
+        gate_up = torch.cat([dense_mlp.gate_proj.weight, dense_mlp.up_proj.weight])
+        assert torch.equal(experts.gate_up_proj[expert], gate_up)
         assert torch.equal(experts.down_proj[expert], dense_mlp.down_proj.weight)
     input_ids = tokens()
     report = verify_conversion(llama, moe, [("random", input_ids[:1])], max_new_tokens=8, progress=False)
@@ -533,8 +643,8 @@ def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
     llama.save_pretrained(tmp_path / "llama")
     word_tokenizer().save_pretrained(tmp_path / "llama")
     code = cli_main(
-        ["convert", str(tmp_path / "llama"), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2", "--max-new-tokens",
-         "8", "--block-size", "1"]
+        ["convert", str(tmp_path / "llama"), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2",
+         "--max-new-tokens", "8", "--block-size", "1"]
     )
     output = capsys.readouterr().out
     assert code == 0 and "PASSED" in output
@@ -565,7 +675,9 @@ def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):
     mixtral = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **fields)).eval()
     mixtral.save_pretrained(tmp_path / "mixtral")  # per-expert tensors on disk
     word_tokenizer().save_pretrained(tmp_path / "mixtral")
-    code = cli_main(["convert", str(tmp_path / "mixtral"), str(tmp_path / "moe"), "--kind", "dar_moe", "--max-new-tokens", "8"])
+    code = cli_main(
+        ["convert", str(tmp_path / "mixtral"), str(tmp_path / "moe"), "--kind", "dar_moe", "--max-new-tokens", "8"]
+    )
     assert code == 0 and "PASSED" in capsys.readouterr().out
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
     assert max_logit_diff(mixtral, reloaded, tokens()) <= 1e-5

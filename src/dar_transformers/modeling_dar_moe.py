@@ -12,6 +12,11 @@ A diff against `modeling_dar` (STYLE.md item 11), in the shape of HF's Qwen3-MoE
 The DAR residual (depth reads, read gate, write gates, readout) is untouched: the MoE block is just another branch
 F_m (DESIGN.md section 2), so sparse upcycling and DAR upcycling compose (residual-methods.md section 5.3).
 
+Known limit, shared with HF's Mixtral/Qwen3-MoE: router logits are recorded by output hooks, so under *reentrant*
+gradient checkpointing (whose first forward runs without grad) the aux loss gets no gradient; the default
+non-reentrant checkpointing is exact. `grouped_mm` experts take float32/bf16/fp16 only: run a float64 model with
+`set_experts_implementation("batched_mm")` (the converter does so).
+
 Shape legend: N tokens (B * T flattened), D hidden, E experts, k experts per token.
 """
 

@@ -96,8 +96,8 @@ MOE_CONFIG_FIELDS = {
 # Per-expert checkpoint tensor names -> part of the fused SwiGLU expert (Mixtral: w1 gate, w3 up, w2 down).
 PER_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 PER_EXPERT_KEY = re.compile(
-    r"^(?P<prefix>.*\.)(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\.(?P<name>w1|w2|w3|gate_proj|up_proj|down_proj)"
-    r"\.weight$"
+    r"^(?P<prefix>.*\.)(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
+    r"(?P<name>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
 # The DAR options a conversion may set (the architecture and MoE fields come from the source).
 DAR_OPTION_FIELDS = frozenset(
@@ -124,7 +124,8 @@ def dar_moe_config_from_source(
     model_type = source_config.model_type
     if model_type not in SOURCE_BRANCH_FAMILIES:
         raise ValueError(
-            f"source model_type must be one of {list(SOURCE_BRANCH_FAMILIES)} for DAR-MoE conversion, got {model_type!r}."
+            f"source model_type must be one of {list(SOURCE_BRANCH_FAMILIES)} for DAR-MoE conversion, "
+            f"got {model_type!r}."
         )
     if getattr(source_config, "use_sliding_window", False):
         raise ValueError(
@@ -177,7 +178,8 @@ def fuse_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
     """Per-expert tensors -> HF's fused layout; fused state dicts pass through unchanged.
 
     `...experts.N.{w1,w3}` / `{gate,up}_proj` -> `...mlp.experts.gate_up_proj [E, 2I, D]` (gate rows first),
-    `...experts.N.{w2,down_proj}` -> `...mlp.experts.down_proj [E, D, I]`; Mixtral's `block_sparse_moe.gate` -> `mlp.gate`.
+    `...experts.N.{w2,down_proj}` -> `...mlp.experts.down_proj [E, D, I]`;
+    Mixtral's `block_sparse_moe.gate` -> `mlp.gate`.
     """
     fused: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
