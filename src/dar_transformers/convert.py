@@ -81,19 +81,23 @@ DTYPES: dict[str, torch.dtype] = {
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "The history of the printing press begins long before Gutenberg. Woodblock printing spread across East Asia "
     "for centuries, and movable type made of clay and later of metal appeared in China and Korea. When the press "
-    "reached Europe in the fifteenth century, it changed how books were made, how ideas travelled and who could read.",
+    "reached Europe in the fifteenth century, it changed how books were made, how ideas travelled and who could read. "
+    "Within fifty years, printers in more than two hundred cities had produced",
     "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n    numbers = [0, 1]\n"
     "    while len(numbers) < n:\n        numbers.append(numbers[-1] + numbers[-2])\n    return numbers[:n]\n\n\n"
     "def is_prime(k: int) -> bool:\n    if k < 2:\n        return False\n    for d in range(2, int(k ** 0.5) + 1):\n",
     "Photosynthesis is the process by which green plants, algae and some bacteria turn light into chemical energy. "
     "Inside the chloroplasts, chlorophyll absorbs mostly blue and red light. Water molecules are split, oxygen is "
-    "released, and the energy is stored in sugars that the plant uses to grow. In short, the overall reaction is",
+    "released, and the energy is stored in sugars that the plant uses to grow. Without it, there would be almost no "
+    "oxygen in the air we breathe. In short, the overall reaction is",
     "Dear hiring committee, I am writing to apply for the position of research engineer in your machine learning "
     "team. Over the last five years I have trained language models, built data pipelines for text in eleven "
-    "languages and maintained the evaluation tooling that our group uses every day. What excites me most about",
+    "languages and maintained the evaluation tooling that our group uses every day. I enjoy careful measurement "
+    "as much as building new things. What excites me most about",
     "Recipe for a simple tomato soup for four people: two tablespoons of olive oil, one onion, two cloves of garlic, "
     "one kilogram of ripe tomatoes, half a litre of vegetable stock, salt, pepper and a handful of fresh basil. "
-    "First, chop the onion and the garlic finely. Then heat the oil in a large pot and",
+    "First, chop the onion and the garlic finely, and cut the tomatoes into rough quarters. Then heat the oil in a "
+    "large pot and",
 )
 CHAT_PROMPT = "What is the capital of France?"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
