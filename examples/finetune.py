@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
         train_documents = load_documents(arguments.corpus_dir, "train", arguments.train_documents, arguments.seed)
         eval_documents = load_documents(arguments.corpus_dir, "validation", arguments.eval_documents, arguments.seed)
         if arguments.tiny:
-            tokenizer_dir = arguments.output_dir / "tokenizer"
+            tokenizer_dir = arguments.output_dir / "_tokenizer"  # "_*" is not uploaded by Trainer.push_to_hub
             if (tokenizer_dir / "tokenizer.json").is_file():
                 tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
             else:
