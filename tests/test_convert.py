@@ -339,6 +339,13 @@ def test_unsupported_architecture_is_refused_listing_the_supported_families(tmp_
         upcycle(mixtral, progress=False)
 
 
+def test_qwen_sliding_window_layers_are_refused_rather_than_converted_inexactly():
+    config = Qwen2Config(**SHAPE, vocab_size=VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert "sliding_attention" in config.layer_types
+    with pytest.raises(UnsupportedArchitectureError, match="sliding-window attention layers"):
+        upcycle(Qwen2ForCausalLM(config), progress=False)
+
+
 @pytest.mark.parametrize("damage", ["missing", "corrupt", "incomplete"])
 def test_bad_weights_are_refused_naming_the_folder(tmp_path, damage):
     source = save_source(tmp_path / "source")
