@@ -283,7 +283,7 @@ def test_gguf_file_converts_exactly_with_its_tokenizer_and_chat_template(tmp_pat
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_family_converts_exactly_with_its_own_branch_modules(family, tied):
-    source = make_source(family, tied)
+    source = make_source(family, tied).train()  # a model in training mode is copied, not switched to eval
     before = {name: tensor.clone() for name, tensor in source.state_dict().items()}
     result = upcycle(source, dar_block_size=2, tolerance=1e-5, max_new_tokens=12, progress=False)
     report = result.report
@@ -299,6 +299,7 @@ def test_family_converts_exactly_with_its_own_branch_modules(family, tied):
     if family == "mistral":
         assert dar.config.sliding_window == 5  # prompts are 64 tokens: the window matters and is kept
     assert all(torch.equal(before[name], tensor) for name, tensor in source.state_dict().items())
+    assert source.training
 
 
 def test_float64_conversion_meets_the_1e_8_default_and_leaves_the_source_in_float32():

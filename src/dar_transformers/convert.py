@@ -357,11 +357,12 @@ def load_source(
     """
     if isinstance(source, PreTrainedModel):
         source_family(source.config)
-        model = source if source.dtype == dtype else copy.deepcopy(source).to(dtype)
         if tokenizer is None and need_tokenizer:
             raise ValueError(
                 "tokenizer is required to write an output folder from an in-memory model (the repo ships one)."
             )
+        # Verification needs eval mode in `dtype`; a model in another state is copied, never switched.
+        model = source if source.dtype == dtype and not source.training else copy.deepcopy(source).to(dtype)
         name = source.config.name_or_path or type(source).__name__
         return Source(model.eval(), tokenizer, name, "in-memory model")
     path = Path(source)
