@@ -209,6 +209,8 @@ def test_tied_llama_folder_converts_exactly_and_writes_a_complete_repo(converted
     card = (out / "README.md").read_text()
     assert f"{report.max_abs_logit_difference:.3e}" in card and "PASSED" in card
     assert "trust_remote_code=True" in card and "Block DAR, 3 blocks" in card
+    answers = [line for line in card.splitlines() if line.startswith(("| source |", "| converted |"))]
+    assert len(answers) == 2 and answers[0].split("|")[2] == answers[1].split("|")[2]  # the same chat answer
     assert tree_digest(source) == before  # the source is never modified
 
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()

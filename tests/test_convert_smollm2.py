@@ -53,7 +53,9 @@ def test_smollm2_dar_repo_reloads_and_answers_like_the_source(smollm2, tmp_path)
     result = upcycle(smollm2.model, out, tokenizer=smollm2.tokenizer, max_new_tokens=16,
                      base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
     assert (out / "chat_template.jinja").is_file() or "chat_template" in (out / "tokenizer_config.json").read_text()
-    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert "| source | The capital of France is Paris. |" in card and "| converted | The capital of France is Paris. |" in card
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(reloaded, DARForCausalLM)
     input_ids = chat_input_ids(smollm2.tokenizer, "What is the capital of France?")

@@ -704,9 +704,12 @@ def upcycle(
             )
 
     if output is not None:
-        from .model_card import render_model_card
+        from .model_card import chat_answers, render_model_card
 
-        card = render_model_card(model.config, report, loaded, base_model=base_model, kind=target.description)
+        answers = chat_answers(report, loaded.tokenizer, model.generation_config.eos_token_id)
+        card = render_model_card(
+            model.config, report, loaded, base_model=base_model, kind=target.description, answers=answers
+        )
 
         def write(folder: Path) -> None:
             model.save_pretrained(folder, max_shard_size=max_shard_size)

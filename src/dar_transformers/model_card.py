@@ -35,7 +35,7 @@ Source and DAR model run side by side on the same prompts: the largest absolute 
 every position of every prompt, and whether the greedy continuations are identical token for token.
 
 {verification}
-
+{chat_check}
 ## How to load
 
 With the package installed (`pip install dar-transformers`), importing it registers the `dar` model type:
@@ -91,8 +91,28 @@ def _settings_rows(config) -> list[tuple[str, str]]:
     return rows
 
 
-def render_model_card(config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals") -> str:
-    """Markdown with YAML front matter; `base_model` (a Hub id) goes into the front matter when given."""
+def chat_answers(report, tokenizer, eos_token_ids) -> tuple[str, str] | None:
+    """The source's and the converted model's greedy answers to the verification chat prompt, cut at end-of-turn."""
+    chat = [check for check in report.checks if check.name.startswith("chat:")] if report and tokenizer else []
+    if not chat:
+        return None
+    stops = set(eos_token_ids if isinstance(eos_token_ids, list) else [eos_token_ids]) - {None}
+
+    def decode(tokens: list[int]) -> str:
+        end = next((index for index, token in enumerate(tokens) if token in stops), len(tokens))
+        text = tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
+        return " ".join(text.split()).replace("|", "\\|")  # one Markdown table cell
+
+    return decode(chat[0].source_continuation), decode(chat[0].target_continuation)
+
+
+def render_model_card(
+    config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None
+) -> str:
+    """Markdown with YAML front matter; `base_model` (a Hub id) goes into the front matter when given.
+
+    `answers`: (source, converted) greedy answers to the chat prompt, shown side by side when given.
+    """
     front_matter = ["library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0"]
     if base_model:
         front_matter.insert(0, f"base_model: {base_model}")
@@ -107,7 +127,14 @@ def render_model_card(config, report, source, base_model: str | None = None, kin
                 f"\n\n**The tolerance was relaxed** to {report.tolerance:.1e} from the default "
                 f"{report.default_tolerance:.1e} for {report.dtype}, so this is an approximate, not an exact, conversion."
             )
+    chat_check = ""
+    if answers is not None:
+        chat_check = (
+            '\nGreedy answers to the chat prompt "What is the capital of France?":\n\n| model | answer |\n|---|---|\n'
+            f"| source | {answers[0]} |\n| converted | {answers[1]} |\n"
+        )
     return CARD_TEMPLATE.format(
+        chat_check=chat_check,
         front_matter="\n".join(front_matter),
         title=f"{base_model or source.name} + DAR",
         source_sentence=source_sentence,
