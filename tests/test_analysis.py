@@ -132,6 +132,12 @@ def test_rescue_gain_bookkeeping():
                 (entry["loss_corrupted"] - entry[f"loss_restore{stream}"]) / damage
             )
     assert len(result["mean_rescue_gain"]) == 2 and 0 <= result["mean_balance"] <= 1
+    entries = result["branches"].values()
+    for stream in (0, 1):
+        pooled = 1 - sum(e[f"logit_distance_restore{stream}"] for e in entries) / sum(
+            e["logit_distance_corrupted"] for e in entries
+        )
+        assert result["pooled_rescue_gain"][stream] == pytest.approx(pooled, rel=1e-5)
 
 
 def test_rescue_gain_follows_the_read_gate():

@@ -349,11 +349,19 @@ def rescue_gain(
             entry[f"rescue_gain_loss{stream}"] = (corrupted_loss - loss) / damage if damage != 0 else float("nan")
         results[name] = entry
     gains = torch.tensor([[results[n]["rescue_gain0"], results[n]["rescue_gain1"]] for n in names])  # [M', 2]
+    corrupted = torch.tensor([results[n]["logit_distance_corrupted"] for n in names])  # [M']
+    restored = torch.tensor([[results[n][f"logit_distance_restore{j}"] for j in (0, 1)] for n in names])  # [M', 2]
+    # Pooled over reads: 1 - sum_m d_m(restore j) / sum_m d_m(corrupted). Reads whose corruption barely moves the
+    # output (where the per-read ratio is noise) weigh little; this is the headline number.
+    pooled = 1.0 - restored.sum(0) / corrupted.sum()  # [2]
     return {
         "definition": "rescue_gain_j = 1 - d(restore j)/d(corrupted), d = mean squared logit distance to the clean run",
         "branches": results,
         "mean_rescue_gain": gains.nanmean(0).tolist(),
+        "median_rescue_gain": gains.nanmedian(0).values.tolist(),
+        "pooled_rescue_gain": pooled.tolist(),
         # balance in [0, 1]: 1 when both streams rescue equally, 0 when one stream rescues nothing.
+        "pooled_balance": float((pooled.min() / pooled.max().clamp_min(1e-12)).clamp(0, 1)),
         "mean_balance": float((gains.min(1).values / gains.max(1).values.clamp_min(1e-12)).clamp(0, 1).nanmean()),
     }
 
