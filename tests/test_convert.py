@@ -201,6 +201,10 @@ def test_tied_llama_folder_converts_exactly_and_writes_a_complete_repo(converted
                 "tokenizer.json", "tokenizer_config.json", "README.md"}
     assert expected <= names, names
     assert not [p for p in root.iterdir() if p.name.startswith(".out.")]  # no staging folder left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's owner-only mode
+    assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in out.iterdir())
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dar.DARForCausalLM"
     assert config["model_type"] == "dar" and config["dar_block_size"] == 2 and config["tie_word_embeddings"] is True

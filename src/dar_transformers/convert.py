@@ -612,12 +612,22 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
     return output
 
 
+def _apply_umask(folder: Path) -> None:
+    """mkdtemp (and some writers) create owner-only entries; give the repo the modes a plain mkdir/open would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bool) -> None:
     """Run `write(folder)` on a temporary folder next to `output`, then rename it into place (all or nothing)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
         write(staging)
+        _apply_umask(staging)
         check_output_folder(output, overwrite)  # the output may have appeared while we worked
         if output.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
