@@ -375,6 +375,14 @@ def test_bad_weights_are_refused_naming_the_folder(tmp_path, damage):
     assert_nothing_written(tmp_path, before)
 
 
+def test_corrupt_gguf_is_refused_naming_the_file(tmp_path):
+    gguf_path = tmp_path / "broken.gguf"
+    gguf_path.write_bytes(b"GGUF\x03\x00\x00\x00truncated")
+    with pytest.raises(ValueError, match=f"Could not read the GGUF metadata of {gguf_path}"):
+        upcycle(gguf_path, tmp_path / "out", progress=False)  # an output next to a GGUF file is allowed
+    assert [p.name for p in tmp_path.iterdir()] == ["broken.gguf"]
+
+
 def test_missing_tokenizer_is_refused(tmp_path):
     source = tmp_path / "source"
     make_source().save_pretrained(source)

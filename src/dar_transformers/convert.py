@@ -285,7 +285,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         folder, gguf_file = _gguf_location(path)
         try:
             return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-        except (ValueError, KeyError, OSError) as error:
+        except Exception as error:  # gguf-py raises whatever a truncated or foreign file trips over
             raise ValueError(f"Could not read the GGUF metadata of {path}: {error}") from error
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"Source folder {path} has no config.json; it is not a Hugging Face model folder.")
@@ -604,11 +604,12 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
         raise FileExistsError(f"Output {output} exists and is not a folder.")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise FileExistsError(f"Output folder {output} exists and is not empty; pass overwrite=True (--overwrite).")
-    if isinstance(source, (str, os.PathLike)):
-        source_path = Path(source).absolute()
-        source_folder = source_path.parent if source_path.is_file() else source_path
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():  # a GGUF file's neighbours are no source
+        source_folder = Path(source).absolute()
         if output == source_folder or source_folder in output.parents:
-            raise ValueError(f"Output folder {output} is or lies inside the source {source_folder}; the source is never modified.")
+            raise ValueError(
+                f"Output folder {output} is or lies inside the source folder {source_folder}; the source is never modified."
+            )
     return output
 
 
