@@ -315,7 +315,7 @@ class DARReadGate(DARParameterMemo, nn.Module):
         super().__init__()
         self.read_scale = config.dar_read_scale
         if config.dar_num_streams == 2:
-            self.logit = nn.Parameter(torch.zeros(()))
+            self.logit = nn.Parameter(torch.zeros(1))  # shape (1,), not (): FSDP2 cannot shard 0-dim parameters
 
     def forward(self, extracted: torch.Tensor, dtype: torch.dtype, extraction_scale: float = 1.0) -> torch.Tensor:
         """extracted [B, T, J, D] in the compute dtype (times `extraction_scale`, the fast path's deferred count
@@ -342,7 +342,7 @@ class DARWriteGate(DARParameterMemo, nn.Module):
         if config.dar_num_streams == 2:
             self.logit = nn.Parameter(torch.zeros(2, config.hidden_size))
             if not self.starts_block:
-                self.transport_logit = nn.Parameter(torch.zeros(()))
+                self.transport_logit = nn.Parameter(torch.zeros(1))
 
     def forward(self, branch_output: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         """branch_output y [B, T, D] in the compute dtype, partial [B, T, J, D] (ignored at a block start) -> new partial."""

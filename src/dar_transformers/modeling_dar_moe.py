@@ -108,6 +108,10 @@ class DARMoeDecoderLayer(DARDecoderLayer):
 class DARMoePreTrainedModel(DARPreTrainedModel):
     config: DARMoeConfig
     _no_split_modules = ["DARMoeDecoderLayer"]
+    # transformers caches its "@use_experts_implementation in the module source" check on the class it ran for.
+    # DARMoeModel also derives from DARModel, whose cached answer is False (the dense module has no experts), so
+    # without a slot of our own the MoE model would inherit that False once a dense DARModel had been built.
+    _can_set_experts_implementation_cached_value = None
     _can_record_outputs = {
         **DARPreTrainedModel._can_record_outputs,
         "router_logits": OutputRecorder(DARMoeTopKRouter, index=0),
