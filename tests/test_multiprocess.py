@@ -99,15 +99,11 @@ rank, world = dist.get_rank(), dist.get_world_size()
 def build():
     model = upcycled_dar(tiny_llama(), dar_block_size=2).double().train()
     perturb_dar_parameters(model)
-    # fully_shard refuses 0-dim parameters (DAR's read-gate and transport logits): give them shape (1,).
-    for module in model.modules():
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            if parameter.dim() == 0:
-                setattr(module, name, torch.nn.Parameter(parameter.detach().reshape(1)))
     return model
 
 
 reference, model = build(), build()
+assert all(parameter.dim() > 0 for parameter in model.parameters())  # fully_shard refuses 0-dim parameters
 mesh = init_device_mesh("cpu", (world,))
 for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
@@ -135,7 +131,8 @@ dist.destroy_process_group()
 def test_fsdp2_on_cpu_matches_single_process_training(tmp_path):
     """FSDP2 (`fully_shard` per decoder layer and at the root) over gloo: 3 SGD steps on 2 ranks equal one process
     averaging the two shards' losses, in float64. accelerate 1.x does not offer FSDP on CPU (its FSDP plugin needs
-    a GPU distributed type; `--use_fsdp` on CPU silently runs DDP), so this drives torch's FSDP2 directly."""
+    a GPU distributed type; `--use_fsdp` on CPU silently runs DDP), so this drives torch's FSDP2 directly.
+    (`fully_shard` refuses 0-dim parameters; DAR's gate logits have shape (1,) for that reason.)"""
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2_SCRIPT.format(tests=str(REPOSITORY / "tests")))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
