@@ -121,3 +121,29 @@ def test_parameter_memo_follows_dtype_changes():
         float64_logits = model(ids).logits
     assert float64_logits.dtype == torch.float64
     torch.testing.assert_close(float64_logits.float(), float32_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_depth_mixing_stays_float32_under_bf16_autocast():
+    """The precision policy holds under mixed precision: autocast must not push the depth products to bf16."""
+    model = _perturbed_tiny_dar(3)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    records = []
+
+    def record(module, args, output):
+        records.append(output[0].dtype)
+
+    handle = model.model.layers[1].register_forward_hook(record)  # output[0] is the float32 partial state
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids)
+    handle.remove()
+    queries, entries = _committed_inputs(2, seed=3)
+    queries, entries = queries.detach().float(), [entry.detach().float() for entry in entries]
+    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
+    key_streams, value_streams = ROUTINGS["dar"]
+    plain = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    assert records == [torch.float32]
+    for plain_output, autocast_output in zip(plain, autocast):
+        assert autocast_output.dtype == torch.float32
+        torch.testing.assert_close(autocast_output, plain_output, rtol=0, atol=0)

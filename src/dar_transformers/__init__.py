@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """dar-transformers: Dual Attention Residuals (arXiv 2607.18730) as a Hugging Face transformers model family.
 
-Importing the package registers the `dar` model type with the Auto classes (idempotently).
+Importing the package registers the `dar` and `dar_moe` model types with the Auto classes and PEFT's default
+LoRA targets (idempotently).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -37,6 +38,7 @@ def _register_auto_classes() -> None:
 _register_auto_classes()
 # PEFT's default target modules for model_type "dar" are Llama's (same module names); see peft_utils.
 register_peft_defaults(DARConfig.model_type)
+register_peft_defaults(DARMoeConfig.model_type)
 
 __all__ = [
     "DARConfig",

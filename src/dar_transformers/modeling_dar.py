@@ -58,6 +58,11 @@ def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the DAR state and depth mixing: float32, or wider if the model is wider."""
     return torch.promote_types(model_dtype, torch.float32)
 
+
+def _without_autocast(tensor: torch.Tensor) -> torch.autocast:
+    """Depth products stay in the compute dtype under mixed-precision autocast (the precision policy above)."""
+    return torch.autocast(tensor.device.type, enabled=False)
+
 # The unchanged branch modules per family: (attention class, MLP class). Data, not an if-ladder.
 DAR_BRANCH_MODULES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
     "llama": (LlamaAttention, LlamaMLP),
@@ -208,10 +213,11 @@ def depth_attention_committed(
     Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are never materialised.
     """
     routing = (key_streams, value_streams)
-    if torch.is_grad_enabled() and (queries.requires_grad or any(entry.requires_grad for entry in entries)):
-        return _CommittedDepthAttention.apply(queries, history_buffer, inv_rms_buffer, routing, *entries)
-    history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-    return _committed_forward(queries, history, history_inv_rms, *routing)[:2]
+    with _without_autocast(history_buffer):
+        if torch.is_grad_enabled() and (queries.requires_grad or any(entry.requires_grad for entry in entries)):
+            return _CommittedDepthAttention.apply(queries, history_buffer, inv_rms_buffer, routing, *entries)
+        history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
+        return _committed_forward(queries, history, history_inv_rms, *routing)[:2]
 
 
 def depth_attention_merge(
@@ -229,7 +235,8 @@ def depth_attention_merge(
     query [J, D], mixed [B, T, J, D], log_normaliser [B, T, J], source [B, T, J, D], source_inv_rms [B, T, J].
     With z the new source's score, the merged mix is mixed + sigmoid(z - lse) * (value - mixed).
     """
-    dots = torch.matmul(source, query.T).unsqueeze(-2)  # [B, T, J_key, 1, J_target]
+    with _without_autocast(source):
+        dots = torch.matmul(source, query.T).unsqueeze(-2)  # [B, T, J_key, 1, J_target]
     score = _keyed_scores(dots, key_streams).squeeze(-2) * _streams(source_inv_rms, key_streams, 2)  # [B, T, J]
     share = torch.sigmoid(score - log_normaliser)  # [B, T, J]
     mixed = torch.lerp(mixed, _streams(source, value_streams, 2), share.unsqueeze(-1))  # [B, T, J, D]
