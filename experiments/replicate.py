@@ -310,7 +310,9 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
     plan = [(v, first) for v in MAIN_VARIANTS + ABLATION_VARIANTS if v in chosen]
     plan += [(v, seed) for seed in rest for v in MAIN_VARIANTS if v in chosen]
     plan += [(v, first) for v in FULL_VARIANTS if v in chosen]
-    plan += [(v, seed) for seed in rest for v in ABLATION_VARIANTS + FULL_VARIANTS if v in chosen and args.all_seeds]
+    if args.all_seeds:
+        plan += [(v, seed) for seed in rest for v in ABLATION_VARIANTS if v in chosen]
+        plan += [(v, seed) for seed in rest for v in FULL_VARIANTS if v in chosen]
     return plan
 
 
