@@ -103,7 +103,7 @@ def peak_rss_subprocess(name: str, shape_name: str, mode: str, batch: int, seq: 
     """Peak resident MiB of a fresh process that builds the model and runs one `mode` step ('train': forward,
     backward and an AdamW step; 'prefill': a no-grad forward with the KV cache)."""
     code = f"""
-import resource, sys, torch
+import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from overhead import SHAPES, build_model
 model = build_model({name!r}, SHAPES[{shape_name!r}])
@@ -117,7 +117,9 @@ else:
     model.eval()
     with torch.no_grad():
         model(input_ids=batch, use_cache=True)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the (large) parent process through fork and exec.
+high_water = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(int(high_water.split()[1]) / 1024)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
@@ -128,7 +130,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128, help="training / prefill sequence length")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of each measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each measurement")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--models", default="llama,dar-block,dar-full")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
