@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ORDER = ("residual", "attnres_full", "attnres_block", "dar_full", "dar_block", "dar_selfkv", "dar_crossv",
          "dar_fixedkv", "two_stream_one_block")
-BASELINES = ("residual", "attnres_block")
+BASELINES = ("residual", "attnres_block", "dar_block")
 
 
 def budget_of(record: dict) -> str:
@@ -76,7 +76,7 @@ def markdown_table(summary: dict) -> str:
 
     lines = [
         "| variant | seeds | val loss mean | std | min-max | vs residual % (paired mean ± std) "
-        "| vs AttnRes Block % (paired) | tokens/s | throughput vs residual |",
+        "| vs AttnRes Block % (paired) | vs DAR Block % (paired) | tokens/s (shared CPU) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, row in summary["variants"].items():
@@ -90,8 +90,7 @@ def markdown_table(summary: dict) -> str:
         lines.append(
             f"| {variant} | {len(row['seeds'])} | {number(row['val_loss_mean'], 4)} | {number(row['val_loss_std'], 4)} "
             f"| {number(row['val_loss_min'], 4)}-{number(row['val_loss_max'], 4)} | {versus('residual')} "
-            f"| {versus('attnres_block')} | {number(row['tokens_per_second_mean'], 0)} "
-            f"| {number(row.get('throughput_vs_residual', float('nan')), 2)} |"
+            f"| {versus('attnres_block')} | {versus('dar_block')} | {number(row['tokens_per_second_mean'], 0)} |"
         )
     return "\n".join(lines)
 
