@@ -39,6 +39,7 @@ from transformers import (
 from transformers.integrations.moe import ExpertsInterface
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
+from conftest import TINY_LLAMA_FIELDS
 from dar_transformers import DARMoeConfig, DARMoeForCausalLM, DARMoeModel
 from dar_transformers.modeling_dar_moe import DARMoeSparseMoeBlock
 from dar_transformers.cli import main as cli_main
@@ -50,18 +51,7 @@ from dar_transformers.moe_upcycling import (
     upcycle_to_dar_moe,
 )
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+TINY = TINY_LLAMA_FIELDS
 # Larger than HF's 0.02 so that logits are O(1) and routing is far from uniform: rounding and drift are visible.
 INIT = dict(initializer_range=0.2)
 TINY_MOE = dict(TINY, num_experts=4, num_experts_per_tok=2)
