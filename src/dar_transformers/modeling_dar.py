@@ -19,7 +19,9 @@ Two implementations share the modules and the state layout (`config.dar_implemen
   - "reference": the eager loop of DESIGN.md, every read re-normalising every source;
   - "fast": keys normalised once per committed entry (a per-token inverse RMS), the committed-entry scores of
     both branches of a decoder layer computed in one batched product (AttnRes two-phase), and the entries that
-    appear later (a block committed mid-layer, the current partial) merged by an online softmax.
+    appear later (a block committed mid-layer, the current partial) merged by an online softmax. Committed
+    entries are read from a depth-major buffer allocated once per forward, through a custom autograd function
+    whose backward keeps only per-token scalars (`_CommittedDepthAttention`).
 
 Shape legend: B batch, T tokens, D hidden, S depth sources, J streams, Q queries (branches read together).
 Precision policy (`dar_compute_dtype`): history, depth softmax and mixing run in float32, or float64 for a
