@@ -135,10 +135,16 @@ def _committed_forward(
     return mixed.view(batch, tokens, num_queries, streams, hidden), log_normaliser, weights, keyed_dots
 
 
+def _value_selector(weights: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """One-hot [J, J_val]: row j selects the value stream nu(j) of target j."""
+    streams = weights.shape[-1]
+    return torch.eye(streams, dtype=weights.dtype, device=weights.device)[list(value_streams)]
+
+
 def _value_mixing(weights: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
     """Weights [S, B, T, Q, J] -> per-source mixing matrices [S, BT, QJ, J_val] reading stream nu(j) for target j."""
     sources, batch, tokens, num_queries, streams = weights.shape
-    selector = torch.eye(streams, dtype=weights.dtype, device=weights.device)[list(value_streams)]  # [J, J_val]
+    selector = _value_selector(weights, value_streams)  # [J, J_val]
     return (weights.unsqueeze(-1) * selector).reshape(sources, batch * tokens, num_queries * streams, streams)
 
 
@@ -174,7 +180,7 @@ class _CommittedDepthAttention(torch.autograd.Function):
             entry = history[source].view(batch * tokens, streams, hidden)  # [BT, J, D]
             torch.bmm(grad_mixed, entry.transpose(1, 2), out=grad_mixing[source])
             torch.bmm(mixing[source].transpose(1, 2), grad_mixed, out=grad_history[source].view_as(entry))
-        selector = torch.eye(streams, dtype=weights.dtype, device=weights.device)[list(value_streams)]  # [J, J_val]
+        selector = _value_selector(weights, value_streams)  # [J, J_val]
         grad_weights = (grad_mixing.view(*weights.shape, streams) * selector).sum(-1)  # [S, B, T, Q, J]
         grad_log_normaliser = torch.zeros_like(weights[0]) if grad_log_normaliser is None else grad_log_normaliser
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0) + grad_log_normaliser)  # [S, B, T, Q, J]
@@ -450,9 +456,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         """committed: (mix, lse, count) from phase 1; late_entries: [(entry, inv_rms)] merged by online softmax."""
         attention = residual.depth_attention
         mixed, log_normaliser, num_sources = committed
+        query = attention.scoring_query(mixed.dtype)  # once per read, not once per merged entry
         for position, (entry, entry_inv_rms) in enumerate(late_entries, start=1):
             mixed, log_normaliser = depth_attention_merge(
-                attention.scoring_query(mixed.dtype), mixed, log_normaliser, entry, entry_inv_rms, attention.key_streams,
+                query, mixed, log_normaliser, entry, entry_inv_rms, attention.key_streams,
                 attention.value_streams, update_normaliser=position < len(late_entries),
             )  # [B, T, J, D], [B, T, J]
             num_sources += 1
