@@ -9,7 +9,13 @@ import torch
 
 from dar_transformers import DARConfig, DARForCausalLM
 from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
-from dar_transformers.modeling_dar import _committed_forward, depth_attention_committed, inverse_rms
+from dar_transformers.modeling_dar import (
+    _committed_forward,
+    _TransportWrite,
+    depth_attention_committed,
+    inverse_rms,
+    transport_write,
+)
 
 ROUTINGS = {name: tuple(zip(*pairs)) for name, pairs in ROUTING_KEY_VALUE_STREAMS.items()}
 ROUTINGS["one-stream"] = ((0,), (0,))
@@ -38,7 +44,8 @@ def test_committed_depth_attention_gradcheck(routing):
 
     def function(queries, *entries):  # the model writes an entry's copy into the buffer when it commits it
         history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
-        return depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+        mixed, lse = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+        return (*mixed, *lse)
 
     assert torch.autograd.gradcheck(function, (queries, *entries), eps=1e-6, atol=1e-8)
 
@@ -53,13 +60,33 @@ def test_committed_depth_attention_matches_plain_autograd(routing):
     history = torch.stack(entries)
     reference_mixed, reference_lse, _, _ = _committed_forward(
         queries, history, inverse_rms(history, 1e-6), key_streams, value_streams
-    )
+    )  # [B, T, J, Q, D], [B, T, Q, J]
+    (mixed, lse) = (torch.stack(mixed, dim=3), torch.stack(lse, dim=2))
     torch.testing.assert_close(mixed, reference_mixed, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, reference_lse, rtol=0, atol=1e-12)
     upstream = torch.randn_like(mixed), torch.randn_like(lse)
     grads = torch.autograd.grad((mixed * upstream[0]).sum() + (lse * upstream[1]).sum(), (queries, *entries))
     reference_grads = torch.autograd.grad(
         (reference_mixed * upstream[0]).sum() + (reference_lse * upstream[1]).sum(), (queries, *entries)
+    )
+    for grad, reference in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("routing", ["dar", "fixedkv"])
+def test_committed_depth_attention_with_unused_outputs(routing):
+    """A branch reads one query's mix and another query's log-sum-exp: the missing gradients count as zero."""
+    key_streams, value_streams = ROUTINGS[routing]
+    queries, entries = _committed_inputs(2, num_queries=3, seed=4)
+    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
+    mixed, lse = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    history = torch.stack(entries)
+    reference_mixed, reference_lse, _, _ = _committed_forward(
+        queries, history, inverse_rms(history, 1e-6), key_streams, value_streams
+    )
+    grads = torch.autograd.grad(mixed[1].square().sum() + lse[2].sum(), (queries, *entries))
+    reference_grads = torch.autograd.grad(
+        reference_mixed[:, :, :, 1].square().sum() + reference_lse[:, :, 2].sum(), (queries, *entries)
     )
     for grad, reference in zip(grads, reference_grads):
         torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
@@ -74,7 +101,7 @@ def test_committed_depth_attention_negative_control_stale_buffer():
     mixed, _ = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
     history = torch.stack(entries)
     reference, _, _, _ = _committed_forward(queries, history, inverse_rms(history, 1e-6), key_streams, value_streams)
-    assert (mixed - reference).abs().max() > 1e-2
+    assert (torch.stack(mixed, dim=3) - reference).abs().max() > 1e-2
 
 
 def _perturbed_tiny_dar(block_size):
@@ -144,6 +171,25 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
     assert records == [torch.float32]
-    for plain_output, autocast_output in zip(plain, autocast):
+    for plain_output, autocast_output in zip((*plain[0], *plain[1]), (*autocast[0], *autocast[1])):
         assert autocast_output.dtype == torch.float32
         torch.testing.assert_close(autocast_output, plain_output, rtol=0, atol=0)
+
+
+def test_transport_write_gradcheck_and_plain_autograd():
+    """The fused transport + write (its backward keeps P and y only) against gradcheck and autograd's own graph."""
+    generator = torch.Generator().manual_seed(5)
+    partial = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    rho = torch.tensor([0.8], dtype=torch.float64, requires_grad=True)
+    beta = torch.rand(2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    branch_output = torch.randn(2, 3, 1, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    inputs = (partial, rho, beta, branch_output)
+    assert torch.autograd.gradcheck(_TransportWrite.apply, inputs, eps=1e-6, atol=1e-8)
+    upstream = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64)
+    fused = torch.autograd.grad((_TransportWrite.apply(*inputs) * upstream).sum(), inputs)
+    plain = torch.autograd.grad((transport_write(*inputs) * upstream).sum(), inputs)
+    for grad, reference in zip(fused, plain):
+        torch.testing.assert_close(grad, reference, rtol=1e-12, atol=1e-12)
+    # A transport that forgot the swap (rho ignored) must not pass for this one.
+    assert (transport_write(partial, torch.ones_like(rho), beta, branch_output)
+            - transport_write(*inputs)).abs().max() > 1e-2

@@ -118,7 +118,7 @@ def _committed_forward(
     value_streams: tuple[int, ...],
 ) -> tuple[torch.Tensor, ...]:
     """Phase 1 math. queries [Q, J, D], history [S, B, T, J, D], history_inv_rms [S, B, T, J] ->
-    mix [B, T, Q, J, D], log-sum-exp [B, T, Q, J], softmax weights [S, B, T, Q, J], raw key dots [S, B, T, Q, J]."""
+    mix [B, T, J, Q, D], log-sum-exp [B, T, Q, J], softmax weights [S, B, T, Q, J], raw key dots [S, B, T, Q, J]."""
     sources, batch, tokens, streams, hidden = history.shape
     num_queries = queries.shape[0]
     dots = (history.reshape(-1, hidden) @ queries.reshape(-1, hidden).T).view(
@@ -128,24 +128,65 @@ def _committed_forward(
     scores = keyed_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, Q, J]
     log_normaliser = torch.logsumexp(scores, dim=0)  # [B, T, Q, J]
     weights = torch.exp(scores - log_normaliser)  # [S, B, T, Q, J]
-    mixing = _value_mixing(weights, value_streams)  # [S, BT, QJ, J_val]
-    mixed = history.new_zeros(batch * tokens, num_queries * streams, hidden)  # [BT, QJ, D]
-    for source in range(sources):
-        mixed.baddbmm_(mixing[source], history[source].view(batch * tokens, streams, hidden))
-    return mixed.view(batch, tokens, num_queries, streams, hidden), log_normaliser, weights, keyed_dots
+    values, mixing = _mix_operands(history, weights, value_streams)  # [N, S, D], [N, M, S]
+    mixed = _mix_output(torch.bmm(mixing, values), weights.shape, value_streams)  # [B, T, J, Q, D]
+    return mixed, log_normaliser, weights, keyed_dots
 
 
-def _value_selector(weights: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
-    """One-hot [J, J_val]: row j selects the value stream nu(j) of target j."""
-    streams = weights.shape[-1]
-    return torch.eye(streams, dtype=weights.dtype, device=weights.device)[list(value_streams)]
+# The weighted sum over depth is one batched product of small matrices, weights [M, S] @ values [S, D], batched
+# over tokens (and value streams). Its operands are views of the depth-major history, never copies of it:
+#   value streams a permutation of the streams (dar, selfkv, crossv): batch (token, value stream), M = Q;
+#   one value stream v shared by every target (fixedkv, one stream): batch token, M = Q * J.
 
 
-def _value_mixing(weights: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
-    """Weights [S, B, T, Q, J] -> per-source mixing matrices [S, BT, QJ, J_val] reading stream nu(j) for target j."""
-    sources, batch, tokens, num_queries, streams = weights.shape
-    selector = _value_selector(weights, value_streams)  # [J, J_val]
-    return (weights.unsqueeze(-1) * selector).reshape(sources, batch * tokens, num_queries * streams, streams)
+def _shared_value_stream(value_streams: tuple[int, ...]) -> int | None:
+    return value_streams[0] if len(set(value_streams)) == 1 else None
+
+
+def _inverse(streams: tuple[int, ...]) -> tuple[int, ...]:
+    """The inverse of a permutation routing: value stream v is read by target inverse[v]."""
+    return tuple(sorted(range(len(streams)), key=lambda target: streams[target]))
+
+
+def _mix_operands(history: torch.Tensor, weights: torch.Tensor, value_streams: tuple[int, ...]):
+    """history [S, B, T, J, D], weights [S, B, T, Q, J] -> (values [N, S, D] (a strided view), mixing [N, M, S])."""
+    sources, batch, tokens, streams, hidden = history.shape
+    num_queries = weights.shape[3]
+    shared = _shared_value_stream(value_streams)
+    if shared is None:
+        values = history.view(sources, batch * tokens * streams, hidden).transpose(0, 1)  # [BTJ_val, S, D]
+        by_value_stream = _streams(weights, _inverse(value_streams), 4)  # [S, B, T, Q, J_val]
+        mixing = by_value_stream.permute(1, 2, 4, 3, 0).reshape(-1, num_queries, sources)  # [BTJ_val, Q, S]
+    else:
+        values = history[:, :, :, shared].reshape(sources, batch * tokens, hidden).transpose(0, 1)  # [BT, S, D]
+        mixing = weights.permute(1, 2, 3, 4, 0).reshape(-1, num_queries * streams, sources)  # [BT, QJ, S]
+    return values, mixing
+
+
+def _mix_output(product: torch.Tensor, weights_shape: torch.Size, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """The batched product [N, M, D] -> the mix by target stream [B, T, J, Q, D]."""
+    _, batch, tokens, num_queries, streams = weights_shape
+    if _shared_value_stream(value_streams) is None:
+        by_value_stream = product.view(batch, tokens, streams, num_queries, -1)  # [B, T, J_val, Q, D]
+        return _streams(by_value_stream, value_streams, 2)  # target j reads value stream nu(j)
+    return product.view(batch, tokens, num_queries, streams, -1).transpose(2, 3)  # [B, T, J, Q, D]
+
+
+def _mix_output_grad(grad_mixed: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """Gradient [B, T, J, Q, D] of `_mix_output` -> gradient of the batched product [N, M, D]."""
+    batch, tokens, streams, num_queries, hidden = grad_mixed.shape
+    if _shared_value_stream(value_streams) is None:
+        return _streams(grad_mixed, _inverse(value_streams), 2).reshape(-1, num_queries, hidden)
+    return grad_mixed.transpose(2, 3).reshape(-1, num_queries * streams, hidden)
+
+
+def _mixing_grad(grad_mixing: torch.Tensor, weights_shape: torch.Size, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """Gradient [N, S, M] (transposed) of `_mix_operands`' mixing -> gradient of the weights [S, B, T, Q, J]."""
+    sources, batch, tokens, num_queries, streams = weights_shape
+    if _shared_value_stream(value_streams) is None:
+        by_value_stream = grad_mixing.view(batch, tokens, streams, sources, num_queries).permute(3, 0, 1, 4, 2)
+        return _streams(by_value_stream, value_streams, 4)  # [S, B, T, Q, J]
+    return grad_mixing.view(batch, tokens, sources, num_queries, streams).permute(2, 0, 1, 3, 4)
 
 
 class _CommittedDepthAttention(torch.autograd.Function):
@@ -155,7 +196,8 @@ class _CommittedDepthAttention(torch.autograd.Function):
     the forward reads their copies in the buffer, so no per-read stack of the history is made or saved: backward
     keeps only the queries, the softmax weights and the raw key dots (a few scalars per token and source) and
     rebuilds every gradient from the buffer, including the inverse-RMS key normalisation's,
-    d rms^-1 / d h = -rms^-3 h / D.
+    d rms^-1 / d h = -rms^-3 h / D. Outputs are per query (one mix [B, T, J, D] and one log-sum-exp [B, T, J]
+    each), so that a branch using one query does not pay a zero-filled gradient for the others.
     """
 
     @staticmethod
@@ -164,25 +206,33 @@ class _CommittedDepthAttention(torch.autograd.Function):
         mixed, log_normaliser, weights, keyed_dots = _committed_forward(queries, history, history_inv_rms, *routing)
         ctx.save_for_backward(queries, weights, keyed_dots)
         ctx.history, ctx.history_inv_rms, ctx.routing = history, history_inv_rms, routing
-        return mixed, log_normaliser
+        return (*mixed.unbind(3), *log_normaliser.unbind(2))
 
     @staticmethod
-    def backward(ctx, grad_mixed, grad_log_normaliser):
+    def backward(ctx, *grad_outputs):
         queries, weights, keyed_dots = ctx.saved_tensors
         history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
         sources, batch, tokens, streams, hidden = history.shape
         num_queries = queries.shape[0]
-        grad_mixed = grad_mixed.reshape(batch * tokens, num_queries * streams, hidden)  # [BT, QJ, D]
-        mixing = _value_mixing(weights, value_streams)  # [S, BT, QJ, J_val]
-        grad_history = torch.empty_like(history)  # [S, B, T, J, D]
-        grad_mixing = torch.empty_like(mixing)  # [S, BT, QJ, J_val]
-        for source in range(sources):
-            entry = history[source].view(batch * tokens, streams, hidden)  # [BT, J, D]
-            torch.bmm(grad_mixed, entry.transpose(1, 2), out=grad_mixing[source])
-            torch.bmm(mixing[source].transpose(1, 2), grad_mixed, out=grad_history[source].view_as(entry))
-        selector = _value_selector(weights, value_streams)  # [J, J_val]
-        grad_weights = (grad_mixing.view(*weights.shape, streams) * selector).sum(-1)  # [S, B, T, Q, J]
-        grad_log_normaliser = torch.zeros_like(weights[0]) if grad_log_normaliser is None else grad_log_normaliser
+        grad_mixed = torch.stack(
+            [torch.zeros_like(history[0]) if grad is None else grad for grad in grad_outputs[:num_queries]], dim=3
+        )  # [B, T, J, Q, D]
+        grad_product = _mix_output_grad(grad_mixed, value_streams)  # [N, M, D]
+        values, mixing = _mix_operands(history, weights, value_streams)  # [N, S, D], [N, M, S]
+        grad_weights = _mixing_grad(torch.bmm(values, grad_product.transpose(1, 2)), weights.shape, value_streams)
+        # The entries' gradient is built token-major, [B, T, J, S, D]: the layout the batched products write.
+        grad_entries = history.new_empty(batch, tokens, streams, sources, hidden)
+        shared = _shared_value_stream(value_streams)
+        if shared is None:
+            torch.bmm(mixing.transpose(1, 2), grad_product, out=grad_entries.view(-1, sources, hidden))
+        else:
+            grad_entries[:, :, shared] = torch.bmm(mixing.transpose(1, 2), grad_product).view_as(grad_entries[:, :, 0])
+            for stream in set(range(streams)) - {shared}:
+                grad_entries[:, :, stream].zero_()
+        grad_log_normaliser = torch.stack(
+            [torch.zeros_like(weights[0, :, :, 0]) if grad is None else grad for grad in grad_outputs[num_queries:]],
+            dim=2,
+        )  # [B, T, Q, J]
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0) + grad_log_normaliser)  # [S, B, T, Q, J]
 
         key_inv_rms = _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, 1, J]
@@ -196,13 +246,17 @@ class _CommittedDepthAttention(torch.autograd.Function):
         else:
             grad_dots = _streams(torch.diag_embed(grad_keyed, dim1=3, dim2=5), key_streams, 3)  # [S, B, T, J, Q, J]
             grad_inv_rms = _streams(grad_target_inv_rms, key_streams, 3)  # [S, B, T, J] by key stream
-        grad_dots = grad_dots.reshape(-1, num_queries * streams)  # [SBTJ, QJ]
-        flat_history = history.reshape(-1, hidden)  # [SBTJ, D]
-        grad_history.view(-1, hidden).addmm_(grad_dots, queries.reshape(-1, hidden))
+        flat_queries = queries.reshape(-1, hidden)  # [QJ, D]
+        token_major_dots = grad_dots.permute(1, 2, 3, 0, 4, 5).reshape(-1, flat_queries.shape[0])  # [BTJS, QJ]
+        grad_entries.view(-1, hidden).addmm_(token_major_dots, flat_queries)
         # d rms^-1 / d h = -rms^-3 h / D: the key normalisation's gradient, folded into the entry gradient.
-        grad_history.addcmul_(history, (grad_inv_rms * history_inv_rms.pow(3) / -hidden).unsqueeze(-1))
-        grad_queries = (grad_dots.T @ flat_history).view_as(queries) if ctx.needs_input_grad[0] else None
-        return (grad_queries, None, None, None, *grad_history.unbind(0))
+        inv_rms_coefficient = grad_inv_rms * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
+        grad_entries.addcmul_(history.permute(1, 2, 3, 0, 4), inv_rms_coefficient.permute(1, 2, 3, 0).unsqueeze(-1))
+        if ctx.needs_input_grad[0]:
+            grad_queries = (grad_dots.reshape(-1, flat_queries.shape[0]).T @ history.reshape(-1, hidden)).view_as(queries)
+        else:
+            grad_queries = None
+        return (grad_queries, None, None, None, *grad_entries.unbind(3))
 
 
 def depth_attention_committed(
@@ -212,20 +266,23 @@ def depth_attention_committed(
     entries: tuple[torch.Tensor, ...],
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Phase 1 of the two-phase read (AttnRes Algorithm 1): every query against every committed entry at once.
 
     queries [Q, J, D] (pseudo-query times key-norm weight, per target stream); the committed entries, each
     [B, T, J, D], also copied into history_buffer [S_max, B, T, J, D] with their inverse RMS in inv_rms_buffer
-    [S_max, B, T, J] -> (softmax-normalised mix [B, T, Q, J, D], log-sum-exp of the scores [B, T, Q, J]).
+    [S_max, B, T, J] -> per query, (softmax-normalised mix [B, T, J, D], log-sum-exp of the scores [B, T, J]).
     Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are never materialised.
     """
     routing = (key_streams, value_streams)
+    num_queries = queries.shape[0]
     with _without_autocast(history_buffer):
         if torch.is_grad_enabled() and (queries.requires_grad or any(entry.requires_grad for entry in entries)):
-            return _CommittedDepthAttention.apply(queries, history_buffer, inv_rms_buffer, routing, *entries)
+            outputs = _CommittedDepthAttention.apply(queries, history_buffer, inv_rms_buffer, routing, *entries)
+            return outputs[:num_queries], outputs[num_queries:]
         history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-        return _committed_forward(queries, history, history_inv_rms, *routing)[:2]
+        mixed, log_normaliser, _, _ = _committed_forward(queries, history, history_inv_rms, *routing)
+        return mixed.unbind(3), log_normaliser.unbind(2)
 
 
 def depth_attention_merge(
@@ -339,7 +396,9 @@ class DARReadGate(DARParameterMemo, nn.Module):
         if extracted.shape[-2] == 1:
             return (scale * extracted[..., 0, :]).to(dtype)
         alpha = self.memoised("alpha", extracted.dtype, lambda: torch.sigmoid(self.logit.to(extracted.dtype)))
-        return (scale * torch.lerp(extracted[..., 1, :], extracted[..., 0, :], alpha)).to(dtype)  # [B, T, D]
+        # unbind, not two selects: its backward stacks the two gradients instead of zero-filling a copy for each.
+        first, second = extracted.unbind(-2)  # [B, T, D] each
+        return (scale * torch.lerp(second, first, alpha)).to(dtype)  # [B, T, D]
 
 
 class DARWriteGate(DARParameterMemo, nn.Module):
@@ -368,8 +427,37 @@ class DARWriteGate(DARParameterMemo, nn.Module):
         if self.starts_block:
             return beta * branch_output  # [B, T, J, D]
         rho = self.memoised("rho", partial.dtype, lambda: torch.sigmoid(self.transport_logit.to(partial.dtype)))
-        transported = torch.lerp(partial.flip(-2), partial, rho)  # [B, T, J, D]: [[rho, 1-rho], [1-rho, rho]] P
-        return torch.addcmul(transported, beta, branch_output)  # [B, T, J, D]
+        if torch.is_grad_enabled():
+            return _TransportWrite.apply(partial, rho, beta, branch_output)  # [B, T, J, D]
+        return transport_write(partial, rho, beta, branch_output)  # [B, T, J, D]
+
+
+def transport_write(partial, rho, beta, branch_output):
+    """P [B, T, J, D], rho (1,), beta [J, D], y [B, T, 1, D] -> [[rho, 1-rho], [1-rho, rho]] P + beta * y."""
+    return torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, branch_output)
+
+
+class _TransportWrite(torch.autograd.Function):
+    """`transport_write` with a backward that keeps only its two inputs P and y (autograd would also keep the
+    swapped copy of P) and computes the gate gradients as dot products, without full-size temporaries."""
+
+    @staticmethod
+    def forward(ctx, partial, rho, beta, branch_output):
+        ctx.save_for_backward(partial, rho, beta, branch_output)
+        return transport_write(partial, rho, beta, branch_output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        partial, rho, beta, branch_output = ctx.saved_tensors
+        swapped = grad.flip(-2)  # the transport matrix is symmetric: dL/dP = [[rho, 1-rho], [1-rho, rho]] g
+        grad_partial = torch.lerp(swapped, grad, rho) if ctx.needs_input_grad[0] else None
+        grad_rho = None
+        if ctx.needs_input_grad[1]:  # dL/drho = sum g . (P - swap P) = sum (g - swap g) . P
+            grad_rho = (torch.vdot(grad.flatten(), partial.flatten()) - torch.vdot(swapped.flatten(), partial.flatten()))
+            grad_rho = grad_rho.reshape(rho.shape)
+        grad_beta = (grad * branch_output).sum((0, 1)) if ctx.needs_input_grad[2] else None  # [J, D]
+        grad_output = (grad * beta).sum(-2, keepdim=True) if ctx.needs_input_grad[3] else None  # [B, T, 1, D]
+        return grad_partial, grad_rho, grad_beta, grad_output
 
 
 class DARBranchResidual(nn.Module):
@@ -397,11 +485,11 @@ class DARReadout(nn.Module):
         attention = self.depth_attention
         if self.config.dar_implementation == "reference":
             return self.read_gate(attention.reference(torch.stack(entries, dim=2)), dtype)
-        mixed, _ = depth_attention_committed(
+        (mixed,), _ = depth_attention_committed(
             attention.scoring_query(history_buffer.dtype).unsqueeze(0), history_buffer, inv_rms_buffer, entries,
             attention.key_streams, attention.value_streams,
-        )  # [B, T, 1, J, D]
-        return self.read_gate(mixed[:, :, 0], dtype, attention.count_scale(len(entries)))
+        )  # [B, T, J, D]
+        return self.read_gate(mixed, dtype, attention.count_scale(len(entries)))
 
 
 def _routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -506,9 +594,9 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             mixed, log_normaliser = depth_attention_committed(
                 queries, history_buffer, inv_rms_buffer, entries, self.attn_residual.depth_attention.key_streams,
                 self.attn_residual.depth_attention.value_streams,
-            )  # [B, T, 2, J, D], [B, T, 2, J]
+            )  # per branch: [B, T, J, D], [B, T, J]
             late = [(partial, inverse_rms(partial, self.eps))] if self._reads_partial(attn_index) else []
-            committed = (mixed[:, :, 0], log_normaliser[:, :, 0], len(entries))
+            committed = (mixed[0], log_normaliser[0], len(entries))
             branch_input = self._read_fast(self.attn_residual, committed, late, dtype)  # [B, T, D]
         branch_output, _ = self.self_attn(
             hidden_states=self.input_layernorm(branch_input),
@@ -532,7 +620,7 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             late = [(entry, inverse_rms(entry, self.eps)) for entry in entries[num_committed:]]
             if self._reads_partial(self.mlp_residual.branch_index):
                 late.append((partial, inverse_rms(partial, self.eps)))
-            committed = (mixed[:, :, 1], log_normaliser[:, :, 1], num_committed)
+            committed = (mixed[1], log_normaliser[1], num_committed)
             branch_input = self._read_fast(self.mlp_residual, committed, late, dtype)  # [B, T, D]
         branch_output = self.mlp(self.post_attention_layernorm(branch_input))
         partial, entries = self._write(
