@@ -11,6 +11,7 @@ parameters get their own optimiser group (no weight decay, optional learning rat
     python examples/finetune.py --lora [--lora-train-dar] # LoRA adapters (and optionally the DAR parameters)
     accelerate launch --cpu --num_processes 2 examples/finetune.py --tiny   # DDP over gloo on CPU
     python examples/finetune.py --push-to-hub --hub-model-id you/dar-smollm2  # weights, code, tokenizer, card
+    python examples/finetune.py --no-upcycle              # the same run on the source Llama (the baseline)
 
 Prints perplexity before and after and writes it to <output-dir>/results.json.
 """
@@ -62,6 +63,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-documents", type=int, default=60, help="documents drawn from the validation split")
     parser.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks scored for perplexity")
     parser.add_argument("--dar-block-size", type=int, default=None, help="DAR block size K in branches")
+    parser.add_argument("--no-upcycle", action="store_true",
+                        help="train the source Llama itself, unconverted (the baseline of an upcycling comparison)")
+    parser.add_argument("--eval-steps", type=int, default=None,
+                        help="held-out loss every this many steps (default: only at step 0 and the last step)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (parameters stay fp32)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters on the default target modules")
@@ -74,6 +79,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     arguments = parser.parse_args(argv)
     if arguments.lora_train_dar and not arguments.lora:
         parser.error("--lora-train-dar needs --lora")
+    if arguments.no_upcycle and (arguments.lora_train_dar or arguments.dar_block_size or arguments.dar_learning_rate):
+        parser.error("--no-upcycle trains a plain Llama: --lora-train-dar, --dar-block-size and "
+                     "--dar-learning-rate do not apply")
+    if arguments.eval_steps is not None and (arguments.eval_steps <= 0 or arguments.max_steps % arguments.eval_steps):
+        parser.error(f"--eval-steps must divide --max-steps ({arguments.max_steps}), got {arguments.eval_steps}")
     if not (arguments.corpus_dir / "train.jsonl").is_file():
         parser.error(f"no corpus at {arguments.corpus_dir}: run `python scripts/prepare_corpus.py` first")
     return arguments
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
         # before `train()` would mark the model as prepared without wrapping it in DDP (transformers 5.23 with
         # accelerate), and the ranks would then train apart without a word.
         eval_strategy="steps",
-        eval_steps=arguments.max_steps,
+        eval_steps=arguments.eval_steps or arguments.max_steps,
         eval_on_start=True,
         save_strategy="no",
         report_to="none",
@@ -187,11 +197,11 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
             else:
                 tokenizer = train_tiny_tokenizer(train_documents["text"], tokenizer_dir)
     if arguments.tiny:
-        model = upcycle_model(tiny_llama(tokenizer, arguments.seed), **dar_fields)
+        llama = tiny_llama(tokenizer, arguments.seed)
     else:
         llama, tokenizer = smollm2_llama_and_tokenizer()
-        model = upcycle_model(llama, **dar_fields)
-        del llama
+    model = llama if arguments.no_upcycle else upcycle_model(llama, **dar_fields)
+    del llama
     with training_arguments.main_process_first(desc="tokenise and pack"):
         train_blocks = packed_blocks(train_documents, tokenizer, arguments.sequence_length)
         eval_blocks = packed_blocks(eval_documents, tokenizer, arguments.sequence_length)
@@ -213,10 +223,18 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
     train_output = trainer.train()
     evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     (before, after) = (evaluations[0]["eval_loss"], evaluations[-1]["eval_loss"])
-    if [entry["step"] for entry in evaluations] != [0, train_output.global_step]:
+    if (evaluations[0]["step"], evaluations[-1]["step"]) != (0, train_output.global_step):
         raise RuntimeError(f"expected evaluations at steps 0 and {train_output.global_step}, got {evaluations}")
     results = {
         "model": "tiny" if arguments.tiny else "SmolLM2-135M-Instruct",
+        "architecture": "llama" if arguments.no_upcycle else "dar",
+        "dar_block_size": None if arguments.no_upcycle else model.config.dar_block_size,
+        "learning_rate": arguments.learning_rate,
+        "dar_learning_rate": None if arguments.no_upcycle else arguments.dar_learning_rate or arguments.learning_rate,
+        "batch_size": arguments.batch_size * arguments.gradient_accumulation_steps,
+        "train_tokens": train_output.global_step * arguments.batch_size * arguments.gradient_accumulation_steps
+        * arguments.sequence_length * training_arguments.world_size,
+        "eval_curve": [[entry["step"], entry["eval_loss"]] for entry in evaluations],
         "train_blocks": len(train_blocks),
         "eval_blocks": len(eval_blocks),
         "sequence_length": arguments.sequence_length,
