@@ -14,6 +14,7 @@ from dar_transformers.modeling_dar import (
     _TransportWrite,
     depth_attention_committed,
     inverse_rms,
+    routed_queries,
     transport_write,
 )
 
@@ -31,6 +32,12 @@ def _committed_inputs(num_streams, num_sources=4, num_queries=2, batch=2, tokens
     return queries, entries
 
 
+def _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams):
+    """The fast path's phase 1 for queries [Q, J, D] (routed the way the model routes them)."""
+    routed = routed_queries(queries, key_streams)
+    return depth_attention_committed(routed, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+
+
 def _fill_buffers(entries, eps):
     with torch.no_grad():
         history = torch.stack(entries)  # [S, B, T, J, D]
@@ -44,7 +51,7 @@ def test_committed_depth_attention_gradcheck(routing):
 
     def function(queries, *entries):  # the model writes an entry's copy into the buffer when it commits it
         history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
-        mixed, lse = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+        mixed, lse = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
         return (*mixed, *lse)
 
     assert torch.autograd.gradcheck(function, (queries, *entries), eps=1e-6, atol=1e-8)
@@ -56,10 +63,10 @@ def test_committed_depth_attention_matches_plain_autograd(routing):
     key_streams, value_streams = ROUTINGS[routing]
     queries, entries = _committed_inputs(len(key_streams), seed=1)
     history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
-    mixed, lse = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    mixed, lse = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
     history = torch.stack(entries)
     reference_mixed, reference_lse, _, _ = _committed_forward(
-        queries, history, inverse_rms(history, 1e-6), key_streams, value_streams
+        routed_queries(queries, key_streams), history, inverse_rms(history, 1e-6), key_streams, value_streams
     )  # [B, T, J, Q, D], [B, T, Q, J]
     (mixed, lse) = (torch.stack(mixed, dim=3), torch.stack(lse, dim=2))
     torch.testing.assert_close(mixed, reference_mixed, rtol=0, atol=1e-12)
@@ -79,10 +86,10 @@ def test_committed_depth_attention_with_unused_outputs(routing):
     key_streams, value_streams = ROUTINGS[routing]
     queries, entries = _committed_inputs(2, num_queries=3, seed=4)
     history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
-    mixed, lse = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    mixed, lse = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
     history = torch.stack(entries)
     reference_mixed, reference_lse, _, _ = _committed_forward(
-        queries, history, inverse_rms(history, 1e-6), key_streams, value_streams
+        routed_queries(queries, key_streams), history, inverse_rms(history, 1e-6), key_streams, value_streams
     )
     grads = torch.autograd.grad(mixed[1].square().sum() + lse[2].sum(), (queries, *entries))
     reference_grads = torch.autograd.grad(
@@ -98,9 +105,11 @@ def test_committed_depth_attention_negative_control_stale_buffer():
     queries, entries = _committed_inputs(2, seed=2)
     history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
     history_buffer[1] += 1.0
-    mixed, _ = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    mixed, _ = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
     history = torch.stack(entries)
-    reference, _, _, _ = _committed_forward(queries, history, inverse_rms(history, 1e-6), key_streams, value_streams)
+    reference, _, _, _ = _committed_forward(
+        routed_queries(queries, key_streams), history, inverse_rms(history, 1e-6), key_streams, value_streams
+    )
     assert (torch.stack(mixed, dim=3) - reference).abs().max() > 1e-2
 
 
@@ -167,9 +176,9 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     queries, entries = queries.detach().float(), [entry.detach().float() for entry in entries]
     history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
     key_streams, value_streams = ROUTINGS["dar"]
-    plain = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    plain = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = depth_attention_committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+        autocast = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
     assert records == [torch.float32]
     for plain_output, autocast_output in zip((*plain[0], *plain[1]), (*autocast[0], *autocast[1])):
         assert autocast_output.dtype == torch.float32

@@ -103,31 +103,42 @@ def _streams(x: torch.Tensor, streams: tuple[int, ...], dim: int) -> torch.Tenso
     return x.flip(dim)  # the only other routing on two streams is the swap
 
 
-def _keyed_scores(dots: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
-    """From all-pairs dots [..., J_key, Q, J_target], the pairs target j reads: [..., Q, J] with key stream kappa(j)."""
-    if len(set(key_streams)) == 1:  # every target keys on the same stream (fixedkv, or one stream)
-        return dots.select(-3, key_streams[0])  # [..., Q, J]
-    return torch.diagonal(_streams(dots, key_streams, dots.dim() - 3), dim1=-3, dim2=-1)  # [..., Q, J]
+def key_selector(key_streams: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """One-hot [J_key, J]: column j marks the key stream kappa(j) that target stream j scores."""
+    streams = len(key_streams)
+    return torch.eye(streams, dtype=like.dtype, device=like.device)[:, list(key_streams)]
+
+
+def routed_queries(queries: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
+    """queries [Q, J, D] -> [J_key * D, Q * J]: column (q, j) holds query q of target j in the rows of its key
+    stream kappa(j), zeros elsewhere, so that (entry [.., J_key * D]) @ routed gives every target's key dot
+    directly (any routing, no per-routing gather of the dots)."""
+    num_queries, streams, hidden = queries.shape
+    selector = key_selector(key_streams, queries)  # [J_key, J]
+    routed = queries.permute(2, 0, 1).unsqueeze(0) * selector[:, None, None, :]  # [J_key, D, Q, J]
+    return routed.reshape(streams * hidden, num_queries * streams)
 
 
 def _committed_forward(
-    queries: torch.Tensor,
+    routed: torch.Tensor,
     history: torch.Tensor,
     history_inv_rms: torch.Tensor,
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
 ) -> tuple[torch.Tensor, ...]:
-    """Phase 1 math. queries [Q, J, D], history [S, B, T, J, D], history_inv_rms [S, B, T, J] ->
+    """Phase 1 math. routed queries [J * D, Q * J], history [S, B, T, J, D], history_inv_rms [S, B, T, J] ->
     mix [B, T, J, Q, D], log-sum-exp [B, T, Q, J], softmax weights [S, B, T, Q, J], raw key dots [S, B, T, Q, J]."""
     sources, batch, tokens, streams, hidden = history.shape
-    num_queries = queries.shape[0]
-    dots = (history.reshape(-1, hidden) @ queries.reshape(-1, hidden).T).view(
-        sources, batch, tokens, streams, num_queries, streams
-    )  # [S, B, T, J_key, Q, J_target]: every stream against every query in one product
-    keyed_dots = _keyed_scores(dots, key_streams)  # [S, B, T, Q, J]
+    keyed_dots = (history.reshape(-1, streams * hidden) @ routed).view(
+        sources, batch, tokens, -1, streams
+    )  # [S, B, T, Q, J]: target j's query against its key stream kappa(j), every query in one product
     scores = keyed_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, Q, J]
-    log_normaliser = torch.logsumexp(scores, dim=0)  # [B, T, Q, J]
-    weights = torch.exp(scores - log_normaliser)  # [S, B, T, Q, J]
+    # Softmax over depth with its log-normaliser, written out: cheaper than logsumexp + exp on tiny decode tensors.
+    maximum = scores.amax(dim=0)  # [B, T, Q, J]
+    exponentials = (scores - maximum).exp()  # [S, B, T, Q, J]
+    total = exponentials.sum(dim=0)  # [B, T, Q, J]
+    weights = exponentials / total  # [S, B, T, Q, J]
+    log_normaliser = maximum + total.log()  # [B, T, Q, J]
     values, mixing = _mix_operands(history, weights, value_streams)  # [N, S, D], [N, M, S]
     mixed = _mix_output(torch.bmm(mixing, values), weights.shape, value_streams)  # [B, T, J, Q, D]
     return mixed, log_normaliser, weights, keyed_dots
@@ -201,19 +212,19 @@ class _CommittedDepthAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, queries, history_buffer, inv_rms_buffer, routing, *entries):
+    def forward(ctx, routed, history_buffer, inv_rms_buffer, routing, *entries):
         history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-        mixed, log_normaliser, weights, keyed_dots = _committed_forward(queries, history, history_inv_rms, *routing)
-        ctx.save_for_backward(queries, weights, keyed_dots)
+        mixed, log_normaliser, weights, keyed_dots = _committed_forward(routed, history, history_inv_rms, *routing)
+        ctx.save_for_backward(routed, weights, keyed_dots)
         ctx.history, ctx.history_inv_rms, ctx.routing = history, history_inv_rms, routing
         return (*mixed.unbind(3), *log_normaliser.unbind(2))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        queries, weights, keyed_dots = ctx.saved_tensors
+        routed, weights, keyed_dots = ctx.saved_tensors
         history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
         sources, batch, tokens, streams, hidden = history.shape
-        num_queries = queries.shape[0]
+        num_queries = weights.shape[3]
         grad_mixed = torch.stack(
             [torch.zeros_like(history[0]) if grad is None else grad for grad in grad_outputs[:num_queries]], dim=3
         )  # [B, T, J, Q, D]
@@ -233,34 +244,28 @@ class _CommittedDepthAttention(torch.autograd.Function):
             [torch.zeros_like(weights[0, :, :, 0]) if grad is None else grad for grad in grad_outputs[num_queries:]],
             dim=2,
         )  # [B, T, Q, J]
-        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0) + grad_log_normaliser)  # [S, B, T, Q, J]
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0) + grad_log_normaliser)  # [S,B,T,Q,J]
 
-        key_inv_rms = _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, 1, J]
+        selector = key_selector(key_streams, history_inv_rms)  # [J_key, J]
+        key_inv_rms = (history_inv_rms @ selector).unsqueeze(3)  # [S, B, T, 1, J] by target
         grad_keyed = grad_scores * key_inv_rms  # [S, B, T, Q, J]
-        grad_target_inv_rms = (grad_scores * keyed_dots).sum(3)  # [S, B, T, J] by target stream
-        if len(set(key_streams)) == 1:
-            grad_dots = grad_keyed.new_zeros(sources, batch, tokens, streams, num_queries, streams)
-            grad_dots[:, :, :, key_streams[0]] = grad_keyed
-            grad_inv_rms = torch.zeros_like(history_inv_rms)
-            grad_inv_rms[..., key_streams[0]] = grad_target_inv_rms.sum(-1)
-        else:
-            grad_dots = _streams(torch.diag_embed(grad_keyed, dim1=3, dim2=5), key_streams, 3)  # [S, B, T, J, Q, J]
-            grad_inv_rms = _streams(grad_target_inv_rms, key_streams, 3)  # [S, B, T, J] by key stream
-        flat_queries = queries.reshape(-1, hidden)  # [QJ, D]
-        token_major_dots = grad_dots.permute(1, 2, 3, 0, 4, 5).reshape(-1, flat_queries.shape[0])  # [BTJS, QJ]
-        grad_entries.view(-1, hidden).addmm_(token_major_dots, flat_queries)
+        grad_inv_rms = (grad_scores * keyed_dots).sum(3) @ selector.T  # [S, B, T, J] by key stream
+        # The dots' gradient placed at each target's key stream [S, B, T, J_key, Q, J], against the unrouted queries.
+        grad_dots = grad_keyed.unsqueeze(3) * selector[:, None, :]
+        queries = (routed.view(streams, hidden, num_queries, streams) * selector[:, None, None, :]).sum(0)  # [D, Q, J]
+        token_major_dots = grad_dots.permute(1, 2, 3, 0, 4, 5).reshape(-1, num_queries * streams)  # [BTJS, QJ]
+        grad_entries.view(-1, hidden).addmm_(token_major_dots, queries.view(hidden, -1).T)
         # d rms^-1 / d h = -rms^-3 h / D: the key normalisation's gradient, folded into the entry gradient.
         inv_rms_coefficient = grad_inv_rms * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
         grad_entries.addcmul_(history.permute(1, 2, 3, 0, 4), inv_rms_coefficient.permute(1, 2, 3, 0).unsqueeze(-1))
+        grad_routed = None
         if ctx.needs_input_grad[0]:
-            grad_queries = (grad_dots.reshape(-1, flat_queries.shape[0]).T @ history.reshape(-1, hidden)).view_as(queries)
-        else:
-            grad_queries = None
-        return (grad_queries, None, None, None, *grad_entries.unbind(3))
+            grad_routed = history.reshape(-1, streams * hidden).T @ grad_keyed.reshape(-1, num_queries * streams)
+        return (grad_routed, None, None, None, *grad_entries.unbind(3))
 
 
 def depth_attention_committed(
-    queries: torch.Tensor,
+    routed: torch.Tensor,
     history_buffer: torch.Tensor,
     inv_rms_buffer: torch.Tensor,
     entries: tuple[torch.Tensor, ...],
@@ -269,24 +274,24 @@ def depth_attention_committed(
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Phase 1 of the two-phase read (AttnRes Algorithm 1): every query against every committed entry at once.
 
-    queries [Q, J, D] (pseudo-query times key-norm weight, per target stream); the committed entries, each
+    routed [J * D, Q * J] (`routed_queries` of the pseudo-queries times key-norm weights); the committed entries, each
     [B, T, J, D], also copied into history_buffer [S_max, B, T, J, D] with their inverse RMS in inv_rms_buffer
     [S_max, B, T, J] -> per query, (softmax-normalised mix [B, T, J, D], log-sum-exp of the scores [B, T, J]).
     Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are never materialised.
     """
     routing = (key_streams, value_streams)
-    num_queries = queries.shape[0]
+    num_queries = routed.shape[1] // len(key_streams)
     with _without_autocast(history_buffer):
-        if torch.is_grad_enabled() and (queries.requires_grad or any(entry.requires_grad for entry in entries)):
-            outputs = _CommittedDepthAttention.apply(queries, history_buffer, inv_rms_buffer, routing, *entries)
+        if torch.is_grad_enabled() and (routed.requires_grad or any(entry.requires_grad for entry in entries)):
+            outputs = _CommittedDepthAttention.apply(routed, history_buffer, inv_rms_buffer, routing, *entries)
             return outputs[:num_queries], outputs[num_queries:]
         history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-        mixed, log_normaliser, _, _ = _committed_forward(queries, history, history_inv_rms, *routing)
+        mixed, log_normaliser, _, _ = _committed_forward(routed, history, history_inv_rms, *routing)
         return mixed.unbind(3), log_normaliser.unbind(2)
 
 
 def depth_attention_merge(
-    query: torch.Tensor,
+    routed_query: torch.Tensor,
     mixed: torch.Tensor,
     log_normaliser: torch.Tensor,
     source: torch.Tensor,
@@ -297,12 +302,14 @@ def depth_attention_merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 2: merge one more source into a normalised mix by online softmax.
 
-    query [J, D], mixed [B, T, J, D], log_normaliser [B, T, J], source [B, T, J, D], source_inv_rms [B, T, J].
-    With z the new source's score, the merged mix is mixed + sigmoid(z - lse) * (value - mixed).
+    routed_query [J * D, J] (`routed_queries` of one query), mixed [B, T, J, D], log_normaliser [B, T, J],
+    source [B, T, J, D], source_inv_rms [B, T, J]. With z the new source's score, the merged mix is
+    mixed + sigmoid(z - lse) * (value - mixed).
     """
+    batch, tokens, streams, hidden = source.shape
     with _without_autocast(source):
-        dots = torch.matmul(source, query.T).unsqueeze(-2)  # [B, T, J_key, 1, J_target]
-    score = _keyed_scores(dots, key_streams).squeeze(-2) * _streams(source_inv_rms, key_streams, 2)  # [B, T, J]
+        dots = source.reshape(-1, streams * hidden) @ routed_query  # [BT, J]: each target against its key stream
+    score = dots.view(batch, tokens, streams) * _streams(source_inv_rms, key_streams, 2)  # [B, T, J]
     share = torch.sigmoid(score - log_normaliser)  # [B, T, J]
     mixed = torch.lerp(mixed, _streams(source, value_streams, 2), share.unsqueeze(-1))  # [B, T, J, D]
     return mixed, torch.logaddexp(log_normaliser, score) if update_normaliser else log_normaliser
@@ -355,6 +362,12 @@ class DARDepthAttention(DARParameterMemo, nn.Module):
     def scoring_query(self, dtype: torch.dtype) -> torch.Tensor:
         """w * gamma [J, D] in the compute dtype: the key norm weight folded into the query."""
         return self.memoised("scoring_query", dtype, lambda: (self.pseudo_query * self.key_norm.weight).to(dtype))
+
+    def routed_query(self, dtype: torch.dtype) -> torch.Tensor:
+        """`routed_queries` of the folded query: [J * D, J], the merge's one product per source."""
+        return self.memoised(
+            "routed_query", dtype, lambda: routed_queries(self.scoring_query(dtype).unsqueeze(0), self.key_streams)
+        )
 
     def count_scale(self, num_sources: int) -> float:
         """lambda = N turns the uniform mean at zero queries back into the residual sum (DESIGN.md section 3)."""
@@ -453,7 +466,8 @@ class _TransportWrite(torch.autograd.Function):
         grad_partial = torch.lerp(swapped, grad, rho) if ctx.needs_input_grad[0] else None
         grad_rho = None
         if ctx.needs_input_grad[1]:  # dL/drho = sum g . (P - swap P) = sum (g - swap g) . P
-            grad_rho = (torch.vdot(grad.flatten(), partial.flatten()) - torch.vdot(swapped.flatten(), partial.flatten()))
+            flat_partial = partial.flatten()
+            grad_rho = torch.vdot(grad.flatten(), flat_partial) - torch.vdot(swapped.flatten(), flat_partial)
             grad_rho = grad_rho.reshape(rho.shape)
         grad_beta = (grad * branch_output).sum((0, 1)) if ctx.needs_input_grad[2] else None  # [J, D]
         grad_output = (grad * beta).sum(-2, keepdim=True) if ctx.needs_input_grad[3] else None  # [B, T, 1, D]
@@ -486,7 +500,7 @@ class DARReadout(nn.Module):
         if self.config.dar_implementation == "reference":
             return self.read_gate(attention.reference(torch.stack(entries, dim=2)), dtype)
         (mixed,), _ = depth_attention_committed(
-            attention.scoring_query(history_buffer.dtype).unsqueeze(0), history_buffer, inv_rms_buffer, entries,
+            attention.routed_query(history_buffer.dtype), history_buffer, inv_rms_buffer, entries,
             attention.key_streams, attention.value_streams,
         )  # [B, T, J, D]
         return self.read_gate(mixed, dtype, attention.count_scale(len(entries)))
@@ -544,7 +558,7 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         """committed: (mix, lse, count) from phase 1; late_entries: [(entry, inv_rms)] merged by online softmax."""
         attention = residual.depth_attention
         mixed, log_normaliser, num_sources = committed
-        query = attention.scoring_query(mixed.dtype)  # once per read, not once per merged entry
+        query = attention.routed_query(mixed.dtype)  # once per read, not once per merged entry
         for position, (entry, entry_inv_rms) in enumerate(late_entries, start=1):
             mixed, log_normaliser = depth_attention_merge(
                 query, mixed, log_normaliser, entry, entry_inv_rms, attention.key_streams,
@@ -585,14 +599,15 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         if reference:
             branch_input = self._read_reference(self.attn_residual, entries, partial, dtype)  # [B, T, D]
         else:
-            queries = torch.stack(
+            routed = torch.cat(
                 [
-                    self.attn_residual.depth_attention.scoring_query(partial.dtype),
-                    self.mlp_residual.depth_attention.scoring_query(partial.dtype),
-                ]
-            )  # [2, J, D]
+                    self.attn_residual.depth_attention.routed_query(partial.dtype),
+                    self.mlp_residual.depth_attention.routed_query(partial.dtype),
+                ],
+                dim=1,
+            )  # [J * D, 2 * J]: both branches' queries, scored in one product
             mixed, log_normaliser = depth_attention_committed(
-                queries, history_buffer, inv_rms_buffer, entries, self.attn_residual.depth_attention.key_streams,
+                routed, history_buffer, inv_rms_buffer, entries, self.attn_residual.depth_attention.key_streams,
                 self.attn_residual.depth_attention.value_streams,
             )  # per branch: [B, T, J, D], [B, T, J]
             late = [(partial, inverse_rms(partial, self.eps))] if self._reads_partial(attn_index) else []
