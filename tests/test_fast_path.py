@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fast path's building blocks against plain autograd: the committed-entry depth attention's hand-written
-backward (gradcheck in float64, every routing), and the inference memo of parameter-derived tensors."""
-
-import itertools
+"""The fast path's building blocks against plain autograd and a readable loop: the fused depth read's hand-written
+backward (gradcheck in float64, every routing, with and without the partial), the fused transport + write, and the
+inference memo of parameter-derived tensors."""
 
 import pytest
 import torch
@@ -10,9 +9,9 @@ import torch
 from dar_transformers import DARConfig, DARForCausalLM
 from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
 from dar_transformers.modeling_dar import (
-    _committed_forward,
+    _depth_read_forward,
     _TransportWrite,
-    depth_attention_committed,
+    depth_read,
     inverse_rms,
     routed_queries,
     transport_write,
@@ -20,97 +19,115 @@ from dar_transformers.modeling_dar import (
 
 ROUTINGS = {name: tuple(zip(*pairs)) for name, pairs in ROUTING_KEY_VALUE_STREAMS.items()}
 ROUTINGS["one-stream"] = ((0,), (0,))
+EPS = 1e-6
 
 
-def _committed_inputs(num_streams, num_sources=4, num_queries=2, batch=2, tokens=3, hidden=6, seed=0):
+def _read_inputs(num_streams, num_sources=4, with_partial=True, batch=2, tokens=3, hidden=6, seed=0):
+    """Entries, partial, folded query [J, D] and gate [J] in float64, all requiring gradients."""
     generator = torch.Generator().manual_seed(seed)
-    entries = [
-        torch.randn(batch, tokens, num_streams, hidden, generator=generator, dtype=torch.float64).requires_grad_()
-        for _ in range(num_sources)
-    ]
-    queries = torch.randn(num_queries, num_streams, hidden, generator=generator, dtype=torch.float64).requires_grad_()
-    return queries, entries
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    entries = [leaf(batch, tokens, num_streams, hidden) for _ in range(num_sources)]
+    partial = leaf(batch, tokens, num_streams, hidden) if with_partial else None
+    return entries, partial, leaf(num_streams, hidden), leaf(num_streams)
 
 
-def _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams):
-    """The fast path's phase 1 for queries [Q, J, D] (routed the way the model routes them)."""
-    routed = routed_queries(queries, key_streams)
-    return depth_attention_committed(routed, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
-
-
-def _fill_buffers(entries, eps):
+def _fill_buffers(entries, spare_slots=2):
+    """What the model keeps: detached copies of the entries in a larger depth-major buffer, and their inverse RMS."""
     with torch.no_grad():
         history = torch.stack(entries)  # [S, B, T, J, D]
-        return history.clone(), inverse_rms(history, eps)
+        history_buffer = history.new_full((len(entries) + spare_slots, *history.shape[1:]), float("nan"))
+        history_buffer[: len(entries)] = history
+        return history_buffer, inverse_rms(history_buffer, EPS)
 
 
+def _loop_read(query, gate, sources, key_streams, value_streams):
+    """The read written out per target stream: x^j = sum_n softmax_n(q_j . k_n / rms(k_n)) V_n, u = sum_j gate_j x^j.
+
+    query [J, D] is the pseudo-query already multiplied by the key-norm weight; sources [B, T, N, J, D].
+    """
+    branch_input = 0
+    for target, (key_stream, value_stream) in enumerate(zip(key_streams, value_streams)):
+        keys = sources[:, :, :, key_stream]  # [B, T, N, D]
+        scores = (keys @ query[target]) * torch.rsqrt(keys.pow(2).mean(-1) + EPS)  # [B, T, N]
+        extraction = torch.einsum("btn,btnd->btd", scores.softmax(-1), sources[:, :, :, value_stream])
+        branch_input = branch_input + gate[target] * extraction
+    return branch_input  # [B, T, D]
+
+
+def _fast_read(entries, partial, query, gate, key_streams, value_streams):
+    history_buffer, inv_rms_buffer = _fill_buffers(entries)
+    routed = routed_queries(query.unsqueeze(0), key_streams)
+    return depth_read(routed, gate, history_buffer, inv_rms_buffer, entries, partial, key_streams, value_streams, EPS)
+
+
+@pytest.mark.parametrize("with_partial", [True, False])
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_committed_depth_attention_gradcheck(routing):
+def test_depth_read_gradcheck(routing, with_partial):
     key_streams, value_streams = ROUTINGS[routing]
-    queries, entries = _committed_inputs(len(key_streams))
+    entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial)
+    inputs = [query, gate, *entries] + ([partial] if with_partial else [])
 
-    def function(queries, *entries):  # the model writes an entry's copy into the buffer when it commits it
-        history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
-        mixed, lse = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
-        return (*mixed, *lse)
+    def function(query, gate, *sources):  # the model copies an entry into the buffer when it commits it
+        entries, partial = (sources[:-1], sources[-1]) if with_partial else (sources, None)
+        return _fast_read(list(entries), partial, query, gate, key_streams, value_streams)
 
-    assert torch.autograd.gradcheck(function, (queries, *entries), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(function, inputs, eps=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("with_partial", [True, False])
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_committed_depth_attention_matches_plain_autograd(routing):
-    """The custom function (buffer reads, manual backward) equals autograd through the same math on the entries."""
+def test_depth_read_matches_the_loop_and_plain_autograd(routing, with_partial):
+    """Values and gradients against the per-stream loop, and against autograd through the same fused math."""
     key_streams, value_streams = ROUTINGS[routing]
-    queries, entries = _committed_inputs(len(key_streams), seed=1)
-    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
-    mixed, lse = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
-    history = torch.stack(entries)
-    reference_mixed, reference_lse, _, _ = _committed_forward(
-        routed_queries(queries, key_streams), history, inverse_rms(history, 1e-6), key_streams, value_streams
-    )  # [B, T, J, Q, D], [B, T, Q, J]
-    (mixed, lse) = (torch.stack(mixed, dim=3), torch.stack(lse, dim=2))
-    torch.testing.assert_close(mixed, reference_mixed, rtol=0, atol=1e-12)
-    torch.testing.assert_close(lse, reference_lse, rtol=0, atol=1e-12)
-    upstream = torch.randn_like(mixed), torch.randn_like(lse)
-    grads = torch.autograd.grad((mixed * upstream[0]).sum() + (lse * upstream[1]).sum(), (queries, *entries))
-    reference_grads = torch.autograd.grad(
-        (reference_mixed * upstream[0]).sum() + (reference_lse * upstream[1]).sum(), (queries, *entries)
+    entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial, seed=1)
+    inputs = [query, gate, *entries] + ([partial] if with_partial else [])
+    fast = _fast_read(entries, partial, query, gate, key_streams, value_streams)
+    assert fast.grad_fn is not None and type(fast.grad_fn).__name__ == "_DepthReadBackward"
+    sources = torch.stack([*entries, partial] if with_partial else entries, dim=2)  # [B, T, N, J, D]
+    loop = _loop_read(query, gate, sources, key_streams, value_streams)
+    history = torch.stack([*entries, partial] if with_partial else entries)  # [N, B, T, J, D]
+    plain, *_ = _depth_read_forward(
+        routed_queries(query.unsqueeze(0), key_streams), gate, history, inverse_rms(history, EPS), key_streams,
+        value_streams,
     )
-    for grad, reference in zip(grads, reference_grads):
-        torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fast, loop, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(plain, loop, rtol=1e-12, atol=1e-12)
+    upstream = torch.randn_like(fast)
+    fast_grads = torch.autograd.grad((fast * upstream).sum(), inputs)
+    for other in (loop, plain):
+        for grad, reference in zip(fast_grads, torch.autograd.grad((other * upstream).sum(), inputs)):
+            torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("routing", ["dar", "fixedkv"])
-def test_committed_depth_attention_with_unused_outputs(routing):
-    """A branch reads one query's mix and another query's log-sum-exp: the missing gradients count as zero."""
-    key_streams, value_streams = ROUTINGS[routing]
-    queries, entries = _committed_inputs(2, num_queries=3, seed=4)
-    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
-    mixed, lse = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
-    history = torch.stack(entries)
-    reference_mixed, reference_lse, _, _ = _committed_forward(
-        routed_queries(queries, key_streams), history, inverse_rms(history, 1e-6), key_streams, value_streams
-    )
-    grads = torch.autograd.grad(mixed[1].square().sum() + lse[2].sum(), (queries, *entries))
-    reference_grads = torch.autograd.grad(
-        reference_mixed[:, :, :, 1].square().sum() + reference_lse[:, :, 2].sum(), (queries, *entries)
-    )
-    for grad, reference in zip(grads, reference_grads):
-        torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
-
-
-def test_committed_depth_attention_negative_control_stale_buffer():
+def test_depth_read_negative_control_stale_buffer():
     """The forward reads the buffer, not the entries: a buffer out of sync with the entries must show."""
     key_streams, value_streams = ROUTINGS["dar"]
-    queries, entries = _committed_inputs(2, seed=2)
-    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
+    entries, partial, query, gate = _read_inputs(2, seed=2)
+    history_buffer, inv_rms_buffer = _fill_buffers(entries)
     history_buffer[1] += 1.0
-    mixed, _ = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
-    history = torch.stack(entries)
-    reference, _, _, _ = _committed_forward(
-        routed_queries(queries, key_streams), history, inverse_rms(history, 1e-6), key_streams, value_streams
-    )
-    assert (torch.stack(mixed, dim=3) - reference).abs().max() > 1e-2
+    routed = routed_queries(query.unsqueeze(0), key_streams)
+    stale = depth_read(routed, gate, history_buffer, inv_rms_buffer, entries, partial, key_streams, value_streams, EPS)
+    fresh = _fast_read(entries, partial, query, gate, key_streams, value_streams)
+    assert (stale - fresh).abs().max() > 1e-2
+
+
+def test_depth_read_saves_only_per_token_scalars():
+    """Memory contract of #7: besides the inputs it already holds, the read saves nothing entry-sized."""
+    key_streams, value_streams = ROUTINGS["dar"]
+    entries, partial, query, gate = _read_inputs(2, num_sources=5, hidden=64, seed=3)
+    entry_numel = partial.numel()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
+        history_buffer, inv_rms_buffer = _fill_buffers(entries)
+        routed = routed_queries(query.unsqueeze(0), key_streams).detach().requires_grad_()
+        depth_read(routed, gate, history_buffer, inv_rms_buffer, entries, partial, key_streams, value_streams, EPS)
+    large = [tuple(tensor.shape) for tensor in saved if tensor.numel() >= entry_numel and tensor is not partial]
+    assert large == [], large
+    per_token = [tensor for tensor in saved if tensor.dim() == 4 and tensor.shape[0] == len(entries) + 1]
+    assert len(per_token) == 2  # softmax weights and key dots, [N, B, T, J]
 
 
 def _perturbed_tiny_dar(block_size):
@@ -172,17 +189,16 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids)
     handle.remove()
-    queries, entries = _committed_inputs(2, seed=3)
-    queries, entries = queries.detach().float(), [entry.detach().float() for entry in entries]
-    history_buffer, inv_rms_buffer = _fill_buffers(entries, eps=1e-6)
+    entries, partial, query, gate = _read_inputs(2, seed=3)
+    entries, partial = [entry.detach().float() for entry in entries], partial.detach().float()
+    query, gate = query.detach().float(), gate.detach().float()
     key_streams, value_streams = ROUTINGS["dar"]
-    plain = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+    plain = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = _committed(queries, history_buffer, inv_rms_buffer, entries, key_streams, value_streams)
+        autocast = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert records == [torch.float32]
-    for plain_output, autocast_output in zip((*plain[0], *plain[1]), (*autocast[0], *autocast[1])):
-        assert autocast_output.dtype == torch.float32
-        torch.testing.assert_close(autocast_output, plain_output, rtol=0, atol=0)
+    assert autocast.dtype == torch.float32
+    torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
 
 
 def test_transport_write_gradcheck_and_plain_autograd():

@@ -119,200 +119,146 @@ def routed_queries(queries: torch.Tensor, key_streams: tuple[int, ...]) -> torch
     return routed.reshape(streams * hidden, num_queries * streams)
 
 
-def _committed_forward(
-    routed: torch.Tensor,
-    history: torch.Tensor,
-    history_inv_rms: torch.Tensor,
-    key_streams: tuple[int, ...],
-    value_streams: tuple[int, ...],
-) -> tuple[torch.Tensor, ...]:
-    """Phase 1 math. routed queries [J * D, Q * J], history [S, B, T, J, D], history_inv_rms [S, B, T, J] ->
-    mix [B, T, J, Q, D], log-sum-exp [B, T, Q, J], softmax weights [S, B, T, Q, J], raw key dots [S, B, T, Q, J]."""
+def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """[..., J] indexed by target stream -> [..., J_val] indexed by value stream, summing the targets that read
+    each value stream: out[..., v] = sum over j with nu(j) = v of x[..., j] (zero for a stream nobody reads)."""
+    streams = by_target.shape[-1]
+    if sorted(value_streams) == list(range(streams)):  # a permutation: identity or swap
+        return _streams(by_target, tuple(value_streams.index(stream) for stream in range(streams)), by_target.dim() - 1)
+    selector = torch.eye(streams, dtype=by_target.dtype, device=by_target.device)[list(value_streams)]  # [J, J_val]
+    return by_target @ selector
+
+
+def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, value_streams):
+    """One branch's fast read: softmax over depth of its sources, mixed straight into the branch input.
+
+    routed [J * D, J] (`routed_queries`), gate [J] (read gate times scale), sources history [N, B, T, J, D] with
+    their inverse RMS [N, B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J], key dots [N, B, T, J]).
+    """
     sources, batch, tokens, streams, hidden = history.shape
-    keyed_dots = (history.reshape(-1, streams * hidden) @ routed).view(
-        sources, batch, tokens, -1, streams
-    )  # [S, B, T, Q, J]: target j's query against its key stream kappa(j), every query in one product
-    scores = keyed_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, Q, J]
-    # Softmax over depth with its log-normaliser, written out: cheaper than logsumexp + exp on tiny decode tensors.
-    maximum = scores.amax(dim=0)  # [B, T, Q, J]
-    exponentials = (scores - maximum).exp()  # [S, B, T, Q, J]
-    total = exponentials.sum(dim=0)  # [B, T, Q, J]
-    weights = exponentials / total  # [S, B, T, Q, J]
-    log_normaliser = maximum + total.log()  # [B, T, Q, J]
-    values, mixing = _mix_operands(history, weights, value_streams)  # [N, S, D], [N, M, S]
-    mixed = _mix_output(torch.bmm(mixing, values), weights.shape, value_streams)  # [B, T, J, Q, D]
-    return mixed, log_normaliser, weights, keyed_dots
+    keyed_dots = (history.reshape(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)
+    scores = keyed_dots * _streams(history_inv_rms, key_streams, 3)  # [N, B, T, J]: key stream kappa(j)'s norm
+    weights = scores.softmax(dim=0)  # [N, B, T, J]
+    # u = sum_j gate_j sum_n w^j_n V^{nu(j)}_n: fold the read gate into per-value-stream coefficients, so the
+    # per-stream extractions are never materialised; one product over tokens and streams reads the history.
+    coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
+    values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, N, D], a view of the buffer
+    coefficients = coefficients.permute(1, 2, 3, 0).reshape(-1, 1, sources)  # [BTJ_val, 1, N]
+    mixed = torch.bmm(coefficients, values).view(batch, tokens, streams, hidden)  # [B, T, J_val, D]
+    return mixed.sum(dim=2), weights, keyed_dots
 
 
-# The weighted sum over depth is one batched product of small matrices, weights [M, S] @ values [S, D], batched
-# over tokens (and value streams). Its operands are views of the depth-major history, never copies of it:
-#   value streams a permutation of the streams (dar, selfkv, crossv): batch (token, value stream), M = Q;
-#   one value stream v shared by every target (fixedkv, one stream): batch token, M = Q * J.
+def _stage_partial(history_buffer, inv_rms_buffer, slot: int, partial: torch.Tensor, eps: float) -> torch.Tensor:
+    """Copy the partial block state into the buffer's next free slot (where its block will be committed), so a read
+    is one product over buffer[: slot + 1]; returns its inverse RMS [B, T, J]. Through `.data`, as a commit."""
+    partial_inv_rms = inverse_rms(partial.detach(), eps)
+    history_buffer.data[slot].copy_(partial.detach())
+    inv_rms_buffer.data[slot].copy_(partial_inv_rms)
+    return partial_inv_rms
 
 
-def _shared_value_stream(value_streams: tuple[int, ...]) -> int | None:
-    return value_streams[0] if len(set(value_streams)) == 1 else None
+class _DepthRead(torch.autograd.Function):
+    """One branch's depth read and read gate (AttnRes eq. 2-4 routed per DESIGN.md, then alpha), fused.
 
-
-def _inverse(streams: tuple[int, ...]) -> tuple[int, ...]:
-    """The inverse of a permutation routing: value stream v is read by target inverse[v]."""
-    return tuple(sorted(range(len(streams)), key=lambda target: streams[target]))
-
-
-def _mix_operands(history: torch.Tensor, weights: torch.Tensor, value_streams: tuple[int, ...]):
-    """history [S, B, T, J, D], weights [S, B, T, Q, J] -> (values [N, S, D] (a strided view), mixing [N, M, S])."""
-    sources, batch, tokens, streams, hidden = history.shape
-    num_queries = weights.shape[3]
-    shared = _shared_value_stream(value_streams)
-    if shared is None:
-        values = history.view(sources, batch * tokens * streams, hidden).transpose(0, 1)  # [BTJ_val, S, D]
-        by_value_stream = _streams(weights, _inverse(value_streams), 4)  # [S, B, T, Q, J_val]
-        mixing = by_value_stream.permute(1, 2, 4, 3, 0).reshape(-1, num_queries, sources)  # [BTJ_val, Q, S]
-    else:
-        values = history[:, :, :, shared].reshape(sources, batch * tokens, hidden).transpose(0, 1)  # [BT, S, D]
-        mixing = weights.permute(1, 2, 3, 4, 0).reshape(-1, num_queries * streams, sources)  # [BT, QJ, S]
-    return values, mixing
-
-
-def _mix_output(product: torch.Tensor, weights_shape: torch.Size, value_streams: tuple[int, ...]) -> torch.Tensor:
-    """The batched product [N, M, D] -> the mix by target stream [B, T, J, Q, D]."""
-    _, batch, tokens, num_queries, streams = weights_shape
-    if _shared_value_stream(value_streams) is None:
-        by_value_stream = product.view(batch, tokens, streams, num_queries, -1)  # [B, T, J_val, Q, D]
-        return _streams(by_value_stream, value_streams, 2)  # target j reads value stream nu(j)
-    return product.view(batch, tokens, num_queries, streams, -1).transpose(2, 3)  # [B, T, J, Q, D]
-
-
-def _mix_output_grad(grad_mixed: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
-    """Gradient [B, T, J, Q, D] of `_mix_output` -> gradient of the batched product [N, M, D]."""
-    batch, tokens, streams, num_queries, hidden = grad_mixed.shape
-    if _shared_value_stream(value_streams) is None:
-        return _streams(grad_mixed, _inverse(value_streams), 2).reshape(-1, num_queries, hidden)
-    return grad_mixed.transpose(2, 3).reshape(-1, num_queries * streams, hidden)
-
-
-def _mixing_grad(grad_mixing: torch.Tensor, weights_shape: torch.Size, value_streams: tuple[int, ...]) -> torch.Tensor:
-    """Gradient [N, S, M] (transposed) of `_mix_operands`' mixing -> gradient of the weights [S, B, T, Q, J]."""
-    sources, batch, tokens, num_queries, streams = weights_shape
-    if _shared_value_stream(value_streams) is None:
-        by_value_stream = grad_mixing.view(batch, tokens, streams, sources, num_queries).permute(3, 0, 1, 4, 2)
-        return _streams(by_value_stream, value_streams, 4)  # [S, B, T, Q, J]
-    return grad_mixing.view(batch, tokens, sources, num_queries, streams).permute(2, 0, 1, 3, 4)
-
-
-class _CommittedDepthAttention(torch.autograd.Function):
-    """Phase 1 over the committed entries, reading them from a preallocated depth-major buffer.
-
-    Autograd sees the entries themselves (one input each, so their gradients reach the writes that made them) but
-    the forward reads their copies in the buffer, so no per-read stack of the history is made or saved: backward
-    keeps only the queries, the softmax weights and the raw key dots (a few scalars per token and source) and
-    rebuilds every gradient from the buffer, including the inverse-RMS key normalisation's,
-    d rms^-1 / d h = -rms^-3 h / D. Outputs are per query (one mix [B, T, J, D] and one log-sum-exp [B, T, J]
-    each), so that a branch using one query does not pay a zero-filled gradient for the others.
+    The committed entries are read from the preallocated depth-major buffer; autograd sees the entries themselves
+    (one input each, so their gradients reach the writes that made them) and the partial block state. Backward
+    keeps only per-token scalars (softmax weights and key dots, N per token and stream) and the partial (which
+    the write keeps anyway), and rebuilds every gradient from the buffer, including the key normalisation's,
+    d rms^-1 / d h = -rms^-3 h / D. Neither the per-stream extractions nor normalised keys are stored.
     """
 
     @staticmethod
-    def forward(ctx, routed, history_buffer, inv_rms_buffer, routing, *entries):
-        history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-        mixed, log_normaliser, weights, keyed_dots = _committed_forward(routed, history, history_inv_rms, *routing)
-        ctx.save_for_backward(routed, weights, keyed_dots)
-        ctx.history, ctx.history_inv_rms, ctx.routing = history, history_inv_rms, routing
-        return (*mixed.unbind(3), *log_normaliser.unbind(2))
+    def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, partial, *entries):
+        num_sources, partial_inv_rms = len(entries), None
+        if partial is not None:
+            partial_inv_rms = _stage_partial(history_buffer, inv_rms_buffer, len(entries), partial, eps)
+            num_sources += 1
+        branch_input, weights, keyed_dots = _depth_read_forward(
+            routed, gate, history_buffer[:num_sources], inv_rms_buffer[:num_sources], *routing
+        )
+        # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
+        ctx.save_for_backward(routed, gate, weights, keyed_dots, partial, partial_inv_rms)
+        ctx.history, ctx.history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
+        ctx.routing = routing
+        return branch_input
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
-        routed, weights, keyed_dots = ctx.saved_tensors
+    def backward(ctx, grad_input):
+        routed, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
         history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
         sources, batch, tokens, streams, hidden = history.shape
-        num_queries = weights.shape[3]
-        grad_mixed = torch.stack(
-            [torch.zeros_like(history[0]) if grad is None else grad for grad in grad_outputs[:num_queries]], dim=3
-        )  # [B, T, J, Q, D]
-        grad_product = _mix_output_grad(grad_mixed, value_streams)  # [N, M, D]
-        values, mixing = _mix_operands(history, weights, value_streams)  # [N, S, D], [N, M, S]
-        grad_weights = _mixing_grad(torch.bmm(values, grad_product.transpose(1, 2)), weights.shape, value_streams)
-        # The entries' gradient is built token-major, [B, T, J, S, D]: the layout the batched products write.
-        grad_entries = history.new_empty(batch, tokens, streams, sources, hidden)
-        shared = _shared_value_stream(value_streams)
-        if shared is None:
-            torch.bmm(mixing.transpose(1, 2), grad_product, out=grad_entries.view(-1, sources, hidden))
-        else:
-            grad_entries[:, :, shared] = torch.bmm(mixing.transpose(1, 2), grad_product).view_as(grad_entries[:, :, 0])
-            for stream in set(range(streams)) - {shared}:
-                grad_entries[:, :, stream].zero_()
-        grad_log_normaliser = torch.stack(
-            [torch.zeros_like(weights[0, :, :, 0]) if grad is None else grad for grad in grad_outputs[num_queries:]],
-            dim=2,
-        )  # [B, T, Q, J]
-        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0) + grad_log_normaliser)  # [S,B,T,Q,J]
+        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, 1, hidden)  # [BTJ, 1, D]
+        values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, S, D]
+        value_dots = torch.bmm(values, grad_rows.transpose(1, 2)).view(batch, tokens, streams, sources)
+        value_dots = value_dots.permute(3, 0, 1, 2)  # [S, B, T, J_val]: g . V_n
+        key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
+        if partial is not None:
+            value_dots = torch.cat([value_dots, (partial * grad_input.unsqueeze(2)).sum(-1).unsqueeze(0)])
+            key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
+        target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
+        grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
+        grad_weights = gate * target_value_dots  # [N, B, T, J]
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
+        grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]
+        selector = key_selector(key_streams, weights)  # [J_key, J]
+        grad_inv_rms = (grad_scores * keyed_dots) @ selector.T  # [N, B, T, J_key]
+        queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
+        coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
-        selector = key_selector(key_streams, history_inv_rms)  # [J_key, J]
-        key_inv_rms = (history_inv_rms @ selector).unsqueeze(3)  # [S, B, T, 1, J] by target
-        grad_keyed = grad_scores * key_inv_rms  # [S, B, T, Q, J]
-        grad_inv_rms = (grad_scores * keyed_dots).sum(3) @ selector.T  # [S, B, T, J] by key stream
-        # The dots' gradient placed at each target's key stream [S, B, T, J_key, Q, J], against the unrouted queries.
-        grad_dots = grad_keyed.unsqueeze(3) * selector[:, None, :]
-        queries = (routed.view(streams, hidden, num_queries, streams) * selector[:, None, None, :]).sum(0)  # [D, Q, J]
-        token_major_dots = grad_dots.permute(1, 2, 3, 0, 4, 5).reshape(-1, num_queries * streams)  # [BTJS, QJ]
-        grad_entries.view(-1, hidden).addmm_(token_major_dots, queries.view(hidden, -1).T)
-        # d rms^-1 / d h = -rms^-3 h / D: the key normalisation's gradient, folded into the entry gradient.
-        inv_rms_coefficient = grad_inv_rms * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
-        grad_entries.addcmul_(history.permute(1, 2, 3, 0, 4), inv_rms_coefficient.permute(1, 2, 3, 0).unsqueeze(-1))
+        # Committed entries, token-major [B, T, J, S, D] (the layout the products write): values, keys, key norm.
+        committed = coefficients[:sources].permute(1, 2, 3, 0).reshape(-1, sources, 1)  # [BTJ_val, S, 1]
+        grad_entries = torch.bmm(committed, grad_rows).view(batch, tokens, streams, sources, hidden)
+        grad_dots = grad_keyed[:sources].unsqueeze(3) * selector  # [S, B, T, J_key, J]: at each target's key stream
+        grad_entries.view(-1, hidden).addmm_(grad_dots.permute(1, 2, 3, 0, 4).reshape(-1, streams), queries)
+        norm_coefficient = grad_inv_rms[:sources] * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
+        grad_entries.addcmul_(history.permute(1, 2, 3, 0, 4), norm_coefficient.permute(1, 2, 3, 0).unsqueeze(-1))
+
+        grad_partial = None
+        if partial is not None:
+            grad_partial = coefficients[sources].unsqueeze(-1) * grad_input.unsqueeze(2)  # [B, T, J, D]
+            partial_dots = grad_keyed[sources].unsqueeze(2) * selector  # [B, T, J_key, J]
+            grad_partial.view(-1, hidden).addmm_(partial_dots.reshape(-1, streams), queries)
+            norm_coefficient = grad_inv_rms[sources] * partial_inv_rms.pow(3) / -hidden  # [B, T, J]
+            grad_partial.addcmul_(partial, norm_coefficient.unsqueeze(-1))
         grad_routed = None
         if ctx.needs_input_grad[0]:
-            grad_routed = history.reshape(-1, streams * hidden).T @ grad_keyed.reshape(-1, num_queries * streams)
-        return (grad_routed, None, None, None, *grad_entries.unbind(3))
+            grad_routed = history.reshape(-1, streams * hidden).T @ grad_keyed[:sources].reshape(-1, streams)
+            if partial is not None:
+                grad_routed.addmm_(partial.reshape(-1, streams * hidden).T, grad_keyed[sources].reshape(-1, streams))
+        return (grad_routed, grad_gate, None, None, None, None, grad_partial, *grad_entries.unbind(3))
 
 
-def depth_attention_committed(
+def depth_read(
     routed: torch.Tensor,
+    gate: torch.Tensor,
     history_buffer: torch.Tensor,
     inv_rms_buffer: torch.Tensor,
     entries: tuple[torch.Tensor, ...],
+    partial: torch.Tensor | None,
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Phase 1 of the two-phase read (AttnRes Algorithm 1): every query against every committed entry at once.
+    eps: float,
+) -> torch.Tensor:
+    """The fast path's read of one branch: u = sum_j gate_j x^j with x^j the depth attention of target stream j.
 
-    routed [J * D, Q * J] (`routed_queries` of the pseudo-queries times key-norm weights); the committed entries, each
+    routed [J * D, J] (`routed_queries` of pseudo-query times key-norm weight); gate [J] (the read gate's
+    (alpha, 1 - alpha), or (1,) for one stream, times read and count scaling); the committed entries, each
     [B, T, J, D], also copied into history_buffer [S_max, B, T, J, D] with their inverse RMS in inv_rms_buffer
-    [S_max, B, T, J] -> per query, (softmax-normalised mix [B, T, J, D], log-sum-exp of the scores [B, T, J]).
+    [S_max, B, T, J]; the partial block state [B, T, J, D] when the branch reads it -> u [B, T, D], compute dtype.
     Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are never materialised.
     """
     routing = (key_streams, value_streams)
-    num_queries = routed.shape[1] // len(key_streams)
     with _without_autocast(history_buffer):
-        if torch.is_grad_enabled() and (routed.requires_grad or any(entry.requires_grad for entry in entries)):
-            outputs = _CommittedDepthAttention.apply(routed, history_buffer, inv_rms_buffer, routing, *entries)
-            return outputs[:num_queries], outputs[num_queries:]
-        history, history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-        mixed, log_normaliser, _, _ = _committed_forward(routed, history, history_inv_rms, *routing)
-        return mixed.unbind(3), log_normaliser.unbind(2)
-
-
-def depth_attention_merge(
-    routed_query: torch.Tensor,
-    mixed: torch.Tensor,
-    log_normaliser: torch.Tensor,
-    source: torch.Tensor,
-    source_inv_rms: torch.Tensor,
-    key_streams: tuple[int, ...],
-    value_streams: tuple[int, ...],
-    update_normaliser: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 2: merge one more source into a normalised mix by online softmax.
-
-    routed_query [J * D, J] (`routed_queries` of one query), mixed [B, T, J, D], log_normaliser [B, T, J],
-    source [B, T, J, D], source_inv_rms [B, T, J]. With z the new source's score, the merged mix is
-    mixed + sigmoid(z - lse) * (value - mixed).
-    """
-    batch, tokens, streams, hidden = source.shape
-    with _without_autocast(source):
-        dots = source.reshape(-1, streams * hidden) @ routed_query  # [BT, J]: each target against its key stream
-    score = dots.view(batch, tokens, streams) * _streams(source_inv_rms, key_streams, 2)  # [B, T, J]
-    share = torch.sigmoid(score - log_normaliser)  # [B, T, J]
-    mixed = torch.lerp(mixed, _streams(source, value_streams, 2), share.unsqueeze(-1))  # [B, T, J, D]
-    return mixed, torch.logaddexp(log_normaliser, score) if update_normaliser else log_normaliser
+        inputs = (routed, gate, partial, *entries)
+        if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
+            return _DepthRead.apply(routed, gate, history_buffer, inv_rms_buffer, routing, eps, partial, *entries)
+        num_sources = len(entries)
+        if partial is not None:
+            _stage_partial(history_buffer, inv_rms_buffer, num_sources, partial, eps)
+            num_sources += 1
+        return _depth_read_forward(
+            routed, gate, history_buffer[:num_sources], inv_rms_buffer[:num_sources], *routing
+        )[0]
 
 
 class DARParameterMemo:
@@ -402,16 +348,27 @@ class DARReadGate(DARParameterMemo, nn.Module):
         if config.dar_num_streams == 2:
             self.logit = nn.Parameter(torch.zeros(1))  # shape (1,), not (): FSDP2 cannot shard 0-dim parameters
 
-    def forward(self, extracted: torch.Tensor, dtype: torch.dtype, extraction_scale: float = 1.0) -> torch.Tensor:
-        """extracted [B, T, J, D] in the compute dtype (times `extraction_scale`, the fast path's deferred count
-        scaling) -> branch input u [B, T, D] in the model dtype."""
-        scale = self.read_scale * extraction_scale
+    def stream_weights(self, dtype: torch.dtype) -> torch.Tensor:
+        """(alpha, 1 - alpha) [2], or (1,) for one stream: the weights of the streams' extractions in u / eta."""
+        return self.memoised("stream_weights", dtype, lambda: self._stream_weights(dtype))
+
+    def _stream_weights(self, dtype: torch.dtype) -> torch.Tensor:
+        if not hasattr(self, "logit"):
+            return torch.ones(1, dtype=dtype)
+        alpha = torch.sigmoid(self.logit.to(dtype))  # (1,)
+        return torch.cat([alpha, 1.0 - alpha])
+
+    def forward(self, extracted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """extracted [B, T, J, D] in the compute dtype (the reference path) -> branch input u [B, T, D] in the model
+        dtype. The fast path mixes the streams inside its fused read and passes u [B, T, D] here to be cast; either
+        way u goes through this module, where `output_hidden_states` records it."""
+        if extracted.dim() == 3:
+            return extracted.to(dtype)
         if extracted.shape[-2] == 1:
-            return (scale * extracted[..., 0, :]).to(dtype)
-        alpha = self.memoised("alpha", extracted.dtype, lambda: torch.sigmoid(self.logit.to(extracted.dtype)))
-        # unbind, not two selects: its backward stacks the two gradients instead of zero-filling a copy for each.
+            return (self.read_scale * extracted[..., 0, :]).to(dtype)
+        alpha = torch.sigmoid(self.logit.to(extracted.dtype))
         first, second = extracted.unbind(-2)  # [B, T, D] each
-        return (scale * torch.lerp(second, first, alpha)).to(dtype)  # [B, T, D]
+        return (self.read_scale * torch.lerp(second, first, alpha)).to(dtype)  # [B, T, D]
 
 
 class DARWriteGate(DARParameterMemo, nn.Module):
@@ -499,11 +456,12 @@ class DARReadout(nn.Module):
         attention = self.depth_attention
         if self.config.dar_implementation == "reference":
             return self.read_gate(attention.reference(torch.stack(entries, dim=2)), dtype)
-        (mixed,), _ = depth_attention_committed(
-            attention.routed_query(history_buffer.dtype), history_buffer, inv_rms_buffer, entries,
-            attention.key_streams, attention.value_streams,
-        )  # [B, T, J, D]
-        return self.read_gate(mixed, dtype, attention.count_scale(len(entries)))
+        branch_input = depth_read(
+            attention.routed_query(history_buffer.dtype), self.read_gate.stream_weights(history_buffer.dtype)
+            * (self.read_gate.read_scale * attention.count_scale(len(entries))), history_buffer, inv_rms_buffer,
+            entries, None, attention.key_streams, attention.value_streams, self.config.rms_norm_eps,
+        )  # [B, T, D]
+        return self.read_gate(branch_input, dtype)
 
 
 def _routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -550,24 +508,24 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     def _reads_partial(self, branch_index: int) -> bool:
         return self.include_partial and branch_index % self.block_size != 0
 
-    def _read_reference(self, residual, entries, partial, dtype) -> torch.Tensor:
-        sources = (*entries, partial) if self._reads_partial(residual.branch_index) else entries
-        return residual.read_gate(residual.depth_attention.reference(torch.stack(sources, dim=2)), dtype)  # [B, T, D]
+    def _read(self, residual, partial, entries, buffers, dtype) -> torch.Tensor:
+        """The branch input u [B, T, D]: the depth read over the committed entries and, inside a block, the partial."""
+        partial = partial if self._reads_partial(residual.branch_index) else None
+        sources = (*entries, partial) if partial is not None else entries
+        attention, read_gate = residual.depth_attention, residual.read_gate
+        if self.config.dar_implementation == "reference":
+            return read_gate(attention.reference(torch.stack(sources, dim=2)), dtype)
+        # The fast path: one fused read over the buffer's copies of the entries (and the partial itself).
+        compute_dtype = buffers[0].dtype
+        scale = read_gate.read_scale * attention.count_scale(len(sources))
+        branch_input = depth_read(
+            attention.routed_query(compute_dtype), read_gate.stream_weights(compute_dtype) * scale, *buffers,
+            entries, partial, attention.key_streams, attention.value_streams, self.eps,
+        )  # [B, T, D]
+        return read_gate(branch_input, dtype)
 
-    def _read_fast(self, residual, committed, late_entries, dtype) -> torch.Tensor:
-        """committed: (mix, lse, count) from phase 1; late_entries: [(entry, inv_rms)] merged by online softmax."""
-        attention = residual.depth_attention
-        mixed, log_normaliser, num_sources = committed
-        query = attention.routed_query(mixed.dtype)  # once per read, not once per merged entry
-        for position, (entry, entry_inv_rms) in enumerate(late_entries, start=1):
-            mixed, log_normaliser = depth_attention_merge(
-                query, mixed, log_normaliser, entry, entry_inv_rms, attention.key_streams,
-                attention.value_streams, update_normaliser=position < len(late_entries),
-            )  # [B, T, J, D], [B, T, J]
-            num_sources += 1
-        return residual.read_gate(mixed, dtype, attention.count_scale(num_sources))  # [B, T, D]
-
-    def _write(self, residual, branch_output, partial, entries, history_buffer, inv_rms_buffer):
+    def _write(self, residual, branch_output, partial, entries, buffers):
+        history_buffer, inv_rms_buffer = buffers
         partial = residual.write_gate(branch_output.to(partial.dtype), partial)  # [B, T, J, D]
         if self._commits(residual.branch_index):
             # `.data`: the buffer is a cache invisible to autograd; writing through it leaves the version counter
@@ -592,27 +550,9 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ...]:
         dtype = self.input_layernorm.weight.dtype
-        reference = self.config.dar_implementation == "reference"
-        attn_index = self.attn_residual.branch_index
+        buffers = (history_buffer, inv_rms_buffer)
 
-        # Attention branch.
-        if reference:
-            branch_input = self._read_reference(self.attn_residual, entries, partial, dtype)  # [B, T, D]
-        else:
-            routed = torch.cat(
-                [
-                    self.attn_residual.depth_attention.routed_query(partial.dtype),
-                    self.mlp_residual.depth_attention.routed_query(partial.dtype),
-                ],
-                dim=1,
-            )  # [J * D, 2 * J]: both branches' queries, scored in one product
-            mixed, log_normaliser = depth_attention_committed(
-                routed, history_buffer, inv_rms_buffer, entries, self.attn_residual.depth_attention.key_streams,
-                self.attn_residual.depth_attention.value_streams,
-            )  # per branch: [B, T, J, D], [B, T, J]
-            late = [(partial, inverse_rms(partial, self.eps))] if self._reads_partial(attn_index) else []
-            committed = (mixed[0], log_normaliser[0], len(entries))
-            branch_input = self._read_fast(self.attn_residual, committed, late, dtype)  # [B, T, D]
+        branch_input = self._read(self.attn_residual, partial, entries, buffers, dtype)  # [B, T, D]
         branch_output, _ = self.self_attn(
             hidden_states=self.input_layernorm(branch_input),
             attention_mask=attention_mask,
@@ -622,25 +562,12 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        num_committed = len(entries)
-        partial, entries = self._write(
-            self.attn_residual, branch_output, partial, entries, history_buffer, inv_rms_buffer
-        )
+        partial, entries = self._write(self.attn_residual, branch_output, partial, entries, buffers)
 
-        # MLP branch: the phase-1 mix covers entries committed before this layer; a block committed by the
-        # attention branch and the current partial are merged online.
-        if reference:
-            branch_input = self._read_reference(self.mlp_residual, entries, partial, dtype)  # [B, T, D]
-        else:
-            late = [(entry, inverse_rms(entry, self.eps)) for entry in entries[num_committed:]]
-            if self._reads_partial(self.mlp_residual.branch_index):
-                late.append((partial, inverse_rms(partial, self.eps)))
-            committed = (mixed[1], log_normaliser[1], num_committed)
-            branch_input = self._read_fast(self.mlp_residual, committed, late, dtype)  # [B, T, D]
+        # A block committed by the attention branch is already among the entries (and in the buffer).
+        branch_input = self._read(self.mlp_residual, partial, entries, buffers, dtype)  # [B, T, D]
         branch_output = self.mlp(self.post_attention_layernorm(branch_input))
-        partial, entries = self._write(
-            self.mlp_residual, branch_output, partial, entries, history_buffer, inv_rms_buffer
-        )
+        partial, entries = self._write(self.mlp_residual, branch_output, partial, entries, buffers)
         return (partial, *entries)
 
 
