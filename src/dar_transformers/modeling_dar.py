@@ -143,7 +143,8 @@ def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, val
     # per-stream extractions are never materialised; one product over tokens and streams reads the history.
     coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
     values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, N, D], a view of the buffer
-    coefficients = coefficients.permute(1, 2, 3, 0).reshape(-1, 1, sources)  # [BTJ_val, 1, N]
+    # contiguous: a strided [1, N] operand sends bmm down a per-matrix copy loop on CPU.
+    coefficients = coefficients.permute(1, 2, 3, 0).contiguous().view(-1, 1, sources)  # [BTJ_val, 1, N]
     mixed = torch.bmm(coefficients, values).view(batch, tokens, streams, hidden)  # [B, T, J_val, D]
     return mixed.sum(dim=2), weights, keyed_dots
 
@@ -206,7 +207,7 @@ class _DepthRead(torch.autograd.Function):
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
         # Committed entries, token-major [B, T, J, S, D] (the layout the products write): values, keys, key norm.
-        committed = coefficients[:sources].permute(1, 2, 3, 0).reshape(-1, sources, 1)  # [BTJ_val, S, 1]
+        committed = coefficients[:sources].permute(1, 2, 3, 0).contiguous().view(-1, sources, 1)  # [BTJ_val, S, 1]
         grad_entries = torch.bmm(committed, grad_rows).view(batch, tokens, streams, sources, hidden)
         grad_dots = grad_keyed[:sources].unsqueeze(3) * selector  # [S, B, T, J_key, J]: at each target's key stream
         grad_entries.view(-1, hidden).addmm_(grad_dots.permute(1, 2, 3, 0, 4).reshape(-1, streams), queries)
