@@ -7,7 +7,8 @@ float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machin
   - prefill: forward of the prompt with a fresh KV cache;
   - decode: one-token forwards with the KV cache after the prompt (median per token);
   - saved activations: bytes of the tensors autograd keeps for backward in one training forward (deduplicated
-    by storage; a deterministic measure of training activation memory that excludes weights and optimiser);
+    by storage, DAR's history buffers included; a deterministic measure of training activation memory that
+    excludes weights and optimiser);
   - peak RSS: resident memory high-water mark of a fresh process doing one training step or one prefill.
 Medians and ratios to Llama are printed as a table and written to a JSON file.
 
@@ -83,18 +84,33 @@ def time_decode(model, prompt, new_tokens: int) -> float:
 
 
 def saved_activation_bytes(model, batch) -> int:
-    """Bytes of distinct storages autograd saves for backward in one training forward."""
+    """Bytes of distinct storages autograd keeps for backward in one training forward: the tensors saved by the
+    graph, plus (for DAR) the depth-major history buffers that its fused reads keep outside the saved-tensor
+    mechanism, so that the count is complete."""
     storages = {}
 
-    def pack(tensor):
+    def record(tensor):
         if not tensor.is_meta and not isinstance(tensor, torch.nn.Parameter):
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    backbone = getattr(model, "model", None)
+    initial_state = getattr(backbone, "initial_state", None)
+    if initial_state is not None:  # DAR: (partial, history buffer, inverse-RMS buffer, entry 0)
+        def recording_initial_state(*args, **kwargs):
+            state = initial_state(*args, **kwargs)
+            record(state[1]), record(state[2])
+            return state
+
+        backbone.initial_state = recording_initial_state
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = model(input_ids=batch, labels=batch).loss
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+            loss = model(input_ids=batch, labels=batch).loss
+    finally:
+        if initial_state is not None:
+            del backbone.initial_state
     del loss
     return sum(size for pointer, size in storages.items() if pointer not in parameters)
 
@@ -130,7 +146,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128, help="training / prefill sequence length")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each measurement")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of each measurement")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--models", default="llama,dar-block,dar-full")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
