@@ -120,7 +120,7 @@ print("REPORT", json.dumps({{
 }}))
 """
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    environment.update(HF_MODULES_CACHE=str(pushed.tmp / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    environment.update(HF_MODULES_CACHE=str(pushed.tmp / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(torch.get_num_threads()))
     completed = subprocess.run([sys.executable, "-c", script], cwd=pushed.tmp, env=environment, capture_output=True,
                                text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-5000:]

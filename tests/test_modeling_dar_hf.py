@@ -124,7 +124,7 @@ def test_saved_folder_loads_with_trust_remote_code_where_the_package_is_absent(d
         "HOME": str(tmp_path),
         "HF_HOME": str(tmp_path / "hf_home"),
         "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the parent's: bitwise-equal reductions
     }
     # -S: no site module, so no .pth file (and no editable install) is processed; cwd outside the repository.
     result = subprocess.run(

@@ -306,7 +306,7 @@ def test_remote_code_loading_in_a_fresh_process_without_the_package(tmp_path):
     script = tmp_path / "load_remote.py"
     script.write_text(REMOTE_CODE_SCRIPT)
     environment = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": str(torch.get_num_threads()), "HF_HUB_OFFLINE": "1",
         "HF_HOME": str(tmp_path / "hf_home"), "HF_MODULES_CACHE": str(tmp_path / "modules"),
     }
     result = subprocess.run(
