@@ -9,8 +9,10 @@ import torch
 from dar_transformers import DARConfig, DARForCausalLM
 from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
 from dar_transformers.modeling_dar import (
+    DepthGradients,
     _depth_read_forward,
     _TransportWrite,
+    commit_entry,
     depth_read,
     inverse_rms,
     routed_queries,
@@ -34,13 +36,15 @@ def _read_inputs(num_streams, num_sources=4, with_partial=True, batch=2, tokens=
     return entries, partial, leaf(num_streams, hidden), leaf(num_streams)
 
 
-def _fill_buffers(entries, spare_slots=2):
-    """What the model keeps: detached copies of the entries in a larger depth-major buffer, and their inverse RMS."""
-    with torch.no_grad():
-        history = torch.stack(entries)  # [S, B, T, J, D]
-        history_buffer = history.new_full((len(entries) + spare_slots, *history.shape[1:]), float("nan"))
-        history_buffer[: len(entries)] = history
-        return history_buffer, inverse_rms(history_buffer, EPS)
+def _commit_all(entries, spare_slots=2):
+    """What the model does: commit the entries into a larger depth-major buffer (copies and inverse RMS; unused
+    slots NaN so that a read past the committed ones shows) -> (committed entries, buffers, shared gradients)."""
+    history_buffer = entries[0].new_full((len(entries) + spare_slots, *entries[0].shape), float("nan"))
+    inv_rms_buffer = history_buffer[..., 0].clone()
+    gradients = DepthGradients()
+    committed = [commit_entry(entry, history_buffer, inv_rms_buffer, slot, EPS, gradients)
+                 for slot, entry in enumerate(entries)]
+    return committed, history_buffer, inv_rms_buffer, gradients
 
 
 def _loop_read(query, gate, sources, key_streams, value_streams):
@@ -58,9 +62,10 @@ def _loop_read(query, gate, sources, key_streams, value_streams):
 
 
 def _fast_read(entries, partial, query, gate, key_streams, value_streams):
-    history_buffer, inv_rms_buffer = _fill_buffers(entries)
+    committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
     routed = routed_queries(query.unsqueeze(0), key_streams)
-    return depth_read(routed, gate, history_buffer, inv_rms_buffer, entries, partial, key_streams, value_streams, EPS)
+    return depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
+                      EPS, gradients)
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
@@ -106,10 +111,11 @@ def test_depth_read_negative_control_stale_buffer():
     """The forward reads the buffer, not the entries: a buffer out of sync with the entries must show."""
     key_streams, value_streams = ROUTINGS["dar"]
     entries, partial, query, gate = _read_inputs(2, seed=2)
-    history_buffer, inv_rms_buffer = _fill_buffers(entries)
+    committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
     history_buffer[1] += 1.0
     routed = routed_queries(query.unsqueeze(0), key_streams)
-    stale = depth_read(routed, gate, history_buffer, inv_rms_buffer, entries, partial, key_streams, value_streams, EPS)
+    stale = depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
+                       EPS, gradients)
     fresh = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert (stale - fresh).abs().max() > 1e-2
 
@@ -120,10 +126,11 @@ def test_depth_read_saves_only_per_token_scalars():
     entries, partial, query, gate = _read_inputs(2, num_sources=5, hidden=64, seed=3)
     entry_numel = partial.numel()
     saved = []
+    committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
+    routed = routed_queries(query.unsqueeze(0), key_streams).detach().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
-        history_buffer, inv_rms_buffer = _fill_buffers(entries)
-        routed = routed_queries(query.unsqueeze(0), key_streams).detach().requires_grad_()
-        depth_read(routed, gate, history_buffer, inv_rms_buffer, entries, partial, key_streams, value_streams, EPS)
+        depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams, EPS,
+                   gradients)
     large = [tuple(tensor.shape) for tensor in saved if tensor.numel() >= entry_numel and tensor is not partial]
     assert large == [], large
     per_token = [tensor for tensor in saved if tensor.dim() == 4 and tensor.shape[0] == len(entries) + 1]

@@ -17,13 +17,14 @@ A final depth read (`DARReadout`) over all committed entries feeds Llama's `norm
 
 Two implementations share the modules and the state layout (`config.dar_implementation`):
   - "reference": the eager loop of DESIGN.md, every read re-normalising every source;
-  - "fast": keys normalised once per committed entry (a per-token inverse RMS), the committed-entry scores of
-    both branches of a decoder layer computed in one batched product (AttnRes two-phase), and the entries that
-    appear later (a block committed mid-layer, the current partial) merged by an online softmax. Committed
-    entries are read from a depth-major buffer allocated once per forward, through a custom autograd function
-    whose backward keeps only per-token scalars (`_CommittedDepthAttention`).
+  - "fast": keys normalised once per committed entry (a per-token inverse RMS), committed entries copied into a
+    depth-major buffer allocated once per forward, and one fused read per branch (`_DepthRead`: scores against a
+    routed query matrix, depth softmax, read gate folded into per-value-stream coefficients, one batched product
+    over the buffer). Its backward keeps only per-token scalars and adds the entries' gradients in place into one
+    shared buffer (`DepthGradients`) that each entry's commit hands to autograd (`_Commit`).
 
-Shape legend: B batch, T tokens, D hidden, S depth sources, J streams, Q queries (branches read together).
+Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
+partial), J streams.
 Precision policy (`dar_compute_dtype`): history, depth softmax and mixing run in float32, or float64 for a
 float64 model; the branch input is cast once to the model dtype and the branch output once back.
 """
@@ -158,6 +159,72 @@ def _stage_partial(history_buffer, inv_rms_buffer, slot: int, partial: torch.Ten
     return partial_inv_rms
 
 
+class DepthGradients:
+    """The committed entries' gradient, shared by all reads of one forward: [S_max, B, T, J, D], like the history.
+
+    Every fused read's backward adds its contribution for the entries it read into their slots in place, and each
+    entry's commit hands its slot to autograd once every read of that entry is done (autograd runs a node's
+    backward only after all its consumers'). So no read allocates an entry-sized gradient per source and autograd
+    sums no per-entry gradients; the buffer is allocated by the first backward that needs it and freed after
+    entry 0, the last to be handed over.
+    """
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def slots(self, history_buffer: torch.Tensor, count: int) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.zeros_like(history_buffer)
+        return self.buffer[:count]  # [count, B, T, J, D]
+
+    def take(self, slot: int) -> torch.Tensor | None:
+        """The accumulated gradient of entry `slot`, leaving zeros behind (a second backward starts clean)."""
+        if self.buffer is None:
+            return None
+        gradient = self.buffer[slot].clone()
+        if slot == 0:
+            self.buffer = None
+        else:
+            self.buffer[slot].zero_()
+        return gradient
+
+
+def _write_slot(history_buffer, inv_rms_buffer, slot: int, entry: torch.Tensor, eps: float) -> None:
+    """Copy an entry and its inverse RMS into the buffers, through `.data`: the buffers are caches invisible to
+    autograd, and writing through `.data` leaves their version counters alone, so reentrant checkpointing (which
+    saves them as layer inputs) accepts later writes."""
+    entry = entry.detach()
+    history_buffer.data[slot].copy_(entry)
+    inv_rms_buffer.data[slot].copy_(inverse_rms(entry, eps))
+
+
+class _Commit(torch.autograd.Function):
+    """Commit an entry into the buffers; its backward adds the reads' gradient accumulated in `DepthGradients`."""
+
+    @staticmethod
+    def forward(ctx, entry, history_buffer, inv_rms_buffer, slot, eps, gradients):
+        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
+        ctx.slot, ctx.gradients = slot, gradients
+        return entry.view_as(entry)
+
+    @staticmethod
+    def backward(ctx, grad):
+        accumulated = ctx.gradients.take(ctx.slot)
+        if accumulated is not None and grad is not None:
+            accumulated += grad
+        return (grad if accumulated is None else accumulated), None, None, None, None, None
+
+
+def commit_entry(entry, history_buffer, inv_rms_buffer, slot: int, eps: float, gradients: "DepthGradients | None"):
+    """Write `entry` into slot `slot` of the buffers; with gradients, through `_Commit` so that the fused reads'
+    gradients reach it. Returns the entry to keep in the tuple of committed entries."""
+    if gradients is not None and torch.is_grad_enabled() and entry.requires_grad:
+        return _Commit.apply(entry, history_buffer, inv_rms_buffer, slot, eps, gradients)
+    with torch.no_grad():
+        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
+    return entry
+
+
 class _DepthRead(torch.autograd.Function):
     """One branch's depth read and read gate (AttnRes eq. 2-4 routed per DESIGN.md, then alpha), fused.
 
@@ -169,7 +236,7 @@ class _DepthRead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, partial, *entries):
+    def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries):
         num_sources, partial_inv_rms = len(entries), None
         if partial is not None:
             partial_inv_rms = _stage_partial(history_buffer, inv_rms_buffer, len(entries), partial, eps)
@@ -180,7 +247,7 @@ class _DepthRead(torch.autograd.Function):
         # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
         ctx.save_for_backward(routed, gate, weights, keyed_dots, partial, partial_inv_rms)
         ctx.history, ctx.history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-        ctx.routing = routing
+        ctx.history_buffer, ctx.routing, ctx.gradients = history_buffer, routing, gradients
         return branch_input
 
     @staticmethod
@@ -206,13 +273,13 @@ class _DepthRead(torch.autograd.Function):
         queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
-        # Committed entries, token-major [B, T, J, S, D] (the layout the products write): values, keys, key norm.
-        committed = coefficients[:sources].permute(1, 2, 3, 0).contiguous().view(-1, sources, 1)  # [BTJ_val, S, 1]
-        grad_entries = torch.bmm(committed, grad_rows).view(batch, tokens, streams, sources, hidden)
+        # Committed entries: values, keys and key norm, added in place into their slots of the shared gradient.
+        grad_entries = ctx.gradients.slots(ctx.history_buffer, sources)  # [S, B, T, J, D]
+        grad_entries.addcmul_(coefficients[:sources].unsqueeze(-1), grad_input.unsqueeze(0).unsqueeze(3))
         grad_dots = grad_keyed[:sources].unsqueeze(3) * selector  # [S, B, T, J_key, J]: at each target's key stream
-        grad_entries.view(-1, hidden).addmm_(grad_dots.permute(1, 2, 3, 0, 4).reshape(-1, streams), queries)
+        grad_entries.view(-1, hidden).addmm_(grad_dots.reshape(-1, streams), queries)
         norm_coefficient = grad_inv_rms[:sources] * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
-        grad_entries.addcmul_(history.permute(1, 2, 3, 0, 4), norm_coefficient.permute(1, 2, 3, 0).unsqueeze(-1))
+        grad_entries.addcmul_(history, norm_coefficient.unsqueeze(-1))
 
         grad_partial = None
         if partial is not None:
@@ -222,11 +289,12 @@ class _DepthRead(torch.autograd.Function):
             norm_coefficient = grad_inv_rms[sources] * partial_inv_rms.pow(3) / -hidden  # [B, T, J]
             grad_partial.addcmul_(partial, norm_coefficient.unsqueeze(-1))
         grad_routed = None
-        if ctx.needs_input_grad[0]:
-            grad_routed = history.reshape(-1, streams * hidden).T @ grad_keyed[:sources].reshape(-1, streams)
+        if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
+            grad_routed = grad_keyed[:sources].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
             if partial is not None:
-                grad_routed.addmm_(partial.reshape(-1, streams * hidden).T, grad_keyed[sources].reshape(-1, streams))
-        return (grad_routed, grad_gate, None, None, None, None, grad_partial, *grad_entries.unbind(3))
+                grad_routed.addmm_(grad_keyed[sources].reshape(-1, streams).T, partial.reshape(-1, streams * hidden))
+            grad_routed = grad_routed.T
+        return (grad_routed, grad_gate, None, None, None, None, None, grad_partial, *(None for _ in range(sources)))
 
 
 def depth_read(
@@ -239,6 +307,7 @@ def depth_read(
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
     eps: float,
+    gradients: DepthGradients | None = None,
 ) -> torch.Tensor:
     """The fast path's read of one branch: u = sum_j gate_j x^j with x^j the depth attention of target stream j.
 
@@ -252,7 +321,11 @@ def depth_read(
     with _without_autocast(history_buffer):
         inputs = (routed, gate, partial, *entries)
         if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
-            return _DepthRead.apply(routed, gate, history_buffer, inv_rms_buffer, routing, eps, partial, *entries)
+            if gradients is None:
+                raise ValueError("depth_read needs the forward's DepthGradients to train (see DARModel.initial_state).")
+            return _DepthRead.apply(
+                routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries
+            )
         num_sources = len(entries)
         if partial is not None:
             _stage_partial(history_buffer, inv_rms_buffer, num_sources, partial, eps)
@@ -452,7 +525,7 @@ class DARReadout(nn.Module):
         self.depth_attention = DARDepthAttention(config)
         self.read_gate = DARReadGate(config)
 
-    def forward(self, history_buffer, inv_rms_buffer, entries: tuple[torch.Tensor, ...], dtype) -> torch.Tensor:
+    def forward(self, history_buffer, inv_rms_buffer, entries: tuple[torch.Tensor, ...], dtype, gradients=None):
         """All committed entries (each [B, T, J, D], copied in the buffers) -> u_F [B, T, D] in `dtype`."""
         attention = self.depth_attention
         if self.config.dar_implementation == "reference":
@@ -460,7 +533,7 @@ class DARReadout(nn.Module):
         branch_input = depth_read(
             attention.routed_query(history_buffer.dtype), self.read_gate.stream_weights(history_buffer.dtype)
             * (self.read_gate.read_scale * attention.count_scale(len(entries))), history_buffer, inv_rms_buffer,
-            entries, None, attention.key_streams, attention.value_streams, self.config.rms_norm_eps,
+            entries, None, attention.key_streams, attention.value_streams, self.config.rms_norm_eps, gradients,
         )  # [B, T, D]
         return self.read_gate(branch_input, dtype)
 
@@ -479,8 +552,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     The DAR state goes in and comes out positionally (so that reentrant checkpointing sees it): the partial block
     state [B, T, J, D] and the committed entries, each [B, T, J, D]. The fast path also reads the entries' copies in
     a depth-major buffer [S_max, B, T, J, D] (with their inverse RMS [S_max, B, T, J]) that the model allocates
-    once per forward; a commit writes the detached entry into its slot. Autograd never sees the buffer, and a
-    checkpointed replay rewrites the same values, so `forward` stays pure in everything autograd can observe.
+    once per forward; a commit writes the detached entry into its slot, and the partial is staged in the next free
+    slot before a read. Autograd never sees the buffer, and a checkpointed replay rewrites the same values, so
+    `forward` stays pure in everything autograd can observe. In backward the reads add the entries' gradients
+    into the forward's `DepthGradients` (passed as `depth_gradients`), which the commits hand on.
     """
 
     def __init__(self, config: DARConfig, layer_idx: int):
@@ -517,23 +592,20 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         if self.config.dar_implementation == "reference":
             return read_gate(attention.reference(torch.stack(sources, dim=2)), dtype)
         # The fast path: one fused read over the buffer's copies of the entries (and the partial itself).
-        compute_dtype = buffers[0].dtype
+        history_buffer, inv_rms_buffer, gradients = buffers
+        compute_dtype = history_buffer.dtype
         scale = read_gate.read_scale * attention.count_scale(len(sources))
         branch_input = depth_read(
-            attention.routed_query(compute_dtype), read_gate.stream_weights(compute_dtype) * scale, *buffers,
-            entries, partial, attention.key_streams, attention.value_streams, self.eps,
+            attention.routed_query(compute_dtype), read_gate.stream_weights(compute_dtype) * scale, history_buffer,
+            inv_rms_buffer, entries, partial, attention.key_streams, attention.value_streams, self.eps, gradients,
         )  # [B, T, D]
         return read_gate(branch_input, dtype)
 
     def _write(self, residual, branch_output, partial, entries, buffers):
-        history_buffer, inv_rms_buffer = buffers
         partial = residual.write_gate(branch_output.to(partial.dtype), partial)  # [B, T, J, D]
         if self._commits(residual.branch_index):
-            # `.data`: the buffer is a cache invisible to autograd; writing through it leaves the version counter
-            # alone, so reentrant checkpointing (which saves the buffer as a layer input) accepts later commits.
-            with torch.no_grad():
-                history_buffer.data[len(entries)].copy_(partial)
-                inv_rms_buffer.data[len(entries)].copy_(inverse_rms(partial, self.eps))
+            history_buffer, inv_rms_buffer, gradients = buffers
+            partial = commit_entry(partial, history_buffer, inv_rms_buffer, len(entries), self.eps, gradients)
             entries = (*entries, partial)
         return partial, entries
 
@@ -548,10 +620,11 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        depth_gradients: DepthGradients | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ...]:
         dtype = self.input_layernorm.weight.dtype
-        buffers = (history_buffer, inv_rms_buffer)
+        buffers = (history_buffer, inv_rms_buffer, depth_gradients)
 
         branch_input = self._read(self.attn_residual, partial, entries, buffers, dtype)  # [B, T, D]
         branch_output, _ = self.self_attn(
@@ -641,19 +714,19 @@ class DARModel(DARPreTrainedModel):
 
         self.post_init()
 
-    def initial_state(self, inputs_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(partial, history buffer, inverse-RMS buffer, entry 0): entry 0 of every stream is the embedding (times 1/J
-        for split writes); the buffers hold one slot per committed entry (the embedding and one per block)."""
+    def initial_state(self, inputs_embeds: torch.Tensor) -> tuple:
+        """(partial, history buffer, inverse-RMS buffer, depth gradients, entry 0): entry 0 of every stream is the
+        embedding (times 1/J for split writes); the buffers hold one slot per committed entry (the embedding and one
+        per block); `DepthGradients` collects the reads' gradients of the entries in backward."""
         config = self.config
         embedding = inputs_embeds.to(dar_compute_dtype(inputs_embeds.dtype)) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
         num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)
         history_buffer = entry.new_empty(num_slots, *entry.shape)  # [S_max, B, T, J, D]
         inv_rms_buffer = entry.new_empty(num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
-        with torch.no_grad():
-            history_buffer[0].copy_(entry)
-            inv_rms_buffer[0].copy_(inverse_rms(entry, config.rms_norm_eps))
-        return entry, history_buffer, inv_rms_buffer, entry  # the first branch starts a block: its partial is unused
+        gradients = DepthGradients()
+        entry = commit_entry(entry, history_buffer, inv_rms_buffer, 0, config.rms_norm_eps, gradients)
+        return entry, history_buffer, inv_rms_buffer, gradients, entry  # the first branch starts a block
 
     @merge_with_config_defaults
     @capture_outputs
@@ -692,7 +765,7 @@ class DARModel(DARPreTrainedModel):
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
-        partial, history_buffer, inv_rms_buffer, *entries = self.initial_state(inputs_embeds)
+        partial, history_buffer, inv_rms_buffer, depth_gradients, *entries = self.initial_state(inputs_embeds)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             partial, *entries = decoder_layer(
                 partial,
@@ -704,10 +777,13 @@ class DARModel(DARPreTrainedModel):
                 position_ids=position_ids,
                 past_key_values=past_key_values,
                 use_cache=use_cache,
+                depth_gradients=depth_gradients,
                 **kwargs,
             )
 
-        readout = self.final_readout(history_buffer, inv_rms_buffer, tuple(entries), inputs_embeds.dtype)
+        readout = self.final_readout(
+            history_buffer, inv_rms_buffer, tuple(entries), inputs_embeds.dtype, depth_gradients
+        )
         hidden_states = self.norm(readout)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
