@@ -228,11 +228,12 @@ def commit_entry(entry, history_buffer, inv_rms_buffer, slot: int, eps: float, g
 class _DepthRead(torch.autograd.Function):
     """One branch's depth read and read gate (AttnRes eq. 2-4 routed per DESIGN.md, then alpha), fused.
 
-    The committed entries are read from the preallocated depth-major buffer; autograd sees the entries themselves
-    (one input each, so their gradients reach the writes that made them) and the partial block state. Backward
-    keeps only per-token scalars (softmax weights and key dots, N per token and stream) and the partial (which
-    the write keeps anyway), and rebuilds every gradient from the buffer, including the key normalisation's,
-    d rms^-1 / d h = -rms^-3 h / D. Neither the per-stream extractions nor normalised keys are stored.
+    The committed entries are read from the preallocated depth-major buffer; they are inputs only so that autograd
+    runs this backward before their commits' (`_Commit`), which hand on what this backward adds into their slots of
+    the shared `DepthGradients`. The partial block state is an ordinary input. Backward keeps only per-token scalars
+    (softmax weights and key dots, N per token and stream) and the partial (which the write keeps anyway), and
+    rebuilds every gradient from the buffer, including the key normalisation's, d rms^-1 / d h = -rms^-3 h / D.
+    Neither the per-stream extractions nor normalised keys are stored.
     """
 
     @staticmethod
