@@ -225,3 +225,19 @@ def test_transport_write_gradcheck_and_plain_autograd():
     # A transport that forgot the swap (rho ignored) must not pass for this one.
     assert (transport_write(partial, torch.ones_like(rho), beta, branch_output)
             - transport_write(*inputs)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_shared_entry_gradients_start_clean_for_a_second_backward(block_size):
+    """The reads add the entries' gradients into one shared buffer that the commits empty: a second backward through
+    the same graph (retain_graph) must give the same gradients, not twice them."""
+    model = _perturbed_tiny_dar(block_size).train()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
+    loss = model(ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    first = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, first[name], rtol=0, atol=0, msg=name)
+    assert first["model.embed_tokens.weight"].abs().sum() > 0
