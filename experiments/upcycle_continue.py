@@ -14,6 +14,7 @@ skipped. Each run uses one thread; `--jobs 2` runs two at once on a 2-core machi
 
     python experiments/upcycle_continue.py                    # all three, then the table
     python experiments/upcycle_continue.py --table            # only print the table of finished runs
+    python experiments/upcycle_continue.py --table --plot docs/results/upcycle_curves.png
 """
 
 import argparse
@@ -45,6 +46,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--table", action="store_true", help="print the table of finished runs and exit")
+    parser.add_argument("--plot", type=Path, default=None, help="also plot the held-out curves to this PNG")
     return parser.parse_args()
 
 
@@ -89,12 +91,38 @@ def table(arguments: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def plot(arguments: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for variant in VARIANTS:
+        path = arguments.output_dir / variant / "results.json"
+        if path.is_file():
+            result = json.loads(path.read_text())
+            tokens_per_step = result["train_tokens"] / result["steps"]
+            steps, losses = zip(*result["eval_curve"])
+            axis.plot([step * tokens_per_step for step in steps], losses, marker="o", label=variant)
+    axis.set_xlabel("training tokens")
+    axis.set_ylabel("held-out loss (nats)")
+    axis.set_title("SmolLM2-135M-Instruct vs its DAR upcycle, continued training")
+    axis.legend()
+    figure.tight_layout()
+    arguments.plot.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(arguments.plot, dpi=120)
+    plt.close(figure)
+
+
 def main() -> None:
     arguments = parse_arguments()
     if not arguments.table:
         with ThreadPoolExecutor(arguments.jobs) as pool:
             list(pool.map(lambda variant: run(variant, arguments), arguments.variants))
     print(table(arguments))
+    if arguments.plot is not None:
+        plot(arguments)
 
 
 if __name__ == "__main__":
