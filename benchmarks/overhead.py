@@ -14,6 +14,9 @@ Medians and ratios to Llama are printed as a table and written to a JSON file.
 
     python benchmarks/overhead.py                 # SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads)
     python benchmarks/overhead.py --shape small   # a smaller shape for a quick look
+
+On a machine with a GPU the same command runs there (`--device cuda`, the default when CUDA is available): timings
+synchronise the device, and peak memory is the CUDA allocator's high-water mark of one step.
 """
 
 import argparse
@@ -53,19 +56,29 @@ def build_model(name: str, shape: dict) -> torch.nn.Module:
     return DARForCausalLM(config)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so that wall-clock timings cover it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_train_step(model, optimizer, batch) -> float:
+    synchronize(batch.device)
     start = time.perf_counter()
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    synchronize(batch.device)
     return time.perf_counter() - start
 
 
 @torch.no_grad()
 def time_prefill(model, prompt) -> float:
+    synchronize(prompt.device)
     start = time.perf_counter()
     model(input_ids=prompt, use_cache=True)
+    synchronize(prompt.device)
     return time.perf_counter() - start
 
 
@@ -76,8 +89,10 @@ def time_decode(model, prompt, new_tokens: int) -> float:
     cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
     times = []
     for _ in range(new_tokens):
+        synchronize(prompt.device)
         start = time.perf_counter()
         output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        synchronize(prompt.device)
         times.append(time.perf_counter() - start)
         cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
     return statistics.median(times)
@@ -141,6 +156,15 @@ print(int(high_water.split()[1]) / 1024)
     return float(result.stdout.strip().splitlines()[-1])
 
 
+def peak_cuda_mib(step) -> float:
+    """The CUDA allocator's high-water mark (MiB) during `step`, over what was allocated before it."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -150,18 +174,23 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--models", default="llama,dar-block,dar-full")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the models run (default: cuda when available); on cuda, peak memory is the "
+                        "allocator's high-water mark of one training step / prefill instead of process RSS")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
     args = parser.parse_args()
 
     shape = SHAPES[args.shape]
     names = args.models.split(",")
-    models = {name: build_model(name, shape) for name in names}
+    device = torch.device(args.device)
+    models = {name: build_model(name, shape).to(device) for name in names}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-5) for name, model in models.items()}
     generator = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=generator)
+    batch = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=generator).to(device)
     prompt = batch[:1]
     block_sizes = {name: getattr(model.config, "dar_block_size", None) for name, model in models.items()}
-    print(f"shape {args.shape}: {shape}; batch {args.batch} x {args.seq}; threads {torch.get_num_threads()}")
+    print(f"shape {args.shape}: {shape}; batch {args.batch} x {args.seq}; device {device}; "
+          f"threads {torch.get_num_threads()}")
     print(f"block sizes (branches): {block_sizes}")
 
     samples = {name: {"train_step_s": [], "prefill_s": [], "decode_token_s": []} for name in names}
@@ -185,7 +214,12 @@ def main() -> None:
         model.train()
         results[name] = {key: statistics.median(values) for key, values in samples[name].items()}
         results[name]["saved_activation_mib"] = saved_activation_bytes(model, batch) / 2**20
-        if not args.no_rss:
+        if device.type == "cuda":
+            train_step = lambda: time_train_step(model, optimizers[name], batch)  # noqa: E731
+            results[name]["peak_cuda_train_mib"] = peak_cuda_mib(train_step)
+            model.eval()
+            results[name]["peak_cuda_prefill_mib"] = peak_cuda_mib(lambda: time_prefill(model, prompt))
+        elif not args.no_rss:
             results[name]["peak_rss_train_mib"] = peak_rss_subprocess(name, args.shape, "train", args.batch, args.seq)
             results[name]["peak_rss_prefill_mib"] = peak_rss_subprocess(name, args.shape, "prefill", 1, args.seq)
         results[name]["parameters"] = sum(p.numel() for p in model.parameters())
@@ -206,7 +240,9 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "shape": args.shape, "dims": shape, "batch": args.batch, "seq": args.seq, "repeats": args.repeats,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "block_sizes": block_sizes, "results": results, "samples": samples,
     }
     args.output.write_text(json.dumps(record, indent=2))
