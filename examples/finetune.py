@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
     train_output = trainer.train()
     evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     (before, after) = (evaluations[0]["eval_loss"], evaluations[-1]["eval_loss"])
+    sequences_per_step = arguments.batch_size * arguments.gradient_accumulation_steps * training_arguments.world_size
     if (evaluations[0]["step"], evaluations[-1]["step"]) != (0, train_output.global_step):
         raise RuntimeError(f"expected evaluations at steps 0 and {train_output.global_step}, got {evaluations}")
     results = {
@@ -231,9 +232,8 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
         "dar_block_size": None if arguments.no_upcycle else model.config.dar_block_size,
         "learning_rate": arguments.learning_rate,
         "dar_learning_rate": None if arguments.no_upcycle else arguments.dar_learning_rate or arguments.learning_rate,
-        "batch_size": arguments.batch_size * arguments.gradient_accumulation_steps,
-        "train_tokens": train_output.global_step * arguments.batch_size * arguments.gradient_accumulation_steps
-        * arguments.sequence_length * training_arguments.world_size,
+        "sequences_per_step": sequences_per_step,
+        "train_tokens": train_output.global_step * sequences_per_step * arguments.sequence_length,
         "eval_curve": [[entry["step"], entry["eval_loss"]] for entry in evaluations],
         "train_blocks": len(train_blocks),
         "eval_blocks": len(eval_blocks),
