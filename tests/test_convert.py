@@ -477,3 +477,23 @@ def test_demo_runs_in_its_tiny_mode(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "PASSED" in completed.stdout and "identical answers: True" in completed.stdout
+
+
+def test_float64_verification_runs_hf_norms_in_float64_and_restores_them():
+    """HF's RMSNorm rounds through float32 even in float64; the float64 verification lifts that on both models, for
+    its duration only."""
+    from conftest import tiny_llama
+
+    from dar_transformers.convert import norms_in_input_dtype
+
+    llama = tiny_llama(dtype=torch.float64)
+    norm = llama.model.norm
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, llama.config.hidden_size, dtype=torch.float64, generator=generator)
+    exact = norm.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    assert (norm(hidden) - exact).abs().max() > 1e-12  # HF's own: float32 inside
+    with norms_in_input_dtype(llama):
+        torch.testing.assert_close(norm(hidden), exact, rtol=1e-15, atol=1e-15)
+        assert all("forward" in vars(layer.input_layernorm) for layer in llama.model.layers)
+    assert not any("forward" in vars(module) for module in llama.modules())
+    assert (norm(hidden) - exact).abs().max() > 1e-12
