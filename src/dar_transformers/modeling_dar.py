@@ -150,15 +150,6 @@ def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, val
     return mixed.sum(dim=2), weights, keyed_dots
 
 
-def _stage_partial(history_buffer, inv_rms_buffer, slot: int, partial: torch.Tensor, eps: float) -> torch.Tensor:
-    """Copy the partial block state into the buffer's next free slot (where its block will be committed), so a read
-    is one product over buffer[: slot + 1]; returns its inverse RMS [B, T, J]. Through `.data`, as a commit."""
-    partial_inv_rms = inverse_rms(partial.detach(), eps)
-    history_buffer.data[slot].copy_(partial.detach())
-    inv_rms_buffer.data[slot].copy_(partial_inv_rms)
-    return partial_inv_rms
-
-
 class DepthGradients:
     """The committed entries' gradient, shared by all reads of one forward: [S_max, B, T, J, D], like the history.
 
@@ -189,13 +180,17 @@ class DepthGradients:
         return gradient
 
 
-def _write_slot(history_buffer, inv_rms_buffer, slot: int, entry: torch.Tensor, eps: float) -> None:
-    """Copy an entry and its inverse RMS into the buffers, through `.data`: the buffers are caches invisible to
-    autograd, and writing through `.data` leaves their version counters alone, so reentrant checkpointing (which
-    saves them as layer inputs) accepts later writes."""
+def _write_slot(history_buffer, inv_rms_buffer, slot: int, entry: torch.Tensor, eps: float) -> torch.Tensor:
+    """Copy an entry (a commit) or the partial block state (staged in the slot where its block will be committed,
+    so that a read is one product over buffer[: slot + 1]) into the buffers with its inverse RMS; returns that
+    [B, T, J]. Through `.data`: the buffers are caches invisible to autograd, and writing through `.data` leaves
+    their version counters alone, so reentrant checkpointing (which saves them as layer inputs) accepts later
+    writes."""
     entry = entry.detach()
+    entry_inv_rms = inverse_rms(entry, eps)
     history_buffer.data[slot].copy_(entry)
-    inv_rms_buffer.data[slot].copy_(inverse_rms(entry, eps))
+    inv_rms_buffer.data[slot].copy_(entry_inv_rms)
+    return entry_inv_rms
 
 
 class _Commit(torch.autograd.Function):
@@ -240,7 +235,7 @@ class _DepthRead(torch.autograd.Function):
     def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries):
         num_sources, partial_inv_rms = len(entries), None
         if partial is not None:
-            partial_inv_rms = _stage_partial(history_buffer, inv_rms_buffer, len(entries), partial, eps)
+            partial_inv_rms = _write_slot(history_buffer, inv_rms_buffer, len(entries), partial, eps)
             num_sources += 1
         branch_input, weights, keyed_dots = _depth_read_forward(
             routed, gate, history_buffer[:num_sources], inv_rms_buffer[:num_sources], *routing
@@ -329,7 +324,7 @@ def depth_read(
             )
         num_sources = len(entries)
         if partial is not None:
-            _stage_partial(history_buffer, inv_rms_buffer, num_sources, partial, eps)
+            _write_slot(history_buffer, inv_rms_buffer, num_sources, partial, eps)
             num_sources += 1
         return _depth_read_forward(
             routed, gate, history_buffer[:num_sources], inv_rms_buffer[:num_sources], *routing
