@@ -63,7 +63,7 @@ def _loop_read(query, gate, sources, key_streams, value_streams):
 
 def _fast_read(entries, partial, query, gate, key_streams, value_streams):
     committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
-    routed = routed_queries(query.unsqueeze(0), key_streams)
+    routed = routed_queries(query, key_streams)
     return depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
                       EPS, gradients)
 
@@ -95,7 +95,7 @@ def test_depth_read_matches_the_loop_and_plain_autograd(routing, with_partial):
     loop = _loop_read(query, gate, sources, key_streams, value_streams)
     history = torch.stack([*entries, partial] if with_partial else entries)  # [N, B, T, J, D]
     plain, *_ = _depth_read_forward(
-        routed_queries(query.unsqueeze(0), key_streams), gate, history, inverse_rms(history, EPS), key_streams,
+        routed_queries(query, key_streams), gate, history, inverse_rms(history, EPS), key_streams,
         value_streams,
     )
     torch.testing.assert_close(fast, loop, rtol=1e-12, atol=1e-12)
@@ -113,7 +113,7 @@ def test_depth_read_negative_control_stale_buffer():
     entries, partial, query, gate = _read_inputs(2, seed=2)
     committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
     history_buffer[1] += 1.0
-    routed = routed_queries(query.unsqueeze(0), key_streams)
+    routed = routed_queries(query, key_streams)
     stale = depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
                        EPS, gradients)
     fresh = _fast_read(entries, partial, query, gate, key_streams, value_streams)
@@ -127,7 +127,7 @@ def test_depth_read_saves_only_per_token_scalars():
     entry_numel = partial.numel()
     saved = []
     committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
-    routed = routed_queries(query.unsqueeze(0), key_streams).detach().requires_grad_()
+    routed = routed_queries(query, key_streams).detach().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
         depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams, EPS,
                    gradients)

@@ -104,20 +104,19 @@ def _streams(x: torch.Tensor, streams: tuple[int, ...], dim: int) -> torch.Tenso
     return x.flip(dim)  # the only other routing on two streams is the swap
 
 
-def key_selector(key_streams: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """One-hot [J_key, J]: column j marks the key stream kappa(j) that target stream j scores."""
-    streams = len(key_streams)
-    return torch.eye(streams, dtype=like.dtype, device=like.device)[:, list(key_streams)]
+def stream_selector(streams: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """One-hot [J_source, J]: column j marks the stream streams[j] that target stream j reads (its key stream
+    kappa(j) for the key routing, its value stream nu(j) for the value routing)."""
+    return torch.eye(len(streams), dtype=like.dtype, device=like.device)[:, list(streams)]
 
 
-def routed_queries(queries: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
-    """queries [Q, J, D] -> [J_key * D, Q * J]: column (q, j) holds query q of target j in the rows of its key
-    stream kappa(j), zeros elsewhere, so that (entry [.., J_key * D]) @ routed gives every target's key dot
-    directly (any routing, no per-routing gather of the dots)."""
-    num_queries, streams, hidden = queries.shape
-    selector = key_selector(key_streams, queries)  # [J_key, J]
-    routed = queries.permute(2, 0, 1).unsqueeze(0) * selector[:, None, None, :]  # [J_key, D, Q, J]
-    return routed.reshape(streams * hidden, num_queries * streams)
+def routed_queries(query: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
+    """query [J, D] -> [J_key * D, J]: column j holds target j's query in the rows of its key stream kappa(j),
+    zeros elsewhere, so that (entry [.., J_key * D]) @ routed gives every target's key dot directly (any routing,
+    no per-routing gather of the dots)."""
+    streams, hidden = query.shape
+    routed = query.T.unsqueeze(0) * stream_selector(key_streams, query)[:, None, :]  # [J_key, D, J]
+    return routed.reshape(streams * hidden, streams)
 
 
 def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
@@ -126,8 +125,17 @@ def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) ->
     streams = by_target.shape[-1]
     if sorted(value_streams) == list(range(streams)):  # a permutation: identity or swap
         return _streams(by_target, tuple(value_streams.index(stream) for stream in range(streams)), by_target.dim() - 1)
-    selector = torch.eye(streams, dtype=by_target.dtype, device=by_target.device)[list(value_streams)]  # [J, J_val]
-    return by_target @ selector
+    return by_target @ stream_selector(value_streams, by_target).T  # [J, J_val]: row j marks nu(j)
+
+
+def _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps):
+    """The sources of one read in the buffers, the partial (if read) staged in the next free slot ->
+    (history [N, B, T, J, D], inverse RMS [N, B, T, J], the partial's inverse RMS [B, T, J] or None)."""
+    num_sources, partial_inv_rms = len(entries), None
+    if partial is not None:
+        partial_inv_rms = _write_slot(history_buffer, inv_rms_buffer, num_sources, partial, eps)
+        num_sources += 1
+    return history_buffer[:num_sources], inv_rms_buffer[:num_sources], partial_inv_rms
 
 
 def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, value_streams):
@@ -233,13 +241,8 @@ class _DepthRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries):
-        num_sources, partial_inv_rms = len(entries), None
-        if partial is not None:
-            partial_inv_rms = _write_slot(history_buffer, inv_rms_buffer, len(entries), partial, eps)
-            num_sources += 1
-        branch_input, weights, keyed_dots = _depth_read_forward(
-            routed, gate, history_buffer[:num_sources], inv_rms_buffer[:num_sources], *routing
-        )
+        sources, sources_inv_rms, partial_inv_rms = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
+        branch_input, weights, keyed_dots = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
         # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
         ctx.save_for_backward(routed, gate, weights, keyed_dots, partial, partial_inv_rms)
         ctx.history, ctx.history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
@@ -264,7 +267,7 @@ class _DepthRead(torch.autograd.Function):
         grad_weights = gate * target_value_dots  # [N, B, T, J]
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
         grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]
-        selector = key_selector(key_streams, weights)  # [J_key, J]
+        selector = stream_selector(key_streams, weights)  # [J_key, J]
         grad_inv_rms = (grad_scores * keyed_dots) @ selector.T  # [N, B, T, J_key]
         queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
@@ -322,13 +325,8 @@ def depth_read(
             return _DepthRead.apply(
                 routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries
             )
-        num_sources = len(entries)
-        if partial is not None:
-            _write_slot(history_buffer, inv_rms_buffer, num_sources, partial, eps)
-            num_sources += 1
-        return _depth_read_forward(
-            routed, gate, history_buffer[:num_sources], inv_rms_buffer[:num_sources], *routing
-        )[0]
+        sources, sources_inv_rms, _ = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
+        return _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)[0]
 
 
 class DARParameterMemo:
@@ -380,9 +378,9 @@ class DARDepthAttention(DARParameterMemo, nn.Module):
         return self.memoised("scoring_query", dtype, lambda: (self.pseudo_query * self.key_norm.weight).to(dtype))
 
     def routed_query(self, dtype: torch.dtype) -> torch.Tensor:
-        """`routed_queries` of the folded query: [J * D, J], the merge's one product per source."""
+        """`routed_queries` of the folded query: [J * D, J], the fused read's scoring operand."""
         return self.memoised(
-            "routed_query", dtype, lambda: routed_queries(self.scoring_query(dtype).unsqueeze(0), self.key_streams)
+            "routed_query", dtype, lambda: routed_queries(self.scoring_query(dtype), self.key_streams)
         )
 
     def count_scale(self, num_sources: int) -> float:
@@ -501,6 +499,23 @@ class _TransportWrite(torch.autograd.Function):
         return grad_partial, grad_rho, grad_beta, grad_output
 
 
+def read_branch_input(attention, read_gate, entries, partial, buffers, eps: float, dtype, implementation: str):
+    """u [B, T, D] in `dtype` for one read (a branch's, or the final readout's): the depth attention over the
+    committed entries (and the partial, when given) mixed by the read gate, with the reference loop or the fused
+    fast path (`depth_read` over the buffers (history, inverse RMS, DepthGradients))."""
+    sources = (*entries, partial) if partial is not None else entries
+    if implementation == "reference":
+        return read_gate(attention.reference(torch.stack(sources, dim=2)), dtype)
+    history_buffer, inv_rms_buffer, gradients = buffers
+    compute_dtype = history_buffer.dtype
+    gate = read_gate.stream_weights(compute_dtype) * (read_gate.read_scale * attention.count_scale(len(sources)))
+    branch_input = depth_read(
+        attention.routed_query(compute_dtype), gate, history_buffer, inv_rms_buffer, entries, partial,
+        attention.key_streams, attention.value_streams, eps, gradients,
+    )  # [B, T, D]
+    return read_gate(branch_input, dtype)  # recorded there as a hidden state
+
+
 class DARBranchResidual(nn.Module):
     """The DAR residual around one branch: its depth read, read gate and write gate."""
 
@@ -523,15 +538,10 @@ class DARReadout(nn.Module):
 
     def forward(self, history_buffer, inv_rms_buffer, entries: tuple[torch.Tensor, ...], dtype, gradients=None):
         """All committed entries (each [B, T, J, D], copied in the buffers) -> u_F [B, T, D] in `dtype`."""
-        attention = self.depth_attention
-        if self.config.dar_implementation == "reference":
-            return self.read_gate(attention.reference(torch.stack(entries, dim=2)), dtype)
-        branch_input = depth_read(
-            attention.routed_query(history_buffer.dtype), self.read_gate.stream_weights(history_buffer.dtype)
-            * (self.read_gate.read_scale * attention.count_scale(len(entries))), history_buffer, inv_rms_buffer,
-            entries, None, attention.key_streams, attention.value_streams, self.config.rms_norm_eps, gradients,
-        )  # [B, T, D]
-        return self.read_gate(branch_input, dtype)
+        return read_branch_input(
+            self.depth_attention, self.read_gate, entries, None, (history_buffer, inv_rms_buffer, gradients),
+            self.config.rms_norm_eps, dtype, self.config.dar_implementation,
+        )
 
 
 def _routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -583,19 +593,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     def _read(self, residual, partial, entries, buffers, dtype) -> torch.Tensor:
         """The branch input u [B, T, D]: the depth read over the committed entries and, inside a block, the partial."""
         partial = partial if self._reads_partial(residual.branch_index) else None
-        sources = (*entries, partial) if partial is not None else entries
-        attention, read_gate = residual.depth_attention, residual.read_gate
-        if self.config.dar_implementation == "reference":
-            return read_gate(attention.reference(torch.stack(sources, dim=2)), dtype)
-        # The fast path: one fused read over the buffer's copies of the entries (and the partial itself).
-        history_buffer, inv_rms_buffer, gradients = buffers
-        compute_dtype = history_buffer.dtype
-        scale = read_gate.read_scale * attention.count_scale(len(sources))
-        branch_input = depth_read(
-            attention.routed_query(compute_dtype), read_gate.stream_weights(compute_dtype) * scale, history_buffer,
-            inv_rms_buffer, entries, partial, attention.key_streams, attention.value_streams, self.eps, gradients,
-        )  # [B, T, D]
-        return read_gate(branch_input, dtype)
+        return read_branch_input(
+            residual.depth_attention, residual.read_gate, entries, partial, buffers, self.eps, dtype,
+            self.config.dar_implementation,
+        )
 
     def _write(self, residual, branch_output, partial, entries, buffers):
         partial = residual.write_gate(branch_output.to(partial.dtype), partial)  # [B, T, J, D]
