@@ -25,21 +25,17 @@ from conftest import (
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from dar_transformers import DARForCausalLM
+from dar_transformers.convert import rms_norm_in_input_dtype
 from dar_transformers.modeling_dar import DARDecoderLayer
 
 NUM_LAYERS = 3  # M = 6 branches: K = 4 leaves a short last block, K = 6 is a single block
-
-
-def _rms_norm_in_input_dtype(self, hidden_states):
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
 @pytest.fixture
 def float64_llama_norms(monkeypatch):
     """HF's LlamaRMSNorm rounds through float32 even in a float64 model (on both sides of any comparison), which
     caps float64 agreement at ~1e-7 relative. The float64 checks run it in the input dtype instead."""
-    monkeypatch.setattr(LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+    monkeypatch.setattr(LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
 
 
 @pytest.fixture(scope="module")

@@ -547,7 +547,7 @@ def greedy_continuations(
     return output[:, length:].tolist()
 
 
-def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+def rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
@@ -564,7 +564,7 @@ def norms_in_input_dtype(*models: PreTrainedModel):
         and "forward" not in vars(module)
     ]
     for module in patched:
-        module.forward = _rms_norm_in_input_dtype.__get__(module)
+        module.forward = rms_norm_in_input_dtype.__get__(module)
     try:
         yield
     finally:
@@ -590,7 +590,9 @@ def verify_conversion(
         return _verify_conversion(source_model, target_model, prompts, tolerance, max_new_tokens, progress)
 
 
-def _verify_conversion(source_model, target_model, prompts, tolerance, max_new_tokens, progress) -> VerificationReport:
+def _verify_conversion(
+    source_model, target_model, prompts, tolerance, max_new_tokens, progress
+) -> VerificationReport:
     dtype = target_model.dtype
     default_tolerance = DEFAULT_TOLERANCES[dtype]
     steps = logging.tqdm(total=len(prompts) + 2, desc="Verifying (source vs DAR)", disable=not progress)
