@@ -38,10 +38,11 @@ from transformers import (
 )
 from transformers.integrations.moe import ExpertsInterface
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
 
 from conftest import TINY_LLAMA_FIELDS
-from dar_transformers import DARMoeConfig, DARMoeForCausalLM, DARMoeModel
-from dar_transformers.modeling_dar_moe import DARMoeSparseMoeBlock
+from dar_transformers import DARConfig, DARMoeConfig, DARMoeForCausalLM, DARMoeModel, DARModel
+from dar_transformers.modeling_dar_moe import DARMoeSparseMoeBlock, DARMoeTopKRouter
 from dar_transformers.cli import main as cli_main
 from dar_transformers.convert import verify_conversion
 from dar_transformers.moe_upcycling import (
@@ -165,6 +166,39 @@ def test_fast_experts_path_is_dispatched_and_matches_eager(monkeypatch):
         batched = model(input_ids).logits
     assert fast.abs().max() > 1.0  # non-trivial logits
     assert torch.allclose(fast, eager, atol=1e-5, rtol=0) and torch.allclose(batched, eager, atol=1e-5, rtol=0)
+
+
+def test_moe_modules_are_qwen3_moes_and_fast_experts_survive_a_dense_model_built_first():
+    """The experts are transformers' own Qwen3MoeExperts (no re-decorated copy), and the fast-kernel decision does not
+    depend on what was built before: a dense DARModel (whose answer is False) first, then DAR-MoE."""
+    DARModel(DARConfig(**TINY))
+    assert DARModel._can_set_experts_implementation() is False  # no experts in the dense family
+    model = DARMoeModel(DARMoeConfig(**TINY_MOE))
+    assert model.config._experts_implementation == "grouped_mm"
+    block = model.layers[0].mlp
+    assert type(block.experts) is Qwen3MoeExperts and isinstance(block.gate, Qwen3MoeTopKRouter)
+
+
+def test_router_is_hfs_in_float32_and_sums_to_one_in_float64():
+    """Float32: Qwen3-MoE's router output bit for bit. Float64: HF's float32 softmax leaves the top-k weights summing to
+    1 only to ~1e-7, which breaks a 1e-8 upcycling check; DAR's router renormalises them in float64."""
+    config = DARMoeConfig(**TINY_MOE)
+    torch.manual_seed(0)
+    dar_router, hf_router = DARMoeTopKRouter(config), Qwen3MoeTopKRouter(config)
+    with torch.no_grad():
+        dar_router.weight.normal_(std=2.0)
+        hf_router.weight.copy_(dar_router.weight)
+    hidden = torch.randn(64, 32)
+    with torch.no_grad():
+        for got, expected in zip(dar_router(hidden), hf_router(hidden)):
+            assert torch.equal(got, expected)
+        dar_router.double(), hf_router.double()
+        _, dar_weights, dar_index = dar_router(hidden.double())
+        _, hf_weights, hf_index = hf_router(hidden.double())
+    assert torch.equal(dar_index, hf_index) and dar_weights.dtype == torch.float64
+    assert (dar_weights.sum(-1) - 1).abs().max() < 1e-15
+    assert (hf_weights.sum(-1) - 1).abs().max() > 1e-9  # the negative control: float32 rounding
+    assert (dar_weights - hf_weights).abs().max() < 1e-6  # the same routing otherwise
 
 
 def test_fast_experts_gradients_match_eager():
