@@ -38,7 +38,11 @@ from transformers import (
 )
 from transformers.integrations.moe import ExpertsInterface
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeExperts,
+    Qwen3MoeTopKRouter,
+    load_balancing_loss_func,
+)
 
 from conftest import TINY_LLAMA_FIELDS
 from dar_transformers import DARConfig, DARMoeConfig, DARMoeForCausalLM, DARMoeModel, DARModel
@@ -236,6 +240,26 @@ def test_loss_includes_the_load_balancing_term():
     expected = 4 * ((fractions / layers) * (probabilities / layers)).sum()
     assert torch.allclose(with_aux.aux_loss, expected, atol=1e-6)
     assert with_aux.aux_loss > 1.0  # the aux loss of k = 2 routing is k at perfect balance
+
+
+def test_aux_loss_leaves_out_left_padding_as_transformers_load_balancing_loss_does():
+    model = tiny_dar_moe(**INIT, router_aux_loss_coef=0.25)
+    attention_mask = torch.ones(3, 10, dtype=torch.long)
+    attention_mask[1, :4] = 0  # left padding
+    attention_mask[2, :7] = 0
+    input_ids = tokens(batch=3, length=10).masked_fill(attention_mask == 0, 0)
+    with torch.no_grad():
+        output = model(input_ids, attention_mask=attention_mask, labels=input_ids, output_router_logits=True)
+        lm_only = model(input_ids, attention_mask=attention_mask, labels=input_ids)
+    router_logits = output.router_logits  # per sparse layer [B * T, E], padded tokens included
+    masked = load_balancing_loss_func(router_logits, 4, 2, attention_mask)
+    unmasked = load_balancing_loss_func(router_logits, 4, 2)
+    assert torch.equal(output.aux_loss, masked)
+    assert (masked - unmasked).abs() > 1e-2  # the mask matters: 10 of the 30 tokens are padding
+    # The same value from the real tokens alone: masking means leaving the padded tokens out.
+    real = attention_mask.reshape(-1).bool()
+    assert torch.allclose(masked, load_balancing_loss_func(tuple(logits[real] for logits in router_logits), 4, 2))
+    assert torch.allclose(output.loss - lm_only.loss, 0.25 * masked, atol=1e-6)
 
 
 def test_trainer_steps_include_aux_loss_change_router_and_reduce_loss(tmp_path):
