@@ -10,7 +10,9 @@ transformers' Qwen3-MoE / Qwen2-MoE classes, subclassed only where DAR-MoE diffe
   - `mlp_only_layers` / `decoder_sparse_step` keep some layers dense, with the family's own MLP;
   - experts and routers get Qwen3-MoE's `_init_weights`, after DAR's (one cooperative `super()` chain);
   - outputs are `MoeModelOutputWithPast` / `MoeCausalLMOutputWithPast`; with `output_router_logits` the head adds
-    `router_aux_loss_coef * load_balancing_loss` (Switch Transformer eq. 4-6) to the LM loss, padding masked out.
+    `router_aux_loss_coef * load_balancing_loss` (Switch Transformer eq. 4-6) to the LM loss, padding masked out;
+  - the sequence-classification, question-answering and token-classification heads are transformers' generic
+    heads, as Qwen3-MoE's are.
 The DAR residual (depth reads, read gate, write gates, readout) is untouched: the MoE block is just another branch
 F_m (DESIGN.md section 2), so sparse upcycling and DAR upcycling compose (residual-methods.md section 5.3).
 
@@ -27,8 +29,14 @@ Shape legend: N tokens (B * T flattened), D hidden, E experts, k experts per tok
 
 import torch
 from torch import nn
+from transformers import AutoModel
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
@@ -211,10 +219,39 @@ class DARMoeForCausalLM(DARMoePreTrainedModel, GenerationMixin):
         )
 
 
+class DARMoeTaskHeadMixin:
+    """Lets transformers' generic heads, which build their backbone with `AutoModel.from_config(config)`, find
+    DARMoeModel for the class of the config they are given.
+
+    With the package imported, its `__init__` has registered the Auto classes already. Under `trust_remote_code=True`
+    the package is absent, and the config is an instance of the class from the config file's own dynamic module,
+    not the one this file imported (transformers loads each remote file under its own hash), so no registration at
+    import time could match it: the backbone is registered for the class actually passed in (idempotent).
+    """
+
+    def __init__(self, config: DARMoeConfig):
+        AutoModel.register(type(config), DARMoeModel, exist_ok=True)
+        super().__init__(config)
+
+
+# Task heads as Qwen3-MoE's (and Llama's): transformers' generic heads over DARMoeModel. Like Qwen3-MoE's heads they
+# train on the task loss alone (no load-balancing term).
+class DARMoeForSequenceClassification(DARMoeTaskHeadMixin, GenericForSequenceClassification, DARMoePreTrainedModel): ...
+
+
+class DARMoeForQuestionAnswering(DARMoeTaskHeadMixin, GenericForQuestionAnswering, DARMoePreTrainedModel): ...
+
+
+class DARMoeForTokenClassification(DARMoeTaskHeadMixin, GenericForTokenClassification, DARMoePreTrainedModel): ...
+
+
 __all__ = [
     "DARMoePreTrainedModel",
     "DARMoeModel",
     "DARMoeForCausalLM",
+    "DARMoeForSequenceClassification",
+    "DARMoeForQuestionAnswering",
+    "DARMoeForTokenClassification",
     "DARMoeSparseMoeBlock",
     "DARMoeTopKRouter",
 ]
