@@ -127,28 +127,10 @@ class DARMoeModel(DARMoePreTrainedModel, DARModel):
     decoder_layer_class = DARMoeDecoderLayer
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
-        """`DARModel.forward` with the MoE output type; `_can_record_outputs` captures the router logits."""
-        outputs = super().forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            return_dict=True,
-            **kwargs,
-        )
-        return MoeModelOutputWithPast(**outputs)
+    def forward(self, *args, **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
+        """`DARModel.forward`, whatever its arguments, with the MoE output type: `_can_record_outputs` has added the
+        router logits to its output when `output_router_logits` is set."""
+        return MoeModelOutputWithPast(**super().forward(*args, return_dict=True, **kwargs))
 
 
 class DARMoeForCausalLM(DARMoePreTrainedModel, GenerationMixin):
