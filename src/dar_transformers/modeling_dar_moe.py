@@ -115,11 +115,12 @@ class DARMoePreTrainedModel(DARPreTrainedModel, Qwen3MoePreTrainedModel):
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        # The experts are transformers' own `Qwen3MoeExperts`, decorated with `@use_experts_implementation` where
-        # transformers defines them. HF's heuristic looks for that decorator in the source of the *model class's*
-        # module (and caches the answer on the class, where DARMoeModel would inherit DARModel's False); this module
-        # imports the experts rather than redefining them, so it answers directly, as DARPreTrainedModel does for
-        # `_can_set_attn_implementation`. Without this, every DAR-MoE would silently run the eager experts loop.
+        # The experts are transformers' own `Qwen3MoeExperts`, which carry the experts-kernel decorator
+        # (`integrations.use_experts_implementation`) where transformers defines them. HF's heuristic looks for that
+        # decorator in the source of the *model class's* module and caches the answer on the class (where DARMoeModel
+        # would inherit DARModel's False); this module imports the experts rather than redefining them, so it answers
+        # directly, as DARPreTrainedModel does for `_can_set_attn_implementation`. Without this, every DAR-MoE would
+        # silently run the eager experts loop.
         return True
 
 
