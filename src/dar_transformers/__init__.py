@@ -24,7 +24,14 @@ from .modeling_dar import (
     DARModel,
     DARPreTrainedModel,
 )
-from .modeling_dar_moe import DARMoeForCausalLM, DARMoeModel, DARMoePreTrainedModel
+from .modeling_dar_moe import (
+    DARMoeForCausalLM,
+    DARMoeForQuestionAnswering,
+    DARMoeForSequenceClassification,
+    DARMoeForTokenClassification,
+    DARMoeModel,
+    DARMoePreTrainedModel,
+)
 from .peft_utils import register_peft_defaults
 
 __version__ = "0.1.0"
@@ -48,9 +55,15 @@ def _register_auto_classes() -> None:
     AutoConfig.register(DARMoeConfig.model_type, DARMoeConfig, exist_ok=True)
     AutoModel.register(DARMoeConfig, DARMoeModel, exist_ok=True)
     AutoModelForCausalLM.register(DARMoeConfig, DARMoeForCausalLM, exist_ok=True)
+    AutoModelForSequenceClassification.register(DARMoeConfig, DARMoeForSequenceClassification, exist_ok=True)
+    AutoModelForQuestionAnswering.register(DARMoeConfig, DARMoeForQuestionAnswering, exist_ok=True)
+    AutoModelForTokenClassification.register(DARMoeConfig, DARMoeForTokenClassification, exist_ok=True)
     DARMoeConfig.register_for_auto_class()
     DARMoeModel.register_for_auto_class("AutoModel")
     DARMoeForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    DARMoeForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+    DARMoeForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
+    DARMoeForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
 
 
 _register_auto_classes()
@@ -69,5 +82,8 @@ __all__ = [
     "DARMoeConfig",
     "DARMoeModel",
     "DARMoeForCausalLM",
+    "DARMoeForSequenceClassification",
+    "DARMoeForQuestionAnswering",
+    "DARMoeForTokenClassification",
     "DARMoePreTrainedModel",
 ]

@@ -3,7 +3,9 @@
 """Configuration of DAR-MoE: Dual Attention Residuals (arXiv 2607.18730) around a sparse mixture-of-experts MLP.
 
 `DARMoeConfig` is `DARConfig` plus the MoE fields of HF's Qwen2-MoE/Qwen3-MoE configs, under the same names, so
-HF's router and fused-experts modules read them unchanged (DESIGN.md section 4):
+HF's router and fused-experts modules read them unchanged (DESIGN.md section 4). They are declared here, not
+inherited from `Qwen3MoeConfig`, because their defaults differ (chosen so that sparse upcycling is exact) and Qwen's
+configs bring attention fields of their own (sliding window, layer types) that DARConfig already defines:
 
 - `num_experts` E and `num_experts_per_tok` k: top-k routing over E experts.
 - `moe_intermediate_size`: hidden width of each expert; `None` picks `intermediate_size`, the dense MLP's width,
@@ -20,6 +22,7 @@ HF's router and fused-experts modules read them unchanged (DESIGN.md section 4):
 import math
 
 from huggingface_hub.dataclasses import strict
+from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
 from .configuration_dar import DARConfig
 
@@ -38,18 +41,12 @@ class DARMoeConfig(DARConfig):
 
     model_type = "dar_moe"
 
-    # Tensor/expert parallel plans of Qwen3-MoE for the experts; attention and dense-MLP entries come from Llama.
+    # Tensor/expert parallel plans: Qwen3-MoE's for the experts (the same modules), Llama's for attention and MLPs.
     base_model_tp_plan = {
         **DARConfig.base_model_tp_plan,
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",
+        **{name: plan for name, plan in Qwen3MoeConfig.base_model_tp_plan.items() if ".mlp.experts" in name},
     }
-    base_model_ep_plan = {
-        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-        "layers.*.mlp.experts.down_proj": "grouped_gemm",
-        "layers.*.mlp.experts": "ep_dispatch_experts",
-    }
+    base_model_ep_plan = dict(Qwen3MoeConfig.base_model_ep_plan)
 
     num_experts: int = 8
     num_experts_per_tok: int = 2

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -513,14 +514,35 @@ class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
         )
 
 
-class DARForSequenceClassification(GenericForSequenceClassification, DARPreTrainedModel): ...
+class DARTaskHeadMixin:
+    """Lets transformers' generic heads, which build their backbone with `AutoModel.from_config(config)`, find the
+    DAR backbone (`backbone_class`) for the class of the config they are given.
+
+    With the package imported, its `__init__` has registered the Auto classes already. Under `trust_remote_code=True`
+    the package is absent, and the config is an instance of the class from the config file's own dynamic module, not
+    the one this file imported (transformers loads each remote file under its own hash), so no registration at import
+    time could match it: the backbone is registered for the class actually passed in (idempotent).
+    """
+
+    backbone_class: type[PreTrainedModel]
+
+    def __init__(self, config: DARConfig):
+        AutoModel.register(type(config), self.backbone_class, exist_ok=True)
+        super().__init__(config)
 
 
-class DARForQuestionAnswering(GenericForQuestionAnswering, DARPreTrainedModel):
-    base_model_prefix = "transformer"  # as LlamaForQuestionAnswering, so its checkpoints load without renames
+# Task heads as Llama's: transformers' generic heads over DARModel. The backbone stays under `model` (Llama's
+# question-answering head keeps a legacy `transformer`), so an upcycled causal-LM checkpoint starts every head.
+class DARForSequenceClassification(DARTaskHeadMixin, GenericForSequenceClassification, DARPreTrainedModel):
+    backbone_class = DARModel
 
 
-class DARForTokenClassification(GenericForTokenClassification, DARPreTrainedModel): ...
+class DARForQuestionAnswering(DARTaskHeadMixin, GenericForQuestionAnswering, DARPreTrainedModel):
+    backbone_class = DARModel
+
+
+class DARForTokenClassification(DARTaskHeadMixin, GenericForTokenClassification, DARPreTrainedModel):
+    backbone_class = DARModel
 
 
 __all__ = [

@@ -2,15 +2,22 @@
 # Copyright 2026 The dar-transformers authors.
 """DAR-MoE: Dual Attention Residuals (arXiv 2607.18730) with a sparse mixture-of-experts MLP branch.
 
-A diff against `modeling_dar` (STYLE.md item 11), in the shape of HF's Qwen3-MoE on Mixtral:
-  - the MLP branch of a sparse layer is HF's sparse MoE block: a top-k router `gate`, fused 3-D `experts`
-    (`gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`) dispatched through transformers' experts implementations
-    (`grouped_mm` by default), and an optional sigmoid-gated `shared_expert` (Qwen2-MoE);
+A diff against `modeling_dar` (STYLE.md item 11), written the way HF's modular files are: the MoE pieces are
+transformers' Qwen3-MoE / Qwen2-MoE classes, subclassed only where DAR-MoE differs.
+  - the MLP branch of a sparse layer is Qwen3-MoE's sparse block: a top-k router `gate` and fused 3-D `experts`
+    (`Qwen3MoeExperts`: `gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`, dispatched through transformers' experts
+    implementations, `grouped_mm` by default), plus Qwen2-MoE's sigmoid-gated `shared_expert` when configured;
   - `mlp_only_layers` / `decoder_sparse_step` keep some layers dense, with the family's own MLP;
+  - experts and routers get Qwen3-MoE's `_init_weights`, after DAR's (one cooperative `super()` chain);
   - outputs are `MoeModelOutputWithPast` / `MoeCausalLMOutputWithPast`; with `output_router_logits` the head adds
-    `router_aux_loss_coef * load_balancing_loss` (Switch Transformer eq. 4-6) to the LM loss.
+    `router_aux_loss_coef * load_balancing_loss` (Switch Transformer eq. 4-6) to the LM loss, padding masked out;
+  - the sequence-classification, question-answering and token-classification heads are transformers' generic
+    heads, as Qwen3-MoE's are.
 The DAR residual (depth reads, read gate, write gates, readout) is untouched: the MoE block is just another branch
 F_m (DESIGN.md section 2), so sparse upcycling and DAR upcycling compose (residual-methods.md section 5.3).
+
+This file is also the remote-code copy (`trust_remote_code=True`): it imports only torch, transformers (whose
+Qwen-MoE classes it subclasses) and its flat siblings, so no generated flat file is needed.
 
 Known limit, shared with HF's Mixtral/Qwen3-MoE: router logits are recorded by output hooks, so under *reentrant*
 gradient checkpointing (whose first forward runs without grad) the aux loss gets no gradient; the default
@@ -21,79 +28,67 @@ Shape legend: N tokens (B * T flattened), D hidden, E experts, k experts per tok
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.integrations import use_experts_implementation
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
-    Qwen3MoeExperts,
+    Qwen3MoePreTrainedModel,
+    Qwen3MoeSparseMoeBlock,
     Qwen3MoeTopKRouter,
     load_balancing_loss_func,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_dar_moe import DARMoeConfig
-from .modeling_dar import DARDecoderLayer, DARForCausalLM, DARModel, DARPreTrainedModel, dar_compute_dtype
-
-
-# The decorator is applied here again (Qwen3MoeExperts already carries it) because transformers decides whether a
-# model may use the fast experts kernels by grepping the *model's own module source* for "@use_experts_implementation"
-# (`PreTrainedModel._can_set_experts_implementation`); without it every DAR-MoE would silently run the eager loop.
-@use_experts_implementation
-class DARMoeExperts(Qwen3MoeExperts):
-    """HF's fused experts: E SwiGLU MLPs as 3-D weights, forward dispatched on `config._experts_implementation`."""
+from .modeling_dar import DARDecoderLayer, DARForCausalLM, DARModel, DARPreTrainedModel, DARTaskHeadMixin
 
 
 class DARMoeTopKRouter(Qwen3MoeTopKRouter):
-    """HF's top-k softmax router (Qwen3-MoE), with the routing softmax in the DAR compute dtype.
+    """Qwen3-MoE's top-k softmax router; in a float64 model the top-k weights are renormalised again in float64.
 
-    Qwen3-MoE and Mixtral take the softmax in float32 even for a float64 model; then the renormalised top-k weights
-    sum to 1 only to float32 rounding, and a float64 upcycling check cannot reach 1e-8 (DESIGN.md section 3).
-    For float32 and half-precision models this is the HF computation unchanged.
+    HF takes the routing softmax and the top-k renormalisation in float32 whatever the model dtype, so in a float64
+    model the k weights sum to 1 only to float32 rounding (~1e-7), and a float64 upcycling check, whose output is
+    (sum of the weights) * MLP(x) with every expert a copy of the dense MLP, cannot reach 1e-8 (DESIGN.md section 3).
+    Float32 and half-precision models get HF's computation unchanged.
     """
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)  # [N, D]
-        router_logits = F.linear(hidden_states, self.weight)  # [N, E]
-        router_probs = router_logits.softmax(dim=-1, dtype=dar_compute_dtype(router_logits.dtype))  # [N, E]
-        top_weights, top_index = torch.topk(router_probs, self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)  # [N, k], sums to 1
-        return router_logits, top_weights.to(router_logits.dtype), top_index
+        router_logits, top_weights, top_index = super().forward(hidden_states)  # [N, E], [N, k], [N, k]
+        if self.norm_topk_prob and top_weights.dtype == torch.float64:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)  # [N, k], sums to 1 in float64
+        return router_logits, top_weights, top_index
 
 
-class DARMoeSparseMoeBlock(nn.Module):
-    """HF's sparse MoE block (Qwen3-MoE), plus Qwen2-MoE's sigmoid-gated shared expert when configured.
+class DARMoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
+    """Qwen3-MoE's sparse block with the DAR router, plus Qwen2-MoE's sigmoid-gated shared expert when configured.
 
     y = sum_{e in top-k(x)} p_e Expert_e(x)  [+ sigmoid(g . x) SharedExpert(x)].
     Attribute names follow Qwen2/3-MoE (`gate`, `experts`, `shared_expert`, `shared_expert_gate`), so their
-    checkpoints load without renames.
+    checkpoints load without renames. Qwen2-MoE's own block always has the shared expert, hence the optional one here.
     """
 
     def __init__(self, config: DARMoeConfig):
-        super().__init__()
+        super().__init__(config)
         self.gate = DARMoeTopKRouter(config)
-        self.experts = DARMoeExperts(config)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = Qwen2MoeMLP(config, intermediate_size=config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        batch_size, sequence_length, hidden_dim = hidden_states.shape
-        tokens = hidden_states.reshape(-1, hidden_dim)  # [N, D]
-        _, routing_weights, selected_experts = self.gate(tokens)  # [N, k], [N, k]
-        output = self.experts(tokens, selected_experts, routing_weights)  # [N, D]
-        if self.has_shared_expert:
-            output = output + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)  # [N, D]
-        return output.reshape(batch_size, sequence_length, hidden_dim)
+        output = super().forward(hidden_states)  # [B, T, D]
+        if self.has_shared_expert:  # as Qwen2MoeSparseMoeBlock
+            output = output + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        return output
 
 
 class DARMoeDecoderLayer(DARDecoderLayer):
@@ -105,55 +100,37 @@ class DARMoeDecoderLayer(DARDecoderLayer):
         return super().build_mlp(config, layer_idx)
 
 
-class DARMoePreTrainedModel(DARPreTrainedModel):
+class DARMoePreTrainedModel(DARPreTrainedModel, Qwen3MoePreTrainedModel):
+    """DAR's settings first in the MRO; `DARPreTrainedModel._init_weights` calls `super()._init_weights`, which is
+    Qwen3-MoE's here: experts and routers normal(0, initializer_range) (sparse upcycling then overwrites the experts
+    with copies of the dense MLP and keeps the random router), everything else HF's generic init."""
+
     config: DARMoeConfig
     _no_split_modules = ["DARMoeDecoderLayer"]
-    # transformers caches its "@use_experts_implementation in the module source" check on the class it ran for.
-    # DARMoeModel also derives from DARModel, whose cached answer is False (the dense module has no experts), so
-    # without a slot of our own the MoE model would inherit that False once a dense DARModel had been built.
-    _can_set_experts_implementation_cached_value = None
     _can_record_outputs = {
         **DARPreTrainedModel._can_record_outputs,
-        "router_logits": OutputRecorder(DARMoeTopKRouter, index=0),
+        "router_logits": Qwen3MoePreTrainedModel._can_record_outputs["router_logits"],  # any Qwen3MoeTopKRouter
     }
 
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)  # the DAR parameters and HF's standard modules
-        std = self.config.initializer_range
-        if isinstance(module, DARMoeExperts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=std)  # as Qwen3-MoE; upcycling overwrites with MLP copies
-            init.normal_(module.down_proj, mean=0.0, std=std)
-        elif isinstance(module, DARMoeTopKRouter):
-            init.normal_(module.weight, mean=0.0, std=std)  # a fresh random router, as in sparse upcycling
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # The experts are transformers' own `Qwen3MoeExperts`, which carry the experts-kernel decorator
+        # (`integrations.use_experts_implementation`) where transformers defines them. HF's heuristic looks for that
+        # decorator in the source of the *model class's* module and caches the answer on the class (where DARMoeModel
+        # would inherit DARModel's False); this module imports the experts rather than redefining them, so it answers
+        # directly, as DARPreTrainedModel does for `_can_set_attn_implementation`. Without this, every DAR-MoE would
+        # silently run the eager experts loop.
+        return True
 
 
 class DARMoeModel(DARMoePreTrainedModel, DARModel):
     decoder_layer_class = DARMoeDecoderLayer
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
-        """`DARModel.forward` with the MoE output type; `_can_record_outputs` captures the router logits."""
-        outputs = super().forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            return_dict=True,
-            **kwargs,
-        )
-        return MoeModelOutputWithPast(**outputs)
+    def forward(self, *args, **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
+        """`DARModel.forward`, whatever its arguments, with the MoE output type: `_can_record_outputs` has added the
+        router logits to its output when `output_router_logits` is set."""
+        return MoeModelOutputWithPast(**super().forward(*args, return_dict=True, **kwargs))
 
 
 class DARMoeForCausalLM(DARMoePreTrainedModel, GenerationMixin):
@@ -206,6 +183,7 @@ class DARMoeForCausalLM(DARMoePreTrainedModel, GenerationMixin):
 
         aux_loss = None
         if output_router_logits:
+            # Padded tokens (attention_mask 0) are left out of the routing fractions and probabilities.
             aux_loss = load_balancing_loss_func(
                 outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
             )
@@ -223,11 +201,27 @@ class DARMoeForCausalLM(DARMoePreTrainedModel, GenerationMixin):
         )
 
 
+# Task heads as Qwen3-MoE's (and Llama's): transformers' generic heads over DARMoeModel. Like Qwen3-MoE's heads they
+# train on the task loss alone (no load-balancing term).
+class DARMoeForSequenceClassification(DARTaskHeadMixin, GenericForSequenceClassification, DARMoePreTrainedModel):
+    backbone_class = DARMoeModel
+
+
+class DARMoeForQuestionAnswering(DARTaskHeadMixin, GenericForQuestionAnswering, DARMoePreTrainedModel):
+    backbone_class = DARMoeModel
+
+
+class DARMoeForTokenClassification(DARTaskHeadMixin, GenericForTokenClassification, DARMoePreTrainedModel):
+    backbone_class = DARMoeModel
+
+
 __all__ = [
     "DARMoePreTrainedModel",
     "DARMoeModel",
     "DARMoeForCausalLM",
+    "DARMoeForSequenceClassification",
+    "DARMoeForQuestionAnswering",
+    "DARMoeForTokenClassification",
     "DARMoeSparseMoeBlock",
-    "DARMoeExperts",
     "DARMoeTopKRouter",
 ]
