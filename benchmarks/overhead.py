@@ -10,10 +10,19 @@ float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machin
     by storage, DAR's history buffers included; a deterministic measure of training activation memory that
     excludes weights and optimiser);
   - peak RSS: resident memory high-water mark of a fresh process doing one training step or one prefill.
+  - saved activations in bf16 and fp32 (issue #11's measure): SmolLM2's dimensions with a vocabulary of 8192, one
+    sequence of 512 tokens, weights in bf16 with DAR parameters in float32 (as `from_pretrained(dtype=bfloat16)`
+    loads them), and the same in float32.
 Medians and ratios to Llama are printed as a table and written to a JSON file.
+
+With `--compile` every model is compiled the same way (`torch.compile(model)`, inductor, the whole model, as
+`Trainer(torch_compile=True)` does) and measured interleaved as above; decoding goes through HF's compiled static-
+cache path (`generate(cache_implementation="static")` with a `CompileConfig`), timed per token by a streamer. The
+first call of each mode (compile time included) is reported separately as `*_first_s`.
 
     python benchmarks/overhead.py                 # SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads)
     python benchmarks/overhead.py --shape small   # a smaller shape for a quick look
+    python benchmarks/overhead.py --compile       # compiled Llama vs compiled DAR
 
 On a machine with a GPU the same command runs there (`--device cuda`, the default when CUDA is available): timings
 synchronise the device, and peak memory is the CUDA allocator's high-water mark of one step.
@@ -29,7 +38,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 from dar_transformers import DARConfig, DARForCausalLM
 
@@ -112,10 +122,12 @@ def saved_activation_bytes(model, batch) -> int:
 
     backbone = getattr(model, "model", None)
     initial_state = getattr(backbone, "initial_state", None)
-    if initial_state is not None:  # DAR: (partial, history buffer, inverse-RMS buffer, entry 0)
+    if initial_state is not None:  # DAR: the flattened state starts with its backend, which may own buffers
         def recording_initial_state(*args, **kwargs):
             state = initial_state(*args, **kwargs)
-            record(state[1]), record(state[2])
+            for buffer in (getattr(state[0], "history_buffer", None), getattr(state[0], "inv_rms_buffer", None)):
+                if buffer is not None:
+                    record(buffer)
             return state
 
         backbone.initial_state = recording_initial_state
@@ -128,6 +140,49 @@ def saved_activation_bytes(model, batch) -> int:
             del backbone.initial_state
     del loss
     return sum(size for pointer, size in storages.items() if pointer not in parameters)
+
+
+class TokenClock(BaseStreamer):
+    """Timestamps every chunk `generate` streams: the prompt, then one call per generated token."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def put(self, value):
+        synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def time_compiled_decode(model, prompt, new_tokens: int) -> float:
+    """Median seconds per decoded token through HF's compiled static-cache decoding (prefill stays eager, as in
+    `generate`); the gaps between streamed tokens after the first generated one."""
+    compile_config = CompileConfig(fullgraph=False)
+    compile_config._compile_all_devices = True  # generate compiles on CUDA by default; on CPU only when asked
+    clock = TokenClock(prompt.device)
+    model.generate(prompt, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                   cache_implementation="static", compile_config=compile_config, streamer=clock, pad_token_id=0)
+    gaps = [later - earlier for earlier, later in zip(clock.times[2:], clock.times[3:])]
+    return statistics.median(gaps)
+
+
+def dtype_activation_ratios(shape: dict, names: list[str], seq: int = 512, vocab: int = 8192) -> dict:
+    """Saved activations (MiB) of one training forward in bf16 (DAR parameters float32) and in float32."""
+    shape = {**shape, "vocab_size": vocab}
+    batch = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(1))
+    result = {}
+    for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for name in names:
+            model = build_model(name, shape).to(dtype)
+            for module_name, module in model.named_modules():
+                if module_name.endswith(("attn_residual", "mlp_residual", "final_readout")):
+                    module.float()  # `_keep_in_fp32_modules_strict`, as a bf16 `from_pretrained` loads them
+            model.train()
+            result.setdefault(name, {})[f"saved_activation_{dtype_name}_mib"] = saved_activation_bytes(model, batch) / 2**20
+            del model
+    return result
 
 
 def peak_rss_subprocess(name: str, shape_name: str, mode: str, batch: int, seq: int) -> float:
@@ -174,16 +229,23 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--models", default="llama,dar-block,dar-full")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument("--compile", action="store_true", help="compile every model with torch.compile (inductor)")
+    parser.add_argument("--no-dtype-activations", action="store_true",
+                        help="skip the bf16/fp32 saved-activation measure (1 x 512 tokens, vocabulary 8192)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the models run (default: cuda when available); on cuda, peak memory is the "
                         "allocator's high-water mark of one training step / prefill instead of process RSS")
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON results (default: results/overhead.json, or overhead_compile.json with --compile)")
     args = parser.parse_args()
 
     shape = SHAPES[args.shape]
+    if args.output is None:
+        args.output = Path(__file__).parent / "results" / ("overhead_compile.json" if args.compile else "overhead.json")
     names = args.models.split(",")
     device = torch.device(args.device)
     models = {name: build_model(name, shape).to(device) for name in names}
+    runners = {name: torch.compile(model) if args.compile else model for name, model in models.items()}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-5) for name, model in models.items()}
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=generator).to(device)
@@ -194,25 +256,31 @@ def main() -> None:
     print(f"block sizes (branches): {block_sizes}")
 
     samples = {name: {"train_step_s": [], "prefill_s": [], "decode_token_s": []} for name in names}
-    for name in names:  # warm-up: first calls allocate and pick kernels
+    decode = time_compiled_decode if args.compile else time_decode
+    first = {}
+    for name in names:  # warm-up: first calls allocate, pick kernels and (with --compile) compile
         models[name].train()
-        time_train_step(models[name], optimizers[name], batch)
+        first[name] = {"train_step_first_s": time_train_step(runners[name], optimizers[name], batch)}
         models[name].eval()
-        time_prefill(models[name], prompt)
+        first[name]["prefill_first_s"] = time_prefill(runners[name], prompt)
+        start = time.perf_counter()
+        decode(models[name], prompt, 2)
+        first[name]["decode_first_s"] = time.perf_counter() - start
     for _ in range(args.repeats):
         for name in names:
             model = models[name]
             model.train()
-            samples[name]["train_step_s"].append(time_train_step(model, optimizers[name], batch))
+            samples[name]["train_step_s"].append(time_train_step(runners[name], optimizers[name], batch))
             model.eval()
-            samples[name]["prefill_s"].append(time_prefill(model, prompt))
-            samples[name]["decode_token_s"].append(time_decode(model, prompt, args.decode_tokens))
+            samples[name]["prefill_s"].append(time_prefill(runners[name], prompt))
+            samples[name]["decode_token_s"].append(decode(model, prompt, args.decode_tokens))
 
     results = {}
     for name in names:
         model = models[name]
         model.train()
         results[name] = {key: statistics.median(values) for key, values in samples[name].items()}
+        results[name].update(first[name] if args.compile else {})
         results[name]["saved_activation_mib"] = saved_activation_bytes(model, batch) / 2**20
         if device.type == "cuda":
             train_step = lambda: time_train_step(model, optimizers[name], batch)  # noqa: E731
@@ -223,6 +291,9 @@ def main() -> None:
             results[name]["peak_rss_train_mib"] = peak_rss_subprocess(name, args.shape, "train", args.batch, args.seq)
             results[name]["peak_rss_prefill_mib"] = peak_rss_subprocess(name, args.shape, "prefill", 1, args.seq)
         results[name]["parameters"] = sum(p.numel() for p in model.parameters())
+    if not args.no_dtype_activations and device.type == "cpu":
+        for name, figures in dtype_activation_ratios(shape, names).items():
+            results[name].update(figures)
 
     metrics = [key for key in results[names[0]] if key != "parameters"]
     header = f"{'metric':<24}" + "".join(f"{name:>14}" for name in names) + "".join(
@@ -239,7 +310,7 @@ def main() -> None:
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "shape": args.shape, "dims": shape, "batch": args.batch, "seq": args.seq, "repeats": args.repeats,
+        "shape": args.shape, "dims": shape, "compile": args.compile, "batch": args.batch, "seq": args.seq, "repeats": args.repeats,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -94,13 +94,19 @@ def test_recording_keeps_the_logits_and_restores_the_fast_path(block_size):
             recorded = model(input_ids=input_ids).logits
             assert model.config.dar_implementation == "reference"
     assert model.config.dar_implementation == "fast"
-    assert "reference" not in model.model.final_readout.depth_attention.__dict__
+    assert not any(branch.depth_attention._forward_hooks for branch in dar_branches(model))  # nothing left behind
     torch.testing.assert_close(recorded, fast, rtol=1e-4, atol=1e-5)
     names = [branch.name for branch in dar_branches(model)]
     assert list(reads) == names  # every read recorded, in execution order
+    # The recorded weights are the model's own: what `output_depth_weights` returns on the fast path.
+    with torch.no_grad():
+        returned = model(input_ids=input_ids, output_depth_weights=True).depth_weights
+    assert len(returned) == len(names)
+    for name, weights in zip(names, returned):
+        torch.testing.assert_close(reads[name].weights, weights, rtol=1e-4, atol=1e-5, msg=name)
     for name, read in reads.items():
-        assert read.weights.shape[0] == 2 and read.extracted.shape == (2, 3, 12, 32)
-        torch.testing.assert_close(read.weights.sum(1), torch.ones(2, 3, 12))  # softmax over depth
+        assert read.weights.shape[1:] == (3, 12, 2) and read.extracted.shape == (3, 12, 2, 32)  # depth-major
+        torch.testing.assert_close(read.weights.sum(0), torch.ones(3, 12, 2))  # softmax over depth
 
 
 def test_uniform_reads_at_initialisation():

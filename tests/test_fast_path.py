@@ -8,12 +8,13 @@ import torch
 
 from dar_transformers import DARConfig, DARForCausalLM
 from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
-from dar_transformers.modeling_dar import (
+from dar_transformers.depth_backends import (
     DepthGradients,
     _depth_read_forward,
     _TransportWrite,
     commit_entry,
     depth_read,
+    gated_write,
     inverse_rms,
     routed_queries,
     transport_write,
@@ -65,7 +66,7 @@ def _fast_read(entries, partial, query, gate, key_streams, value_streams):
     committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
     routed = routed_queries(query, key_streams)
     return depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
-                      EPS, gradients)
+                      EPS, gradients)[0]
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
@@ -115,7 +116,7 @@ def test_depth_read_negative_control_stale_buffer():
     history_buffer[1] += 1.0
     routed = routed_queries(query, key_streams)
     stale = depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
-                       EPS, gradients)
+                       EPS, gradients)[0]
     fresh = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert (stale - fresh).abs().max() > 1e-2
 
@@ -190,9 +191,9 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     records = []
 
     def record(module, args, output):
-        records.append(output[0].dtype)
+        records.append(output[-1].dtype)
 
-    handle = model.model.layers[1].register_forward_hook(record)  # output[0] is the float32 partial state
+    handle = model.model.layers[1].register_forward_hook(record)  # output[-1] is the last committed (float32) entry
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids)
     handle.remove()
@@ -214,17 +215,43 @@ def test_transport_write_gradcheck_and_plain_autograd():
     partial = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
     rho = torch.tensor([0.8], dtype=torch.float64, requires_grad=True)
     beta = torch.rand(2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
-    branch_output = torch.randn(2, 3, 1, 5, generator=generator, dtype=torch.float64, requires_grad=True)
-    inputs = (partial, rho, beta, branch_output)
-    assert torch.autograd.gradcheck(_TransportWrite.apply, inputs, eps=1e-6, atol=1e-8)
+    branch_output = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64)
-    fused = torch.autograd.grad((_TransportWrite.apply(*inputs) * upstream).sum(), inputs)
-    plain = torch.autograd.grad((transport_write(*inputs) * upstream).sum(), inputs)
-    for grad, reference in zip(fused, plain):
-        torch.testing.assert_close(grad, reference, rtol=1e-12, atol=1e-12)
+    for inputs in [(partial, rho, beta, branch_output), (None, None, beta, branch_output)]:  # inside / opening a block
+        differentiable = [tensor for tensor in inputs if tensor is not None]
+        assert torch.autograd.gradcheck(
+            lambda *args: _TransportWrite.apply(*inputs[: 4 - len(args)], *args), differentiable, eps=1e-6, atol=1e-8
+        )
+        fused = torch.autograd.grad((_TransportWrite.apply(*inputs) * upstream).sum(), differentiable)
+        plain = torch.autograd.grad((gated_write(*inputs) * upstream).sum(), differentiable)
+        for grad, reference in zip(fused, plain):
+            torch.testing.assert_close(grad, reference, rtol=1e-12, atol=1e-12)
     # A transport that forgot the swap (rho ignored) must not pass for this one.
-    assert (transport_write(partial, torch.ones_like(rho), beta, branch_output)
-            - transport_write(*inputs)).abs().max() > 1e-2
+    written = branch_output.unsqueeze(-2)
+    assert (transport_write(partial, torch.ones_like(rho), beta, written)
+            - transport_write(partial, rho, beta, written)).abs().max() > 1e-2
+
+
+def test_transport_write_keeps_the_branch_output_in_the_model_dtype():
+    """bf16 training: backward keeps y as the branch produced it (bf16), not a float32 copy, and the gradients equal
+    those through a float32 y to float32 rounding (the cast is exact)."""
+    generator = torch.Generator().manual_seed(6)
+    partial = torch.randn(2, 3, 2, 8, generator=generator, requires_grad=True)
+    rho = torch.tensor([0.8], requires_grad=True)
+    beta = torch.rand(2, 8, generator=generator, requires_grad=True)
+    branch_output = torch.randn(2, 3, 8, generator=generator).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
+        written = _TransportWrite.apply(partial, rho, beta, branch_output)
+    assert written.dtype == torch.float32
+    assert [tensor.dtype for tensor in saved if tensor.shape == branch_output.shape] == [torch.bfloat16]
+    upstream = torch.randn(2, 3, 2, 8, generator=generator)
+    fused = torch.autograd.grad((written * upstream).sum(), (partial, rho, beta, branch_output))
+    plain = torch.autograd.grad((gated_write(partial, rho, beta, branch_output) * upstream).sum(),
+                                (partial, rho, beta, branch_output))
+    for grad, reference in zip(fused, plain):
+        assert grad.dtype == reference.dtype
+        torch.testing.assert_close(grad, reference, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("block_size", [1, 3])
@@ -241,3 +268,22 @@ def test_shared_entry_gradients_start_clean_for_a_second_backward(block_size):
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.grad, first[name], rtol=0, atol=0, msg=name)
     assert first["model.embed_tokens.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_second_backward_with_a_frozen_embedding(block_size):
+    """As under LoRA: with the embedding frozen, entry 0 has no commit node to empty its slot; a second backward
+    through the same graph must still give the first one's gradients."""
+    model = _perturbed_tiny_dar(block_size).train()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
+    loss = model(ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    first = {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.requires_grad}
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            torch.testing.assert_close(parameter.grad, first[name], rtol=0, atol=0, msg=name)
+    assert model.model.embed_tokens.weight.grad is None
+    assert first["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0

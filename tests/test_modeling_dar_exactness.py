@@ -344,7 +344,7 @@ def _stream_pairs(model, input_ids):
     pairs = []
     for output in outputs:
         for state in output if isinstance(output, tuple) else (output,):
-            if state.shape[-1] != model.config.hidden_size:
+            if not torch.is_tensor(state) or state.shape[-1] != model.config.hidden_size:
                 continue
             stream_axes = [axis for axis, size in enumerate(state.shape) if size == 2]
             assert len(stream_axes) == 1, state.shape

@@ -411,3 +411,43 @@ def test_perturbed_init_is_detected(dar):
     """A control for the init checks above: the perturbed fixture model does not pass them."""
     with pytest.raises(AssertionError):
         _assert_documented_dar_init(dar)
+
+
+# The heads a Llama user has: question answering and token classification, as LlamaFor*.
+
+
+@pytest.mark.parametrize(
+    "auto_class,dar_class,llama_class,output_names",
+    [
+        ("AutoModelForQuestionAnswering", "DARForQuestionAnswering", "LlamaForQuestionAnswering",
+         ("start_logits", "end_logits")),
+        ("AutoModelForTokenClassification", "DARForTokenClassification", "LlamaForTokenClassification", ("logits",)),
+        ("AutoModelForSequenceClassification", "DARForSequenceClassification", "LlamaForSequenceClassification",
+         ("logits",)),
+    ],
+)
+def test_task_heads_are_registered_and_reduce_exactly_to_llamas(auto_class, dar_class, llama_class, output_names,
+                                                                tmp_path):
+    import transformers
+
+    import dar_transformers
+
+    config = AutoConfig.for_model("dar", **TINY_LLAMA_FIELDS, num_labels=3)
+    head = getattr(transformers, auto_class).from_config(config)
+    assert type(head) is getattr(dar_transformers, dar_class)
+    torch.manual_seed(0)
+    llama = getattr(transformers, llama_class)(transformers.LlamaConfig(**TINY_LLAMA_FIELDS, num_labels=3)).eval()
+    missing, unexpected = head.load_state_dict(llama.state_dict(), strict=False)
+    assert unexpected == [] and missing and all(is_dar_parameter(name) for name in missing)  # Llama's names load
+    head.eval()
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        expected, got = llama(input_ids), head(input_ids)
+    for name in output_names:
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-5, atol=1e-5)
+    head.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"][auto_class].endswith(dar_class)
+    reloaded = getattr(transformers, auto_class).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        for name in output_names:
+            assert torch.equal(getattr(reloaded(input_ids), name), getattr(got, name))

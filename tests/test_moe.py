@@ -434,11 +434,18 @@ def test_bf16_load_keeps_dar_parameters_float32_and_trains(dar_moe, tmp_path):
 
 
 def test_torch_compile_fullgraph_matches_eager(dar_moe):
+    """A compiled forward runs the reference equations, eager the fast path: the two evaluation orders agree within
+    a small multiple of float32's own error here (measured against float64, DESIGN.md section 4)."""
     torch._dynamo.reset()
     compiled = torch.compile(dar_moe, backend="aot_eager", fullgraph=True)
     input_ids = tokens()
+    exact = copy_of(dar_moe).double()
+    exact.set_experts_implementation("batched_mm")
     with torch.no_grad():
-        assert torch.allclose(compiled(input_ids).logits, dar_moe(input_ids).logits, atol=1e-6)
+        eager = dar_moe(input_ids).logits
+        own_error = (eager.double() - exact(input_ids).logits).abs().max().item()
+        assert own_error < 1e-4
+        assert (compiled(input_ids).logits - eager).abs().max().item() <= 10 * own_error + 1e-6
     torch._dynamo.reset()
 
 

@@ -5,11 +5,25 @@ Importing the package registers the `dar` and `dar_moe` model types with the Aut
 LoRA targets (idempotently).
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from .configuration_dar import DARConfig
 from .configuration_dar_moe import DARMoeConfig
-from .modeling_dar import DARForCausalLM, DARForSequenceClassification, DARModel, DARPreTrainedModel
+from .modeling_dar import (
+    DARForCausalLM,
+    DARForQuestionAnswering,
+    DARForSequenceClassification,
+    DARForTokenClassification,
+    DARModel,
+    DARPreTrainedModel,
+)
 from .modeling_dar_moe import DARMoeForCausalLM, DARMoeModel, DARMoePreTrainedModel
 from .peft_utils import register_peft_defaults
 
@@ -21,12 +35,16 @@ def _register_auto_classes() -> None:
     AutoModel.register(DARConfig, DARModel, exist_ok=True)
     AutoModelForCausalLM.register(DARConfig, DARForCausalLM, exist_ok=True)
     AutoModelForSequenceClassification.register(DARConfig, DARForSequenceClassification, exist_ok=True)
+    AutoModelForQuestionAnswering.register(DARConfig, DARForQuestionAnswering, exist_ok=True)
+    AutoModelForTokenClassification.register(DARConfig, DARForTokenClassification, exist_ok=True)
     # Saved and pushed checkpoints carry `auto_map` and the flat remote-code files, so they load with
     # `trust_remote_code=True` where this package is not installed.
     DARConfig.register_for_auto_class()
     DARModel.register_for_auto_class("AutoModel")
     DARForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     DARForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+    DARForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
+    DARForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
     AutoConfig.register(DARMoeConfig.model_type, DARMoeConfig, exist_ok=True)
     AutoModel.register(DARMoeConfig, DARMoeModel, exist_ok=True)
     AutoModelForCausalLM.register(DARMoeConfig, DARMoeForCausalLM, exist_ok=True)
@@ -45,6 +63,8 @@ __all__ = [
     "DARModel",
     "DARForCausalLM",
     "DARForSequenceClassification",
+    "DARForQuestionAnswering",
+    "DARForTokenClassification",
     "DARPreTrainedModel",
     "DARMoeConfig",
     "DARMoeModel",

@@ -2,10 +2,11 @@
 # Copyright 2026 The dar-transformers authors.
 """Analyses of a DAR model (DESIGN.md section 1 claims; residual-methods.md section 6.8): what the depth reads do.
 
-Instrumentation never changes the model math. For the duration of `record_depth_reads` the model runs its readable
-reference loop (`config.dar_implementation = "reference"`) and every `DARDepthAttention.reference` is wrapped on
-the instance: the wrapper calls the original read, records its depth weights and extractions, and (for the rescue
-intervention only) may swap the returned extraction for another. Leaving the context restores everything.
+Instrumentation never changes the model math. For the duration of `record_depth_reads` the model runs its reference
+backend (`config.dar_implementation = "reference"`, where every read goes through `DARDepthAttention`), and a forward
+hook on each `DARDepthAttention` records what the module itself returns, its extraction and depth weights (the same
+outputs `output_depth_weights=True` records), and (for the rescue intervention only) may swap the returned
+extraction for another. Leaving the context removes the hooks and restores the backend.
 
   depth-weight maps   mean softmax weight a^j_r over tokens, per branch m and stream j, and its entropy
   cross-stream CKA    linear CKA (Kornblith et al. 2019) between x^0_m and x^1_n for every pair of depths m, n
@@ -13,7 +14,8 @@ intervention only) may swap the returned extraction for another. Leaving the con
                       stream (or none), measure how much of the clean output comes back (docs/results.md)
   stream balance      RMS of each stream's history entries, their cosine, read gate alpha, write-gate spread, rho
 
-Shape legend: B batch, T tokens, D hidden, S depth sources, J streams, M branches (+1 for the final readout).
+Shape legend: B batch, T tokens, D hidden, S depth sources, J streams, M branches (+1 for the final readout). The
+model's depth-major layout throughout: sources [S, B, T, J, D], depth weights [S, B, T, J], extractions [B, T, J, D].
 Command line: `dar analyze MODEL --text FILE --out DIR` or `python -m dar_transformers.analysis MODEL ...`.
 """
 
@@ -88,8 +90,8 @@ class DepthRead:
     """One recorded depth read: the weights of every target stream and the extractions it returned."""
 
     name: str
-    weights: torch.Tensor  # [J, S, B, T]
-    extracted: torch.Tensor  # [J, B, T, D], count-scaled, as returned by the read (before any intervention)
+    weights: torch.Tensor  # [S, B, T, J]
+    extracted: torch.Tensor  # [B, T, J, D], count-scaled, as returned by the read (before any intervention)
     entry_rms: torch.Tensor | None = None  # [S, J] mean RMS of each source (kept for the final readout only)
     entry_cosine: torch.Tensor | None = None  # [S] mean cross-stream cosine of each source (final readout only)
 
@@ -124,45 +126,14 @@ def dar_branches(model: torch.nn.Module) -> list[DARBranchModules]:
     return branches
 
 
-def depth_weights(attention: DARDepthAttention, sources: torch.Tensor) -> torch.Tensor:
-    """The softmax weights a^j of a read, recomputed as in `DARDepthAttention.reference`.
-
-    sources [S, J, B, T, D] -> weights [J, S, B, T].
-    """
-    weights = []
-    for target in range(attention.num_streams):
-        keys = F.rms_norm(
-            sources[:, attention.key_streams[target]],
-            (sources.shape[-1],),
-            weight=attention.key_norm.weight[target].to(sources.dtype),
-            eps=attention.key_norm.variance_epsilon,
-        )  # [S, B, T, D]
-        scores = torch.einsum("d,sbtd->sbt", attention.pseudo_query[target].to(sources.dtype), keys)  # [S, B, T]
-        weights.append(scores.softmax(dim=0))  # [S, B, T]
-    return torch.stack(weights)  # [J, S, B, T]
-
-
 def _source_statistics(sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Mean RMS of every source and stream [S, J], and the mean cross-stream cosine of every source [S]."""
-    entry_rms = sources.pow(2).mean(-1).sqrt().mean((-1, -2))  # [S, J]
-    if sources.shape[1] < 2:
+    """sources [S, B, T, J, D] -> mean RMS of every source and stream [S, J], and the mean cross-stream cosine of
+    every source [S] (None for one stream)."""
+    entry_rms = sources.pow(2).mean(-1).sqrt().mean((1, 2))  # [S, J]
+    if sources.shape[-2] < 2:
         return entry_rms, None
-    cosine = F.cosine_similarity(sources[:, 0], sources[:, 1], dim=-1).mean((-1, -2))  # [S]
+    cosine = F.cosine_similarity(sources[..., 0, :], sources[..., 1, :], dim=-1).mean((1, 2))  # [S]
     return entry_rms, cosine
-
-
-# The model's reference read takes sources [B, T, S, J, D] and returns x [B, T, J, D] (token-major state); the
-# analyses use depth-major [S, J, B, T, D] and [J, B, T, D]. These three views are the only layout coupling.
-def _sources_from_model(sources: torch.Tensor) -> torch.Tensor:
-    return sources.permute(2, 3, 0, 1, 4)  # [B, T, S, J, D] -> [S, J, B, T, D]
-
-
-def _extraction_from_model(extracted: torch.Tensor) -> torch.Tensor:
-    return extracted.permute(2, 0, 1, 3)  # [B, T, J, D] -> [J, B, T, D]
-
-
-def _extraction_to_model(extracted: torch.Tensor) -> torch.Tensor:
-    return extracted.permute(1, 2, 0, 3)  # [J, B, T, D] -> [B, T, J, D]
 
 
 @contextmanager
@@ -170,11 +141,11 @@ def record_depth_reads(
     model: torch.nn.Module,
     interventions: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> Iterator[dict[str, DepthRead]]:
-    """Run `model` through its reference loop and record every depth read (keyed by branch name).
+    """Run `model` through its reference backend and record every depth read (keyed by branch name).
 
-    interventions: branch name -> function of the read's extraction [J, B, T, D] returning the extraction the branch
+    interventions: branch name -> function of the read's extraction [B, T, J, D] returning the extraction the branch
     should use instead (the recorded `extracted` stays the original). Without interventions the outputs are the
-    model's own (the reference loop agrees with the fast path to fp32 rounding; DESIGN.md section 4).
+    model's own (the reference backend agrees with the fast path to fp32 rounding; DESIGN.md section 4).
     """
     interventions = interventions or {}
     reads: dict[str, DepthRead] = {}
@@ -189,32 +160,27 @@ def record_depth_reads(
     }
     previous = {key: config.dar_implementation for key, config in configs.items()}
 
-    def wrap(branch: DARBranchModules) -> Callable[[torch.Tensor], torch.Tensor]:
-        original = branch.depth_attention.reference  # the bound method of the class
-
-        def reference(model_sources: torch.Tensor) -> torch.Tensor:
-            model_extracted = original(model_sources)  # the model's own layout
-            sources, extracted = _sources_from_model(model_sources), _extraction_from_model(model_extracted)
-            with torch.no_grad():
-                weights = depth_weights(branch.depth_attention, sources)  # [J, S, B, T]
-                record = DepthRead(branch.name, weights.detach(), extracted.detach())
-                if branch.name == READOUT:
-                    record.entry_rms, record.entry_cosine = _source_statistics(sources.detach())
-            reads[branch.name] = record
+    def recorder(branch: DARBranchModules):
+        def record(module, args, output):
+            sources, (extracted, weights) = args[0], output  # [S, B, T, J, D]; [B, T, J, D], [S, B, T, J]
+            read = DepthRead(branch.name, weights.detach(), extracted.detach())
+            if branch.name == READOUT:
+                read.entry_rms, read.entry_cosine = _source_statistics(sources.detach())
+            reads[branch.name] = read
             intervention = interventions.get(branch.name)
-            return model_extracted if intervention is None else _extraction_to_model(intervention(extracted))
+            return None if intervention is None else (intervention(extracted), weights)
 
-        return reference
+        return record
 
+    handles = []
     try:
         for config in configs.values():
             config.dar_implementation = "reference"
-        for branch in branches:
-            branch.depth_attention.reference = wrap(branch)  # an instance attribute shadows the method
+        handles = [branch.depth_attention.register_forward_hook(recorder(branch)) for branch in branches]
         yield reads
     finally:
-        for branch in branches:
-            branch.depth_attention.__dict__.pop("reference", None)
+        for handle in handles:
+            handle.remove()
         for key, config in configs.items():
             config.dar_implementation = previous[key]
 
@@ -240,8 +206,8 @@ def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModul
     entropy = torch.zeros(streams, len(branches))  # [J, M + 1]
     normalised_entropy = torch.zeros(streams, len(branches))  # [J, M + 1]
     for row, branch in enumerate(branches):
-        weights = reads[branch.name].weights.float()  # [J, S, B, T]
-        num_sources = weights.shape[1]
+        weights = reads[branch.name].weights.float()  # [S, B, T, J]
+        num_sources = weights.shape[0]
         if branch.branch_index is None:
             committed, has_partial = num_sources, False
         else:
@@ -249,12 +215,12 @@ def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModul
             has_partial = config.dar_include_partial and branch.branch_index % config.dar_block_size != 0
         if committed + int(has_partial) != num_sources:
             raise RuntimeError(f"{branch.name}: {num_sources} sources, expected {committed} + partial {has_partial}.")
-        mean = weights.mean((-1, -2))  # [J, S]
+        mean = weights.mean((1, 2)).T  # [J, S]
         maps[:, row, :committed] = mean[:, :committed]
         if has_partial:
             maps[:, row, -1] = mean[:, -1]
-        token_entropy = -(weights * weights.clamp_min(1e-30).log()).sum(1)  # [J, B, T]
-        entropy[:, row] = token_entropy.mean((-1, -2))
+        token_entropy = -(weights * weights.clamp_min(1e-30).log()).sum(0)  # [B, T, J]
+        entropy[:, row] = token_entropy.mean((0, 1))
         normalised_entropy[:, row] = entropy[:, row] / math.log(num_sources) if num_sources > 1 else 0.0
     return {
         "source_labels": [f"e{index}" for index in range(num_committed)] + ["partial"],
@@ -269,17 +235,17 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
 
     Uses at most `max_tokens` tokens (the same random subset at every depth) to bound the cost on large models.
     """
-    flat = [reads[branch.name].extracted.flatten(1, 2) for branch in branches]  # each [J, B*T, D]
-    tokens = flat[0].shape[1]
+    flat = [reads[branch.name].extracted.flatten(0, 1) for branch in branches]  # each [B*T, J, D]
+    tokens = flat[0].shape[0]
     if tokens > max_tokens:
         keep = torch.randperm(tokens, generator=torch.Generator().manual_seed(0))[:max_tokens]
-        flat = [x[:, keep] for x in flat]
-    matrix = cka_matrix([x[0] for x in flat], [x[1] for x in flat])  # [M + 1, M + 1]
+        flat = [x[keep] for x in flat]
+    matrix = cka_matrix([x[:, 0] for x in flat], [x[:, 1] for x in flat])  # [M + 1, M + 1]
     # The same comparison inside stream 0, the reference for "how similar are different depths anyway".
-    within = cka_matrix([x[0] for x in flat], [x[0] for x in flat])  # [M + 1, M + 1]
+    within = cka_matrix([x[:, 0] for x in flat], [x[:, 0] for x in flat])  # [M + 1, M + 1]
     off = ~torch.eye(len(flat), dtype=torch.bool)
     return {
-        "tokens": int(flat[0].shape[1]),
+        "tokens": int(flat[0].shape[0]),
         "matrix": matrix.tolist(),
         "matched_depth": matrix.diagonal().tolist(),
         "matched_depth_mean": float(matrix.diagonal().mean()),
@@ -317,12 +283,12 @@ def rescue_gain(
     names = branch_names or [branch.name for branch in dar_branches(model)]
     results = {}
     for name in names:
-        donor = clean_reads[name].extracted.roll(1, dims=1)  # [J, B, T, D]: sequence b - 1's extraction
+        donor = clean_reads[name].extracted.roll(1, dims=0)  # [B, T, J, D]: sequence b - 1's extraction
 
         def corrupt(streams: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
             def intervention(extracted: torch.Tensor) -> torch.Tensor:
-                changed = extracted.clone()  # [J, B, T, D]
-                changed[list(streams)] = donor[list(streams)].to(changed.dtype)
+                changed = extracted.clone()  # [B, T, J, D]
+                changed[..., list(streams), :] = donor[..., list(streams), :].to(changed.dtype)
                 return changed
 
             return intervention
@@ -372,7 +338,7 @@ def stream_balance(reads: dict[str, DepthRead], branches: list[DARBranchModules]
     balance = {
         "entry_rms": readout.entry_rms.tolist(),  # [S][J]
         "entry_cross_stream_cosine": readout.entry_cosine.tolist() if readout.entry_cosine is not None else None,
-        "extraction_rms": [reads[b.name].extracted.pow(2).mean(-1).sqrt().mean((-1, -2)).tolist() for b in branches],
+        "extraction_rms": [reads[b.name].extracted.pow(2).mean(-1).sqrt().mean((0, 1)).tolist() for b in branches],
     }
     if config.dar_num_streams == 2:
         balance["alpha"] = [torch.sigmoid(b.read_gate.logit.detach().float()).item() for b in branches]

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The prepared GPU check of issue #11, for a CUDA machine; about 10 minutes on one H100/H200-class GPU.
+#
+# What it checks and prints, in this order:
+#   1. compiled = eager on CUDA: tests/test_compile.py's gradient checks re-run on the GPU (DAR and DAR-MoE, inductor,
+#      fp32 and bf16): every parameter's gradient through torch.compile(fullgraph=True) against eager
+#      (DAR_TEST_DEVICE=cuda; the default test run never needs CUDA);
+#   2. the overhead benchmark eager and compiled (`benchmarks/overhead.py --device cuda [--compile]`, SmolLM2-135M
+#      shape, batch 8 x 512), ratios to LlamaForCausalLM measured side by side, peak CUDA memory per step;
+#   3. one table of both runs (benchmarks/results/gpu_check.md).
+# Usage: bash benchmarks/gpu_check.sh   (installs with `make install` first if .venv is missing)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || make install
+PY=.venv/bin/python
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this check is for a GPU machine'"
+# The CPU build of torch that `make install` pins has no CUDA: take the CUDA build of the same version.
+$PY -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || $PY -m pip install --quiet "torch==2.13.0"
+mkdir -p benchmarks/results
+
+echo "== 1. compiled vs eager gradients on CUDA (fp32, bf16)"
+DAR_TEST_DEVICE=cuda timeout 240 $PY -m pytest -q tests/test_compile.py \
+    -k "inductor or bf16 or float64 or static_cache" 2>&1 | tail -5
+
+echo "== 2. overhead, eager and compiled"
+timeout 150 $PY benchmarks/overhead.py --device cuda --batch 8 --seq 512 --repeats 5 \
+    --output benchmarks/results/gpu_eager.json | tail -14
+timeout 300 $PY benchmarks/overhead.py --device cuda --batch 8 --seq 512 --repeats 5 --compile \
+    --output benchmarks/results/gpu_compile.json | tail -14
+
+echo "== 3. table"
+$PY - <<'EOF' | tee benchmarks/results/gpu_check.md
+import json
+rows = []
+for mode in ("eager", "compile"):
+    record = json.load(open(f"benchmarks/results/gpu_{mode}.json"))
+    results = record["results"]
+    for metric in ("train_step_s", "prefill_s", "decode_token_s", "peak_cuda_train_mib", "train_step_first_s"):
+        if metric in results["llama"]:
+            ratios = " | ".join(f"{results[name][metric] / results['llama'][metric]:.3f}x"
+                                for name in ("dar-block", "dar-full"))
+            rows.append(f"| {mode} | {metric} | {results['llama'][metric]:.4g} | {ratios} |")
+print(f"device: {record['device']}\n")
+print("| mode | metric | Llama | Block DAR / Llama | Full DAR / Llama |\n|---|---|---:|---:|---:|")
+print("\n".join(rows))
+EOF

@@ -1,0 +1,479 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""How DAR's residual state is read and written: backends behind one registry, as `ALL_ATTENTION_FUNCTIONS` picks
+token attention.
+
+The paper modules (`modeling_dar.py`) say *what* a branch reads and writes (DESIGN.md section 2); a backend says
+*how*. Every backend has the same three methods over the same state (`DepthState`):
+
+  Backend(config).start(entry)         -> state with history (B_0,) and no partial          (B_0 = the embedding)
+  read(residual, state, read_partial)  -> (u [B, T, D], depth weights [N, B, T, J])            eq. (2)-(5)
+  write(residual, state, y, commits)   -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
+
+Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
+  - "reference": the plain equations, composed from the paper modules themselves (`DARDepthAttention`,
+    `DARReadGate`, `DARWriteGate`); stateless. Autograd, `torch.compile` and inductor see ordinary tensor ops, so
+    this is also the backend of every compiled forward (`depth_backend`).
+  - "fast": the eager fast path. Keys are normalised once per committed entry (a per-token inverse RMS); committed
+    entries are copied into a depth-major buffer allocated once per forward, and each branch reads it with one fused
+    product (`_DepthRead`: scores against a routed query matrix, softmax over depth, read gate folded into per-value-
+    stream coefficients). Its backward keeps per-token scalars only and adds the entries' gradients in place into
+    one shared buffer (`DepthGradients`) that each entry's commit hands to autograd (`_Commit`). That sharing
+    between autograd nodes is invisible to a compiler, which is why a compiled forward never uses this backend.
+
+Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
+partial), J streams. One layout for the history everywhere: depth-major, entry n of every stream is [B, T, J, D],
+and the entries stacked on a leading depth axis are [N, B, T, J, D] (the fast path's buffer is [S_max, ...]).
+Precision policy: the DAR state and depth mixing run in `dar_compute_dtype` (float32, or float64 for a float64
+model); a branch output y arrives in the model dtype and is cast once on write.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils.generic import GeneralInterface
+
+
+def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the DAR state and depth mixing: float32, or wider if the model is wider."""
+    return torch.promote_types(model_dtype, torch.float32)
+
+
+@dataclass(frozen=True)
+class DepthState:
+    """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
+    [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), and the
+    backend that reads and writes it (the fast backend owns per-forward buffers).
+
+    A decoder layer takes and returns it flattened (`as_args`), so that reentrant gradient checkpointing, which only
+    sees positional tensors, tracks the partial and every entry.
+    """
+
+    backend: Any
+    partial: torch.Tensor | None
+    history: tuple[torch.Tensor, ...]
+
+    def as_args(self) -> tuple:
+        return (self.backend, self.partial, *self.history)
+
+    @classmethod
+    def from_args(cls, backend, partial, *history) -> "DepthState":
+        return cls(backend, partial, tuple(history))
+
+    def sources(self, read_partial: bool) -> tuple[torch.Tensor, ...]:
+        """S^j of DESIGN.md section 2: the committed entries, then the partial when the branch reads it."""
+        return (*self.history, self.partial) if read_partial else self.history
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# "reference": the equations as written, through the paper modules.
+
+
+class ReferenceDepthBackend:
+    """The plain equations: every read stacks its sources and re-normalises every key (DESIGN.md section 2)."""
+
+    def __init__(self, config):
+        pass
+
+    def start(self, entry: torch.Tensor) -> DepthState:
+        return DepthState(self, None, (entry,))
+
+    def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        sources = torch.stack(state.sources(read_partial))  # [N, B, T, J, D]
+        extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
+        return residual.read_gate(extraction), weights  # u [B, T, D]
+
+    def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
+        compute_dtype = state.history[0].dtype
+        partial = residual.write_gate(branch_output.to(compute_dtype), state.partial)  # [B, T, J, D]
+        if commits:
+            return DepthState(self, None, (*state.history, partial))
+        return DepthState(self, partial, state.history)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# "fast": the fused eager path.
+
+
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS over the last axis, as in RMSNorm: [..., D] -> [...]."""
+    return torch.rsqrt(x.pow(2).mean(-1) + eps)
+
+
+def _streams(x: torch.Tensor, streams: tuple[int, ...], dim: int) -> torch.Tensor:
+    """Pick streams along `dim` by a static routing tuple; a view unless the streams are swapped."""
+    if streams == tuple(range(x.shape[dim])):
+        return x
+    if len(set(streams)) == 1:
+        return x.narrow(dim, streams[0], 1).expand_as(x)
+    return x.flip(dim)  # the only other routing on two streams is the swap
+
+
+def stream_selector(streams: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """One-hot [J_source, J]: column j marks the stream streams[j] that target stream j reads (its key stream
+    kappa(j) for the key routing, its value stream nu(j) for the value routing)."""
+    return torch.eye(len(streams), dtype=like.dtype, device=like.device)[:, list(streams)]
+
+
+def routed_queries(query: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
+    """query [J, D] -> [J_key * D, J]: column j holds target j's query in the rows of its key stream kappa(j),
+    zeros elsewhere, so that (entry [.., J_key * D]) @ routed gives every target's key dot directly (any routing,
+    no per-routing gather of the dots)."""
+    streams, hidden = query.shape
+    routed = query.T.unsqueeze(0) * stream_selector(key_streams, query)[:, None, :]  # [J_key, D, J]
+    return routed.reshape(streams * hidden, streams)
+
+
+def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """[..., J] indexed by target stream -> [..., J_val] indexed by value stream, summing the targets that read
+    each value stream: out[..., v] = sum over j with nu(j) = v of x[..., j] (zero for a stream nobody reads)."""
+    streams = by_target.shape[-1]
+    if sorted(value_streams) == list(range(streams)):  # a permutation: identity or swap
+        return _streams(by_target, tuple(value_streams.index(stream) for stream in range(streams)), by_target.dim() - 1)
+    return by_target @ stream_selector(value_streams, by_target).T  # [J, J_val]: row j marks nu(j)
+
+
+def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, value_streams):
+    """One branch's fast read: softmax over depth of its sources, mixed straight into the branch input.
+
+    routed [J * D, J] (`routed_queries`), gate [J] (read gate times scale), sources history [N, B, T, J, D] with
+    their inverse RMS [N, B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J], key dots [N, B, T, J]).
+    """
+    sources, batch, tokens, streams, hidden = history.shape
+    keyed_dots = (history.reshape(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)
+    scores = keyed_dots * _streams(history_inv_rms, key_streams, 3)  # [N, B, T, J]: key stream kappa(j)'s norm
+    weights = scores.softmax(dim=0)  # [N, B, T, J]
+    # u = sum_j gate_j sum_n w^j_n V^{nu(j)}_n: fold the read gate into per-value-stream coefficients, so the
+    # per-stream extractions are never materialised; one product over tokens and streams reads the history.
+    coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
+    values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, N, D], a view of the buffer
+    # contiguous: a strided [1, N] operand sends bmm down a per-matrix copy loop on CPU.
+    coefficients = coefficients.permute(1, 2, 3, 0).contiguous().view(-1, 1, sources)  # [BTJ_val, 1, N]
+    mixed = torch.bmm(coefficients, values).view(batch, tokens, streams, hidden)  # [B, T, J_val, D]
+    return mixed.sum(dim=2), weights, keyed_dots
+
+
+class DepthGradients:
+    """The committed entries' gradient, shared by all reads of one forward: [S_max, B, T, J, D], like the history.
+
+    Every fused read's backward adds its contribution for the entries it read into their slots in place, and each
+    entry's commit hands its slot to autograd once every read of that entry is done (autograd runs a node's
+    backward only after all its consumers'). So no read allocates an entry-sized gradient per source and autograd
+    sums no per-entry gradients; the buffer is allocated by the first backward that needs it and freed after
+    entry 0, the last to be handed over.
+    """
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def slots(self, history_buffer: torch.Tensor, count: int) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.zeros_like(history_buffer)
+        return self.buffer[:count]  # [count, B, T, J, D]
+
+    def take(self, slot: int) -> torch.Tensor | None:
+        """The accumulated gradient of entry `slot`, leaving zeros behind (a second backward starts clean)."""
+        if self.buffer is None:
+            return None
+        gradient = self.buffer[slot].clone()
+        if slot == 0:
+            self.buffer = None
+        else:
+            self.buffer[slot].zero_()
+        return gradient
+
+
+def _write_slot(history_buffer, inv_rms_buffer, slot: int, entry: torch.Tensor, eps: float) -> torch.Tensor:
+    """Copy an entry (a commit) or the partial block state (staged in the slot where its block will be committed,
+    so that a read is one product over buffer[: slot + 1]) into the buffers with its inverse RMS; returns that
+    [B, T, J]. Through `.data`: the buffers are caches invisible to autograd, and writing through `.data` leaves
+    their version counters alone, so a checkpointed replay may rewrite them."""
+    entry = entry.detach()
+    entry_inv_rms = inverse_rms(entry, eps)
+    history_buffer.data[slot].copy_(entry)
+    inv_rms_buffer.data[slot].copy_(entry_inv_rms)
+    return entry_inv_rms
+
+
+class _Commit(torch.autograd.Function):
+    """Commit an entry into the buffers; its backward adds the reads' gradient accumulated in `DepthGradients`."""
+
+    @staticmethod
+    def forward(ctx, entry, history_buffer, inv_rms_buffer, slot, eps, gradients):
+        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
+        ctx.slot, ctx.gradients = slot, gradients
+        return entry.view_as(entry)
+
+    @staticmethod
+    def backward(ctx, grad):
+        accumulated = ctx.gradients.take(ctx.slot)
+        if accumulated is not None and grad is not None:
+            accumulated += grad
+        return (grad if accumulated is None else accumulated), None, None, None, None, None
+
+
+def commit_entry(entry, history_buffer, inv_rms_buffer, slot: int, eps: float, gradients: "DepthGradients | None"):
+    """Write `entry` into slot `slot` of the buffers; with gradients, through `_Commit` so that the fused reads'
+    gradients reach it. Returns the entry to keep in the tuple of committed entries."""
+    if gradients is not None and torch.is_grad_enabled() and entry.requires_grad:
+        return _Commit.apply(entry, history_buffer, inv_rms_buffer, slot, eps, gradients)
+    with torch.no_grad():
+        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
+    return entry
+
+
+def _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps):
+    """The sources of one read in the buffers, the partial (if read) staged in the next free slot ->
+    (history [N, B, T, J, D], inverse RMS [N, B, T, J], the partial's inverse RMS [B, T, J] or None)."""
+    num_sources, partial_inv_rms = len(entries), None
+    if partial is not None:
+        partial_inv_rms = _write_slot(history_buffer, inv_rms_buffer, num_sources, partial, eps)
+        num_sources += 1
+    return history_buffer[:num_sources], inv_rms_buffer[:num_sources], partial_inv_rms
+
+
+class _DepthRead(torch.autograd.Function):
+    """One branch's depth read and read gate (eq. 2-5), fused; returns u and the (non-differentiable) weights.
+
+    The committed entries are read from the preallocated depth-major buffer; they are inputs only so that autograd
+    runs this backward before their commits' (`_Commit`), which hand on what this backward adds into their slots of
+    the shared `DepthGradients`. The partial block state is an ordinary input. Backward keeps only per-token scalars
+    (softmax weights and key dots, N per token and stream) and the partial (which the write keeps anyway), and
+    rebuilds every gradient from the buffer, including the key normalisation's, d rms^-1 / d h = -rms^-3 h / D.
+    Neither the per-stream extractions nor normalised keys are stored.
+    """
+
+    @staticmethod
+    def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries):
+        sources, sources_inv_rms, partial_inv_rms = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
+        branch_input, weights, keyed_dots = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
+        # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
+        ctx.save_for_backward(routed, gate, weights, keyed_dots, partial, partial_inv_rms)
+        ctx.history, ctx.history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
+        ctx.history_buffer, ctx.routing, ctx.gradients = history_buffer, routing, gradients
+        ctx.mark_non_differentiable(weights)
+        return branch_input, weights
+
+    @staticmethod
+    def backward(ctx, grad_input, _grad_weights):
+        routed, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
+        history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
+        sources, batch, tokens, streams, hidden = history.shape
+        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, 1, hidden)  # [BTJ, 1, D]
+        values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, S, D]
+        value_dots = torch.bmm(values, grad_rows.transpose(1, 2)).view(batch, tokens, streams, sources)
+        value_dots = value_dots.permute(3, 0, 1, 2)  # [S, B, T, J_val]: g . V_n
+        key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
+        if partial is not None:
+            value_dots = torch.cat([value_dots, (partial * grad_input.unsqueeze(2)).sum(-1).unsqueeze(0)])
+            key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
+        target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
+        grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
+        grad_weights = gate * target_value_dots  # [N, B, T, J]
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
+        grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]
+        selector = stream_selector(key_streams, weights)  # [J_key, J]
+        grad_inv_rms = (grad_scores * keyed_dots) @ selector.T  # [N, B, T, J_key]
+        queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
+        coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
+
+        # Committed entries: values, keys and key norm, added in place into their slots of the shared gradient.
+        grad_entries = ctx.gradients.slots(ctx.history_buffer, sources)  # [S, B, T, J, D]
+        grad_entries.addcmul_(coefficients[:sources].unsqueeze(-1), grad_input.unsqueeze(0).unsqueeze(3))
+        grad_dots = grad_keyed[:sources].unsqueeze(3) * selector  # [S, B, T, J_key, J]: at each target's key stream
+        grad_entries.view(-1, hidden).addmm_(grad_dots.reshape(-1, streams), queries)
+        norm_coefficient = grad_inv_rms[:sources] * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
+        grad_entries.addcmul_(history, norm_coefficient.unsqueeze(-1))
+
+        grad_partial = None
+        if partial is not None:
+            grad_partial = coefficients[sources].unsqueeze(-1) * grad_input.unsqueeze(2)  # [B, T, J, D]
+            partial_dots = grad_keyed[sources].unsqueeze(2) * selector  # [B, T, J_key, J]
+            grad_partial.view(-1, hidden).addmm_(partial_dots.reshape(-1, streams), queries)
+            norm_coefficient = grad_inv_rms[sources] * partial_inv_rms.pow(3) / -hidden  # [B, T, J]
+            grad_partial.addcmul_(partial, norm_coefficient.unsqueeze(-1))
+        grad_routed = None
+        if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
+            grad_routed = grad_keyed[:sources].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
+            if partial is not None:
+                grad_routed.addmm_(grad_keyed[sources].reshape(-1, streams).T, partial.reshape(-1, streams * hidden))
+            grad_routed = grad_routed.T
+        return (grad_routed, grad_gate, None, None, None, None, None, grad_partial, *(None for _ in range(sources)))
+
+
+def depth_read(
+    routed: torch.Tensor,
+    gate: torch.Tensor,
+    history_buffer: torch.Tensor,
+    inv_rms_buffer: torch.Tensor,
+    entries: tuple[torch.Tensor, ...],
+    partial: torch.Tensor | None,
+    key_streams: tuple[int, ...],
+    value_streams: tuple[int, ...],
+    eps: float,
+    gradients: DepthGradients | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast path's read of one branch: u = sum_j gate_j x^j with x^j the depth attention of target stream j.
+
+    routed [J * D, J] (`routed_queries` of pseudo-query times key-norm weight); gate [J] (the read gate's
+    (alpha, 1 - alpha), or (1,) for one stream, times read and count scaling); the committed entries, each
+    [B, T, J, D], also copied into history_buffer [S_max, B, T, J, D] with their inverse RMS in inv_rms_buffer
+    [S_max, B, T, J]; the partial block state [B, T, J, D] when the branch reads it -> (u [B, T, D], weights
+    [N, B, T, J]), compute dtype. Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are
+    never materialised.
+    """
+    routing = (key_streams, value_streams)
+    with torch.autocast(history_buffer.device.type, enabled=False):  # the precision policy, also under autocast
+        inputs = (routed, gate, partial, *entries)
+        if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
+            if gradients is None:
+                raise ValueError("depth_read needs the forward's DepthGradients to train (see FastDepthBackend).")
+            return _DepthRead.apply(
+                routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries
+            )
+        sources, sources_inv_rms, _ = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
+        branch_input, weights, _ = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
+        return branch_input, weights
+
+
+def transport_write(partial, rho, beta, branch_output):
+    """P [B, T, J, D], rho (1,), beta [J, D], y [B, T, 1, D] -> [[rho, 1-rho], [1-rho, rho]] P + beta * y."""
+    return torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, branch_output)
+
+
+def gated_write(partial, rho, beta, branch_output):
+    """The write of a branch output y [B, T, D] in the model dtype: beta * y at the start of a block (partial None),
+    else `transport_write` -> [B, T, J, D] in beta's dtype."""
+    written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D]
+    if partial is None:
+        return beta * written  # [B, T, J, D]
+    return transport_write(partial, rho, beta, written)  # [B, T, J, D]
+
+
+class _TransportWrite(torch.autograd.Function):
+    """`transport_write` with the cast of y fused in: y arrives in the model dtype and backward keeps it there
+    (bf16 training keeps no float32 copy of it), with P (kept by the next read anyway); the gate gradients are dot
+    products, with no full-size temporaries. Without a partial (the first branch of a block) it is beta * y."""
+
+    @staticmethod
+    def forward(ctx, partial, rho, beta, branch_output):
+        ctx.save_for_backward(partial, rho, beta, branch_output)
+        return gated_write(partial, rho, beta, branch_output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        partial, rho, beta, branch_output = ctx.saved_tensors
+        grad_partial = grad_rho = None
+        if partial is not None:
+            swapped = grad.flip(-2)  # the transport matrix is symmetric: dL/dP = [[rho, 1-rho], [1-rho, rho]] g
+            grad_partial = torch.lerp(swapped, grad, rho) if ctx.needs_input_grad[0] else None
+            if ctx.needs_input_grad[1]:  # dL/drho = sum g . (P - swap P) = sum (g - swap g) . P
+                flat_partial = partial.flatten()
+                grad_rho = torch.vdot(grad.flatten(), flat_partial) - torch.vdot(swapped.flatten(), flat_partial)
+                grad_rho = grad_rho.reshape(rho.shape)
+        written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D], recomputed from the kept model dtype
+        grad_beta = (grad * written).sum((0, 1)) if ctx.needs_input_grad[2] else None  # [J, D]
+        grad_output = None
+        if ctx.needs_input_grad[3]:
+            grad_output = (grad * beta).sum(-2).to(branch_output.dtype)  # [B, T, D]
+        return grad_partial, grad_rho, grad_beta, grad_output
+
+
+def _memoised(module: torch.nn.Module, name: str, dtype: torch.dtype, compute: Callable[[], torch.Tensor]):
+    """Inference memo for small tensors derived from a module's own parameters (gates, folded queries).
+
+    Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
+    the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
+    version counters and storages (an in-place update, a load or a move invalidates it) and the requested dtype.
+    With gradients on it is always recomputed, so training is untouched.
+    """
+    if torch.is_grad_enabled():
+        return compute()
+    stamp = (dtype, *((p._version, p.data_ptr()) for p in module.parameters()))
+    memo = module.__dict__.setdefault("_dar_fast_memo", {})
+    cached = memo.get(name)
+    if cached is None or cached[0] != stamp:
+        cached = memo[name] = (stamp, compute())
+    return cached[1]
+
+
+class FastDepthBackend:
+    """The fused eager path, one instance per forward: it owns the depth-major buffers (history [S_max, B, T, J, D],
+    inverse RMS [S_max, B, T, J]) and the shared entry gradients."""
+
+    def __init__(self, config):
+        self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
+        self.eps = config.rms_norm_eps
+        self.history_buffer = self.inv_rms_buffer = None
+        self.gradients = DepthGradients()
+
+    def start(self, entry: torch.Tensor) -> DepthState:
+        self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
+        self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
+        return DepthState(self, None, (self._commit(entry, 0),))
+
+    def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
+        return commit_entry(entry, self.history_buffer, self.inv_rms_buffer, slot, self.eps, self.gradients)
+
+    def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        attention, read_gate = residual.depth_attention, residual.read_gate
+        dtype, num_sources = self.history_buffer.dtype, len(state.history) + int(read_partial)
+        routed = _memoised(
+            attention, "routed_query", dtype,
+            lambda: routed_queries(attention.scoring_query().to(dtype), attention.key_streams),
+        )  # [J * D, J]
+        stream_weights = _memoised(read_gate, "stream_weights", dtype, lambda: read_gate.stream_weights().to(dtype))
+        gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
+        return depth_read(
+            routed, gate, self.history_buffer, self.inv_rms_buffer, state.history,
+            state.partial if read_partial else None, attention.key_streams, attention.value_streams, self.eps,
+            self.gradients,
+        )
+
+    def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
+        write_gate, dtype = residual.write_gate, self.history_buffer.dtype
+        if write_gate.num_streams == 1:  # AttnRes writes y unchanged
+            partial = residual.write_gate(branch_output.to(dtype), state.partial)
+        else:
+            beta = _memoised(write_gate, "beta", dtype, lambda: write_gate.beta().to(dtype))  # [J, D]
+            rho = None
+            if state.partial is not None:
+                rho = _memoised(write_gate, "rho", dtype, lambda: write_gate.rho().to(dtype))  # (1,)
+            if torch.is_grad_enabled():
+                partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
+            else:
+                partial = gated_write(state.partial, rho, beta, branch_output)
+        if commits:
+            return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
+        return DepthState(self, partial, state.history)
+
+
+class DARDepthBackendInterface(GeneralInterface):
+    """Name -> backend class, like transformers' `AttentionInterface`; `register` adds one library-wide."""
+
+    _global_mapping = {"reference": ReferenceDepthBackend, "fast": FastDepthBackend}
+
+
+ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
+
+
+def depth_backend(config):
+    """The backend of one forward. A forward traced by `torch.compile` always takes the reference equations: the
+    fast path's shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md
+    section 6), and inductor fuses the plain equations by itself."""
+    implementation = "reference" if torch.compiler.is_compiling() else config.dar_implementation
+    return ALL_DEPTH_BACKENDS[implementation](config)
+
+
+__all__ = [
+    "ALL_DEPTH_BACKENDS",
+    "DARDepthBackendInterface",
+    "DepthState",
+    "FastDepthBackend",
+    "ReferenceDepthBackend",
+    "dar_compute_dtype",
+    "depth_backend",
+]
