@@ -33,18 +33,14 @@ def dar_forward_steps(dar_model: torch.nn.Module):
     in the compute dtype (before `norm`). The state is opaque and passed on positionally."""
 
     def start(inputs_embeds):
-        return dar_model.initial_state(inputs_embeds)  # (partial, history, inverse RMS, depth gradients, entry 0)
+        return dar_model.initial_state(inputs_embeds)
 
     def layer(decoder_layer, state, **layer_kwargs):
-        partial, history, inv_rms, gradients, *entries = state
-        partial, *entries = decoder_layer(
-            partial, history, inv_rms, *entries, depth_gradients=gradients, **layer_kwargs
-        )
-        return (partial, history, inv_rms, gradients, *entries)
+        return decoder_layer(*state, **layer_kwargs)
 
     def finish(state):
-        partial, history, inv_rms, gradients, *entries = state
-        return dar_model.final_readout(history, inv_rms, tuple(entries), history.dtype, gradients)
+        readout, _ = dar_model.final_readout(*state)  # (u_F, depth weights)
+        return readout
 
     return start, layer, finish
 
