@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from dar_transformers.convert import chat_input_ids, upcycle
+from transformers import AutoModelForCausalLM
+
+from dar_transformers.convert import chat_input_ids, load_source, upcycle
 
 QUESTION = "What is the capital of France?"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,17 +81,20 @@ def main() -> None:
         else:
             source, base_model = smollm2_gguf(), "HuggingFaceTB/SmolLM2-135M-Instruct"
             output = args.output or Path("outputs/smollm2-135m-instruct-dar")
-        print(f"[1/3] Converting {source.name} into DAR (load, upcycle, verify side by side, write {output}) ...")
+        print(f"[1/3] Converting {source.name} into DAR (write tensor by tensor, verify the written folder layer by "
+              f"layer against the source, move it to {output}) ...")
         result = upcycle(source, output, overwrite=True, base_model=base_model, dar_block_size=args.block_size)
-    converted = time.perf_counter()
-    config = result.model.config
-    print(f"\n[2/3] Verification, source vs DAR (block size {config.dar_block_size} of {config.dar_num_branches} "
-          f"branches, {-(-config.dar_num_branches // config.dar_block_size)} blocks, {config.dar_routing} routing):\n")
-    print(result.report.table())
+        converted = time.perf_counter()
+        config = result.config
+        print(f"\n[2/3] Verification, source vs DAR (block size {config.dar_block_size} of {config.dar_num_branches} "
+              f"branches, {-(-config.dar_num_branches // config.dar_block_size)} blocks, {config.dar_routing} routing):\n")
+        print(result.report.table())
 
-    print(f"\n[3/3] Chat, side by side: {QUESTION!r}")
-    source_answer = answer(result.source.model, result.tokenizer, QUESTION, 48)
-    dar_answer = answer(result.model, result.tokenizer, QUESTION, 48)
+        print(f"\n[3/3] Chat, side by side: {QUESTION!r} (the source, and the written folder loaded back)")
+        source_model = load_source(source, torch.float32, need_tokenizer=False).model
+    dar_model = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+    source_answer = answer(source_model, result.tokenizer, QUESTION, 48)
+    dar_answer = answer(dar_model, result.tokenizer, QUESTION, 48)
     width = max(len("source"), len("DAR"))
     print(f"  {'source':<{width}} | {source_answer}")
     print(f"  {'DAR':<{width}} | {dar_answer}")

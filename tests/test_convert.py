@@ -45,6 +45,7 @@ from dar_transformers.convert import (
     chat_input_ids,
     convert,
     upcycle,
+    upcycle_model,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,6 +105,19 @@ def save_source(folder: Path, family: str = "llama", tied: bool = True, shard: s
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     make_tokenizer().save_pretrained(folder)
     return folder
+
+
+def assert_same_state(model_a: torch.nn.Module, model_b: torch.nn.Module) -> None:
+    """Same parameter names, dtypes and values, bit for bit."""
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name, tensor in state_a.items():
+        assert tensor.dtype == state_b[name].dtype and torch.equal(tensor, state_b[name]), name
+
+
+def dar_parameter_names_of(folder: Path) -> set[str]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return {name for name in index["weight_map"] if "_residual." in name or "final_readout" in name}
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -197,7 +211,8 @@ def test_tied_llama_folder_converts_exactly_and_writes_a_complete_repo(converted
 
     out = root / "out"
     names = {p.name for p in out.iterdir()}
-    expected = {"config.json", "configuration_dar.py", "modeling_dar.py", "model.safetensors", "generation_config.json",
+    expected = {"config.json", "configuration_dar.py", "modeling_dar.py", "model.safetensors.index.json",
+                "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "generation_config.json",
                 "tokenizer.json", "tokenizer_config.json", "README.md"}
     assert expected <= names, names
     assert not [p for p in root.iterdir() if p.name.startswith(".out.")]  # no staging folder left behind
@@ -217,16 +232,24 @@ def test_tied_llama_folder_converts_exactly_and_writes_a_complete_repo(converted
     assert len(answers) == 2 and answers[0].split("|")[2] == answers[1].split("|")[2]  # the same chat answer
     assert tree_digest(source) == before  # the source is never modified
 
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    dar_shard = {file for name, file in index["weight_map"].items() if "_residual." in name or "final_readout" in name}
+    assert dar_shard == {"model-00002-of-00002.safetensors"}  # DAR's new parameters: a shard of their own
+    assert set(load_file(out / "model-00002-of-00002.safetensors")) == dar_parameter_names_of(out)
+
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(reloaded, DARForCausalLM)
     ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     source_model = LlamaForCausalLM.from_pretrained(source).eval()
-    assert torch.equal(logits(reloaded, ids), logits(result.model, ids))
+    in_memory = upcycle_model(source_model, dar_block_size=2)  # the in-memory conversion: the same tensors, bit for bit
+    assert_same_state(reloaded, in_memory)
+    assert torch.equal(logits(reloaded, ids), logits(in_memory, ids))
     assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5
 
 
 def test_converted_folder_loads_with_remote_code_where_the_package_is_not_importable(converted_llama, tmp_path):
     root, _, _, result = converted_llama
+    model = AutoModelForCausalLM.from_pretrained(root / "out").eval()
     ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
     torch.save(ids, tmp_path / "ids.pt")
     script = textwrap.dedent(
@@ -248,7 +271,7 @@ def test_converted_folder_loads_with_remote_code_where_the_package_is_not_import
     completed = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr[-3000:]
     remote_logits = torch.load(tmp_path / "logits.pt")
-    assert torch.equal(remote_logits, logits(result.model, ids))
+    assert torch.equal(remote_logits, logits(model, ids))
 
 
 def test_untied_sharded_llama_folder_converts_to_a_sharded_exact_repo(tmp_path):
@@ -404,7 +427,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
         upcycle(source, out, progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     upcycle(source, out, overwrite=True, tolerance=1e-5, **FAST)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "source"]  # nothing retired or staged is left
     with pytest.raises(ValueError, match="is or lies inside the source"):
         upcycle(source, source / "dar", progress=False)

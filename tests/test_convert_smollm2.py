@@ -66,4 +66,5 @@ def test_smollm2_dar_repo_reloads_and_answers_like_the_source(smollm2, tmp_path)
     assert difference <= 2e-4
     assert torch.equal(source_answer, dar_answer)
     assert "Paris" in smollm2.tokenizer.decode(dar_answer[0, input_ids.shape[1]:])
-    assert torch.equal(reloaded.lm_head.weight, result.model.lm_head.weight)
+    assert torch.equal(reloaded.lm_head.weight, smollm2.model.lm_head.weight)
+    assert result.report.method == "layer-streamed" and result.report.passed

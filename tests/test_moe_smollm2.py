@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformers import AutoModelForCausalLM
+
+from dar_transformers.convert import load_source
 from dar_transformers.moe_upcycling import convert_to_dar_moe, upcycle_to_dar_moe
 
 pytestmark = pytest.mark.slow
@@ -29,12 +32,14 @@ def smollm2_gguf() -> Path:
     return next(Path(spec.origin).parent.glob("*.gguf"))
 
 
-def test_smollm2_upcycles_to_dar_moe_exactly():
+def test_smollm2_upcycles_to_dar_moe_exactly(tmp_path):
     result = upcycle_to_dar_moe(
-        smollm2_gguf(), num_experts=4, top_k=2, prompts=PROMPTS, max_new_tokens=16, progress=False
+        smollm2_gguf(), tmp_path / "moe", num_experts=4, top_k=2, prompts=PROMPTS, max_new_tokens=16, progress=False
     )
-    report, moe, source = result.report, result.model, result.source.model
+    report = result.report
     print(report.table())
+    moe = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).eval()
+    source = load_source(smollm2_gguf(), torch.float32, need_tokenizer=False).model
     assert moe.config._experts_implementation == "grouped_mm"  # the fast experts path, not the eager fallback
     assert moe.config.num_experts == 4 and len(moe.config.moe_layer_indices) == source.config.num_hidden_layers
     assert max(check.max_abs_logit for check in report.checks) > 10.0  # real logits, not a degenerate model

@@ -2,8 +2,8 @@
 # Copyright 2026 The dar-transformers authors.
 """The `dar` command: `dar convert SOURCE OUTPUT [...]`, `dar generate FOLDER [...]`, `dar analyze MODEL [...]`.
 
-`convert` upcycles an HF folder or a GGUF file into DAR (see `dar_transformers.convert`), prints the
-verification table and writes a Hub-ready folder; `generate` streams a (chat) answer from any causal-LM folder.
+`convert` upcycles an HF folder or a GGUF file into DAR as a file operation (see `dar_transformers.convert`),
+verifies the written folder layer by layer, prints the verification table and moves the Hub-ready folder into place; `generate` streams a (chat) answer from any causal-LM folder.
 """
 
 import argparse
@@ -35,7 +35,20 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=DAR_ROUTINGS, default=None, help="depth routing (default: dar)")
     parser.add_argument("--streams", type=int, choices=(1, 2), default=None, help="residual streams (1 = AttnRes)")
     parser.add_argument("--write-mode", choices=DAR_WRITE_MODES, default=None, help="stream write mode")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype (and of the check)")
+    parser.add_argument(
+        "--dtype", choices=["auto", *DTYPES], default="auto",
+        help="storage dtype of the shared weights (default: the source's own); DAR's new parameters stay float32",
+    )
+    parser.add_argument(
+        "--verify-dtype", choices=["float32", "float64"], default=None,
+        help="dtype the verification computes in, whatever the storage dtype (default: float32, float64 for "
+        "float64 weights)",
+    )
+    parser.add_argument(
+        "--full-greedy", choices=["auto", "on", "off"], default="auto",
+        help="full greedy continuations of both models (needs both in memory; auto: when both fit in 3 GiB in the "
+        "verification dtype). Teacher-forced top-1 agreement is checked either way",
+    )
     parser.add_argument(
         "--experts", type=int, default=None,
         help="DAR-MoE (implies --kind dar_moe): sparse-upcycle each dense MLP into E identical experts",
@@ -48,8 +61,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tolerance", type=float, default=None,
-        help="max abs logit difference allowed (default 2e-4, 1e-8 for float64); a larger value relaxes the "
-        "check, e.g. for bfloat16, and the model card says so",
+        help="max abs logit difference allowed (default 2e-4 in float32, 1e-8 in float64); a larger value relaxes "
+        "the check, e.g. for a conversion that rounds float32 weights to bfloat16, and the model card says so",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens compared per prompt")
     parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
@@ -73,6 +86,8 @@ def run_convert(args: argparse.Namespace) -> int:
             args.output,
             **kind_options,
             dtype=args.dtype,
+            verify_dtype=args.verify_dtype,
+            full_greedy={"auto": None, "on": True, "off": False}[args.full_greedy],
             tolerance=args.tolerance,
             max_new_tokens=args.max_new_tokens,
             max_shard_size=args.max_shard_size,
@@ -87,7 +102,7 @@ def run_convert(args: argparse.Namespace) -> int:
         print(f"dar convert: error: {error}", file=sys.stderr)
         return 1
     print(result.report.table())
-    config = result.model.config
+    config = result.config
     print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).")
     return 0
 

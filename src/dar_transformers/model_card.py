@@ -32,7 +32,9 @@ or continued pre-training) is what lets the depth attention depart from the plai
 ## Verification
 
 Source and DAR model run side by side on the same prompts: the largest absolute difference of the logits over
-every position of every prompt, and whether the greedy continuations are identical token for token.
+every position of every prompt, whether both models pick the same next token (teacher-forced top-1) wherever the
+source's top-1/top-2 margin exceeds twice the tolerance, and, when both models fit in memory, whether their greedy
+continuations are identical token for token. The line under the table says which of these ran, in which dtype.
 
 {verification}
 {chat_check}
@@ -117,6 +119,7 @@ def render_model_card(
     if base_model:
         front_matter.insert(0, f"base_model: {base_model}")
     front_matter += ["tags:", "- dar", "- dual-attention-residuals", "- upcycled", "- custom_code"]
+    # Only names reach the card (a Hub id, or a file/folder name): never a path of the converting machine.
     source_sentence = f"`{base_model}` ({source.location})" if base_model else f"`{source.name}` ({source.location})"
     if report is None:
         verification = "Not verified."

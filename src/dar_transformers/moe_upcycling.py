@@ -31,12 +31,14 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Mapping
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedModel, PretrainedConfig
 from transformers.utils import logging
 
+from .checkpoint_io import StateDictCheckpoint, TensorInfo, TensorPlan, materialise
 from .configuration_dar_moe import DARMoeConfig
 from .convert import (
     DAR_NEW_PARAMETERS,
@@ -44,6 +46,7 @@ from .convert import (
     SOURCE_FAMILIES,
     ConversionResult,
     TargetKind,
+    is_ignored_source_key,
     register_target_kind,
     upcycle,
     upcycle_model,
@@ -174,6 +177,24 @@ def dar_moe_config_from_source(
         raise ValueError(str(error.__cause__ or error)) from error
 
 
+def _per_expert_groups(names) -> tuple[dict[str, dict[str, dict[int, str]]], list[str]]:
+    """Per-expert checkpoint names grouped as {prefix: {"gate"|"up"|"down": {expert: name}}}, and the other names."""
+    groups: dict[str, dict[str, dict[int, str]]] = {}
+    others = []
+    for name in names:
+        match = PER_EXPERT_KEY.match(name)
+        if match is None:
+            others.append(name)
+            continue
+        parts = groups.setdefault(match["prefix"], {"gate": {}, "up": {}, "down": {}})
+        parts[PER_EXPERT_PARTS[match["name"]]][int(match["expert"])] = name
+    for prefix, parts in groups.items():
+        indices = sorted(parts["down"])
+        if not (indices == list(range(len(indices))) and sorted(parts["gate"]) == indices == sorted(parts["up"])):
+            raise ValueError(f"Per-expert tensors under {prefix!r} are incomplete: experts {indices}.")
+    return groups, others
+
+
 def fuse_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert tensors -> HF's fused layout; fused state dicts pass through unchanged.
 
@@ -181,24 +202,117 @@ def fuse_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
     `...experts.N.{w2,down_proj}` -> `...mlp.experts.down_proj [E, D, I]`;
     Mixtral's `block_sparse_moe.gate` -> `mlp.gate`.
     """
-    fused: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for key, tensor in state_dict.items():
-        match = PER_EXPERT_KEY.match(key)
-        if match is None:
-            fused[key.replace(".block_sparse_moe.", ".mlp.")] = tensor
-            continue
-        parts = experts.setdefault(match["prefix"], {"gate": {}, "up": {}, "down": {}})
-        parts[PER_EXPERT_PARTS[match["name"]]][int(match["expert"])] = tensor
-    for prefix, parts in experts.items():
+    groups, others = _per_expert_groups(state_dict)
+    fused = {key.replace(".block_sparse_moe.", ".mlp."): state_dict[key] for key in others}
+    for prefix, parts in groups.items():
         indices = sorted(parts["down"])
-        if not (indices == list(range(len(indices))) and sorted(parts["gate"]) == indices == sorted(parts["up"])):
-            raise ValueError(f"Per-expert tensors under {prefix!r} are incomplete: experts {indices}.")
         fused[f"{prefix}mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([parts["gate"][index], parts["up"][index]]) for index in indices]
+            [torch.cat([state_dict[parts["gate"][index]], state_dict[parts["up"][index]]]) for index in indices]
         )  # [E, 2I, D]
-        fused[f"{prefix}mlp.experts.down_proj"] = torch.stack([parts["down"][index] for index in indices])  # [E, D, I]
+        fused[f"{prefix}mlp.experts.down_proj"] = torch.stack(
+            [state_dict[parts["down"][index]] for index in indices]
+        )  # [E, D, I]
     return fused
+
+
+def drop_upcycled_experts(
+    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, num_experts: int, expert_noise: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's dense MLP copied into E experts: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I].
+
+    `expert_noise` r in [0, 1]: Drop-Upcycling, each expert re-draws a random fraction r of its hidden units (rows of
+    gate and up, columns of down) from a normal with the dense matrix's mean and std, from a generator seeded by
+    `seed` (one per layer). r > 0 is not exact.
+    """
+    hidden_units = gate.shape[0]
+    gate_up_proj = torch.cat([gate, up]).expand(num_experts, -1, -1).clone()  # [E, 2I, D]
+    down_proj = down.expand(num_experts, -1, -1).clone()  # [E, D, I]
+    if expert_noise > 0.0:
+        generator = torch.Generator().manual_seed(seed)
+        num_dropped = round(expert_noise * hidden_units)
+        for expert in range(num_experts):
+            dropped = torch.randperm(hidden_units, generator=generator)[:num_dropped]  # [r * I]
+            for rows, dense in ((dropped, gate), (dropped + hidden_units, up)):
+                noise = torch.randn(num_dropped, dense.shape[1], generator=generator, dtype=dense.dtype)
+                gate_up_proj[expert, rows] = dense.mean() + dense.std() * noise  # [r * I, D]
+            noise = torch.randn(down.shape[0], num_dropped, generator=generator, dtype=down.dtype)
+            down_proj[expert][:, dropped] = down.mean() + down.std() * noise  # [D, r * I]
+    return gate_up_proj, down_proj
+
+
+def _check_expert_noise(expert_noise: float) -> None:
+    if not (isinstance(expert_noise, (int, float)) and 0.0 <= expert_noise <= 1.0):
+        raise ValueError(
+            f"expert_noise must be a fraction in [0, 1] (share of each expert's hidden units re-initialised, "
+            f"Drop-Upcycling), got {expert_noise!r}."
+        )
+
+
+def plan_dar_moe_tensors(
+    source_infos: Mapping[str, TensorInfo], config: DARMoeConfig, expert_noise: float = 0.0, seed: int = 0
+) -> dict[str, TensorPlan]:
+    """`TargetKind.plan_tensors` of "dar_moe", from names and shapes only.
+
+    MoE source: per-expert tensors become the fused 3-D experts as byte concatenations (expert by expert, gate rows
+    then up rows), Mixtral's `block_sparse_moe` becomes `mlp`, everything else keeps its name. Dense source: every
+    sparse layer's `mlp.{gate,up,down}_proj` becomes E copies (`experts.gate_up_proj` = (gate, up) x E,
+    `experts.down_proj` = down x E); with `expert_noise` a Drop-Upcycling transform of the three (per-layer seed).
+    """
+    _check_expert_noise(expert_noise)
+    names = [name for name in source_infos if not is_ignored_source_key(name)]
+    groups, others = _per_expert_groups(names)
+    moe_source = bool(groups) or any(".experts." in name or ".block_sparse_moe." in name for name in names)
+    if moe_source and expert_noise:
+        raise ValueError("expert_noise applies to sparse upcycling of a dense model only, not to an MoE source.")
+    plans = {
+        name.replace(".block_sparse_moe.", ".mlp."): TensorPlan(source_infos[name].shape, source_infos[name].dtype, (name,))
+        for name in others
+    }
+    for prefix, parts in groups.items():
+        indices = sorted(parts["down"])
+        gate, up, down = (source_infos[parts[part][0]] for part in ("gate", "up", "down"))
+        plans[f"{prefix}mlp.experts.gate_up_proj"] = TensorPlan(
+            (len(indices), gate.shape[0] + up.shape[0], *gate.shape[1:]), gate.dtype,
+            tuple(name for index in indices for name in (parts["gate"][index], parts["up"][index])),
+        )
+        plans[f"{prefix}mlp.experts.down_proj"] = TensorPlan(
+            (len(indices), *down.shape), down.dtype, tuple(parts["down"][index] for index in indices)
+        )
+    if moe_source:
+        return plans
+    num_experts = config.num_experts
+    for layer_idx in config.moe_layer_indices:
+        prefix = f"model.layers.{layer_idx}.mlp."
+        dense = [plans.pop(f"{prefix}{name}.weight", None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(plan is None for plan in dense):
+            raise ValueError(f"The dense MLP of layer {layer_idx} ({prefix}gate_proj/up_proj/down_proj) is missing.")
+        (gate_name,), (up_name,), (down_name,) = (plan.parts for plan in dense)
+        gate_up_shape = (num_experts, dense[0].shape[0] + dense[1].shape[0], dense[0].shape[1])
+        down_shape = (num_experts, *dense[2].shape)
+        if expert_noise:
+            layer_seed = seed * 1_000_003 + layer_idx
+
+            def noisy(which: int, layer_seed: int = layer_seed):
+                return lambda tensors: drop_upcycled_experts(*tensors, num_experts, expert_noise, layer_seed)[which]
+
+            parts = (gate_name, up_name, down_name)
+            plans[f"{prefix}experts.gate_up_proj"] = TensorPlan(gate_up_shape, dense[0].dtype, parts, noisy(0))
+            plans[f"{prefix}experts.down_proj"] = TensorPlan(down_shape, dense[2].dtype, parts, noisy(1))
+        else:
+            plans[f"{prefix}experts.gate_up_proj"] = TensorPlan(
+                gate_up_shape, dense[0].dtype, (gate_name, up_name) * num_experts
+            )
+            plans[f"{prefix}experts.down_proj"] = TensorPlan(down_shape, dense[2].dtype, (down_name,) * num_experts)
+    return plans
+
+
+def map_dar_moe_state_dict(
+    source_state: dict[str, torch.Tensor], config: DARMoeConfig, expert_noise: float = 0.0, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Source state dict -> DAR-MoE state dict of the shared parameters, through `plan_dar_moe_tensors`."""
+    checkpoint = StateDictCheckpoint(source_state)
+    plans = plan_dar_moe_tensors(checkpoint.infos(), config, expert_noise, seed)
+    return {name: materialise(plan, checkpoint) for name, plan in plans.items()}
 
 
 def upcycle_dense_mlps(
@@ -207,57 +321,24 @@ def upcycle_dense_mlps(
     expert_noise: float = 0.0,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Sparse upcycling of a dense state dict: each sparse layer's MLP is copied into all E experts.
-
-    `expert_noise` r in [0, 1]: Drop-Upcycling, each expert re-draws a random fraction r of its hidden units (rows of
-    gate and up, columns of down) from a normal with the dense matrix's mean and std. r > 0 is not exact.
-    """
-    if not (isinstance(expert_noise, (int, float)) and 0.0 <= expert_noise <= 1.0):
-        raise ValueError(
-            f"expert_noise must be a fraction in [0, 1] (share of each expert's hidden units re-initialised, "
-            f"Drop-Upcycling), got {expert_noise!r}."
-        )
-    generator = torch.Generator().manual_seed(seed)
-    num_experts, hidden_units = config.num_experts, config.moe_intermediate_size
-    upcycled = dict(state_dict)
-    for layer_idx in config.moe_layer_indices:
-        prefix = f"model.layers.{layer_idx}.mlp."
-        gate, up, down = (upcycled.pop(f"{prefix}{name}.weight") for name in ("gate_proj", "up_proj", "down_proj"))
-        gate_up_proj = torch.cat([gate, up]).expand(num_experts, -1, -1).clone()  # [E, 2I, D]
-        down_proj = down.expand(num_experts, -1, -1).clone()  # [E, D, I]
-        if expert_noise > 0.0:
-            num_dropped = round(expert_noise * hidden_units)
-            for expert in range(num_experts):
-                dropped = torch.randperm(hidden_units, generator=generator)[:num_dropped]  # [r * I]
-                for rows, dense in ((dropped, gate), (dropped + hidden_units, up)):
-                    noise = torch.randn(num_dropped, dense.shape[1], generator=generator, dtype=dense.dtype)
-                    gate_up_proj[expert, rows] = dense.mean() + dense.std() * noise  # [r * I, D]
-                noise = torch.randn(down.shape[0], num_dropped, generator=generator, dtype=down.dtype)
-                down_proj[expert][:, dropped] = down.mean() + down.std() * noise  # [D, r * I]
-        upcycled[f"{prefix}experts.gate_up_proj"] = gate_up_proj
-        upcycled[f"{prefix}experts.down_proj"] = down_proj
+    """Sparse upcycling of a dense state dict: each sparse layer's MLP is copied into all E experts
+    (`drop_upcycled_experts`, Drop-Upcycling noise with `expert_noise > 0`)."""
+    upcycled = map_dar_moe_state_dict(state_dict, config, expert_noise, seed)
     if expert_noise > 0.0:
-        logger.warning(
-            f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
-            "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
-        )
+        _warn_not_exact(expert_noise)
     return upcycled
+
+
+def _warn_not_exact(expert_noise: float) -> None:
+    logger.warning(
+        f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
+        "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
+    )
 
 
 def is_moe_state_dict(state_dict: dict[str, torch.Tensor]) -> bool:
     """True for an MoE checkpoint (fused or per-expert experts), False for a dense one."""
     return any(".experts." in key or ".block_sparse_moe." in key for key in state_dict)
-
-
-def map_dar_moe_state_dict(
-    source_state: dict[str, torch.Tensor], config: DARMoeConfig, expert_noise: float = 0.0, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Source state dict -> DAR-MoE state dict: MoE experts fused, or dense MLPs upcycled into experts."""
-    if is_moe_state_dict(source_state):
-        if expert_noise:
-            raise ValueError("expert_noise applies to sparse upcycling of a dense model only, not to an MoE source.")
-        return fuse_expert_weights(source_state)
-    return upcycle_dense_mlps(source_state, config, expert_noise=expert_noise, seed=seed)
 
 
 def build_dar_moe_target_config(
@@ -285,7 +366,7 @@ def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
     return TargetKind(
         model_class=DARMoeForCausalLM,
         build_config=build_dar_moe_target_config,
-        map_state_dict=lambda source_state, config: map_dar_moe_state_dict(source_state, config, expert_noise, seed),
+        plan_tensors=lambda source_infos, config: plan_dar_moe_tensors(source_infos, config, expert_noise, seed),
         # The routers are new when upcycling a dense model; an MoE source supplies them, so they are never missing.
         new_parameters=(*DAR_NEW_PARAMETERS, r"model\.layers\.\d+\.mlp\.gate\.weight"),
         description="DAR-MoE (Dual Attention Residuals, sparse mixture of experts)"
@@ -345,6 +426,9 @@ def upcycle_to_dar_moe(
 
 
 def _kind_for(expert_noise: float, seed: int) -> str:
+    _check_expert_noise(expert_noise)
+    if expert_noise:
+        _warn_not_exact(expert_noise)
     if not expert_noise:
         return "dar_moe"
     register_target_kind(DROP_UPCYCLING_KIND, dar_moe_target_kind(expert_noise, seed))
