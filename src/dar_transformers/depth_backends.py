@@ -29,7 +29,8 @@ model); a branch output y arrives in the model dtype and is cast once on write.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -400,6 +401,26 @@ def _memoised(module: torch.nn.Module, name: str, dtype: torch.dtype, compute: C
     return cached[1]
 
 
+@contextmanager
+def _onloaded(module: torch.nn.Module) -> Iterator[None]:
+    """The weights of `module` and its submodules, loaded if accelerate offloaded them (`device_map` with "disk" or
+    CPU offload). accelerate's hooks load a module's weights only around its own forward; the fast path derives
+    gates and queries from the parameters outside those forwards, so it runs the same hooks around that (a couple
+    of dict look-ups when nothing is offloaded)."""
+    hooked = [
+        submodule for submodule in module.modules()
+        if "_hf_hook" in submodule.__dict__
+        and any(getattr(hook, "offload", False) for hook in getattr(submodule._hf_hook, "hooks", [submodule._hf_hook]))
+    ]
+    for submodule in hooked:
+        submodule._hf_hook.pre_forward(submodule)
+    try:
+        yield
+    finally:
+        for submodule in hooked:
+            submodule._hf_hook.post_forward(submodule, None)
+
+
 class FastDepthBackend:
     """The fused eager path, one instance per forward: it owns the depth-major buffers (history [S_max, B, T, J, D],
     inverse RMS [S_max, B, T, J]) and the shared entry gradients."""
@@ -421,11 +442,12 @@ class FastDepthBackend:
     def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
         attention, read_gate = residual.depth_attention, residual.read_gate
         dtype, num_sources = self.history_buffer.dtype, len(state.history) + int(read_partial)
-        routed = _memoised(
-            attention, "routed_query", dtype,
-            lambda: routed_queries(attention.scoring_query().to(dtype), attention.key_streams),
-        )  # [J * D, J]
-        stream_weights = _memoised(read_gate, "stream_weights", dtype, lambda: read_gate.stream_weights().to(dtype))
+        with _onloaded(attention), _onloaded(read_gate):
+            routed = _memoised(
+                attention, "routed_query", dtype,
+                lambda: routed_queries(attention.scoring_query().to(dtype), attention.key_streams),
+            )  # [J * D, J]
+            stream_weights = _memoised(read_gate, "stream_weights", dtype, lambda: read_gate.stream_weights().to(dtype))
         gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
         return depth_read(
             routed, gate, self.history_buffer, self.inv_rms_buffer, state.history,
@@ -438,10 +460,11 @@ class FastDepthBackend:
         if write_gate.num_streams == 1:  # AttnRes writes y unchanged
             partial = residual.write_gate(branch_output.to(dtype), state.partial)
         else:
-            beta = _memoised(write_gate, "beta", dtype, lambda: write_gate.beta().to(dtype))  # [J, D]
-            rho = None
-            if state.partial is not None:
-                rho = _memoised(write_gate, "rho", dtype, lambda: write_gate.rho().to(dtype))  # (1,)
+            with _onloaded(write_gate):
+                beta = _memoised(write_gate, "beta", dtype, lambda: write_gate.beta().to(dtype))  # [J, D]
+                rho = None
+                if state.partial is not None:
+                    rho = _memoised(write_gate, "rho", dtype, lambda: write_gate.rho().to(dtype))  # (1,)
             if torch.is_grad_enabled():
                 partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
             else:
