@@ -9,14 +9,14 @@
 #   2. the overhead benchmark eager and compiled (`benchmarks/overhead.py --device cuda [--compile]`, SmolLM2-135M
 #      shape, batch 8 x 512), ratios to LlamaForCausalLM measured side by side, peak CUDA memory per step;
 #   3. one table of both runs (benchmarks/results/gpu_check.md).
-# Usage: bash benchmarks/gpu_check.sh   (installs with `make install` first if .venv is missing)
+# Usage: bash benchmarks/gpu_check.sh   (PY=/path/to/python to choose the interpreter)
+# The interpreter needs a CUDA build of torch and the package's dependencies (transformers, accelerate, pytest,
+# datasets); the package itself is put on the path from this checkout (no install, no network needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || make install
-PY=.venv/bin/python
-$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this check is for a GPU machine'"
-# The CPU build of torch that `make install` pins has no CUDA: take the CUDA build of the same version.
-$PY -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || $PY -m pip install --quiet "torch==2.13.0"
+PY="${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device (or a CPU build of torch): this check is for a GPU machine'"
 mkdir -p benchmarks/results
 
 echo "== 1. compiled vs eager gradients on CUDA (fp32, bf16)"
