@@ -45,26 +45,28 @@ def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class DepthState:
-    """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream, depth-major, the
-    partial block state P [B, T, J, D] (None at the start of a block), and the backend that reads and writes it.
+    """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
+    [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), and the
+    backend that reads and writes it (the fast backend owns per-forward buffers).
 
-    How the history is held is the backend's: the reference backend keeps one stacked tensor [S, B, T, J, D] (a
-    commit appends a row, so the graph grows by one op per commit, not by one per source and read); the fast
-    backend keeps the tuple of entries, each [B, T, J, D], and copies them into a buffer it owns. A decoder layer
-    takes and returns the state flattened (`as_args`), so that reentrant gradient checkpointing, which only sees
-    positional tensors, tracks the partial and every history tensor.
+    A decoder layer takes and returns it flattened (`as_args`), so that reentrant gradient checkpointing, which only
+    sees positional tensors, tracks the partial and every entry.
     """
 
     backend: Any
     partial: torch.Tensor | None
-    history: Any
+    history: tuple[torch.Tensor, ...]
 
     def as_args(self) -> tuple:
-        return (self.backend, self.partial, *self.backend.flatten(self.history))
+        return (self.backend, self.partial, *self.history)
 
     @classmethod
     def from_args(cls, backend, partial, *history) -> "DepthState":
-        return cls(backend, partial, backend.unflatten(history))
+        return cls(backend, partial, tuple(history))
+
+    def sources(self, read_partial: bool) -> tuple[torch.Tensor, ...]:
+        """S^j of DESIGN.md section 2: the committed entries, then the partial when the branch reads it."""
+        return (*self.history, self.partial) if read_partial else self.history
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -72,34 +74,24 @@ class DepthState:
 
 
 class ReferenceDepthBackend:
-    """The plain equations over the stacked history [S, B, T, J, D] (DESIGN.md section 2): every read
-    re-normalises every key; the partial, when read, is appended as the last source."""
+    """The plain equations: every read stacks its sources and re-normalises every key (DESIGN.md section 2)."""
 
     def __init__(self, config):
         pass
 
     def start(self, entry: torch.Tensor) -> DepthState:
-        return DepthState(self, None, entry.unsqueeze(0))  # [1, B, T, J, D]
-
-    @staticmethod
-    def flatten(history: torch.Tensor) -> tuple[torch.Tensor]:
-        return (history,)
-
-    @staticmethod
-    def unflatten(args: tuple) -> torch.Tensor:
-        return args[0]
+        return DepthState(self, None, (entry,))
 
     def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        sources = state.history  # [S, B, T, J, D]
-        if read_partial:
-            sources = torch.cat([sources, state.partial.unsqueeze(0)])  # [S + 1, B, T, J, D]
+        sources = torch.stack(state.sources(read_partial))  # [N, B, T, J, D]
         extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
         return residual.read_gate(extraction), weights  # u [B, T, D]
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
-        partial = residual.write_gate(branch_output.to(state.history.dtype), state.partial)  # [B, T, J, D]
+        compute_dtype = state.history[0].dtype
+        partial = residual.write_gate(branch_output.to(compute_dtype), state.partial)  # [B, T, J, D]
         if commits:
-            return DepthState(self, None, torch.cat([state.history, partial.unsqueeze(0)]))  # [S + 1, B, T, J, D]
+            return DepthState(self, None, (*state.history, partial))
         return DepthState(self, partial, state.history)
 
 
@@ -438,14 +430,6 @@ class FastDepthBackend:
         self.eps = config.rms_norm_eps
         self.history_buffer = self.inv_rms_buffer = None
         self.gradients = DepthGradients()
-
-    @staticmethod
-    def flatten(history: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return history
-
-    @staticmethod
-    def unflatten(args: tuple) -> tuple[torch.Tensor, ...]:
-        return tuple(args)
 
     def start(self, entry: torch.Tensor) -> DepthState:
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
