@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The prepared GPU check of issue #11, for a CUDA machine; about 10 minutes on one H100/H200-class GPU.
+# The prepared GPU check of issue #11, for a CUDA machine: under 10 minutes by construction (each step has a timeout:
+# 240 + 150 + 300 s); not yet run on a GPU (none was lent when it was written).
 #
 # What it checks and prints, in this order:
 #   1. compiled = eager on CUDA: tests/test_compile.py's gradient checks re-run on the GPU (DAR and DAR-MoE, inductor,
 #      fp32 and bf16): every parameter's gradient through torch.compile(fullgraph=True) against eager
 #      (DAR_TEST_DEVICE=cuda; the default test run never needs CUDA);
 #   2. the overhead benchmark eager and compiled (`benchmarks/overhead.py --device cuda [--compile]`, SmolLM2-135M
-#      shape, batch 8 x 512), ratios to LlamaForCausalLM measured side by side, peak CUDA memory per step;
+#      shape, batch 8 x 512; compiled: Llama and Block DAR), ratios to LlamaForCausalLM measured side by side, peak
+#      CUDA memory per step;
 #   3. one table of both runs (benchmarks/results/gpu_check.md).
 # Usage: bash benchmarks/gpu_check.sh   (PY=/path/to/python to choose the interpreter)
 # The interpreter needs a CUDA build of torch and the package's dependencies (transformers, accelerate, pytest,
@@ -38,7 +40,7 @@ for mode in ("eager", "compile"):
     results = record["results"]
     for metric in ("train_step_s", "prefill_s", "decode_token_s", "peak_cuda_train_mib", "train_step_first_s"):
         if metric in results["llama"]:
-            ratios = " | ".join(f"{results[name][metric] / results['llama'][metric]:.3f}x"
+            ratios = " | ".join(f"{results[name][metric] / results['llama'][metric]:.3f}x" if name in results else "-"
                                 for name in ("dar-block", "dar-full"))
             rows.append(f"| {mode} | {metric} | {results['llama'][metric]:.4g} | {ratios} |")
 print(f"device: {record['device']}\n")

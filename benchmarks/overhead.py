@@ -22,7 +22,8 @@ first call of each mode (compile time included) is reported separately as `*_fir
 
     python benchmarks/overhead.py                 # SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads)
     python benchmarks/overhead.py --shape small   # a smaller shape for a quick look
-    python benchmarks/overhead.py --compile       # compiled Llama vs compiled DAR
+    python benchmarks/overhead.py --compile       # compiled Llama vs compiled Block DAR (about 15 minutes here)
+    python benchmarks/overhead.py --compile --shape small --models llama,dar-block,dar-full
 
 On a machine with a GPU the same command runs there (`--device cuda`, the default when CUDA is available): timings
 synchronise the device, and peak memory is the CUDA allocator's high-water mark of one step.
@@ -229,7 +230,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="training / prefill sequence length")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of each measurement")
     parser.add_argument("--decode-tokens", type=int, default=16)
-    parser.add_argument("--models", default="llama,dar-block,dar-full")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated (default: llama,dar-block,dar-full; with --compile llama,dar-block, "
+                        "since compiling Full DAR at the SmolLM2 shape alone takes longer than the rest together "
+                        "on 2 CPU cores: add it explicitly, or measure it at --shape small)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     parser.add_argument("--compile", action="store_true", help="compile every model with torch.compile (inductor)")
     parser.add_argument("--no-dtype-activations", action="store_true",
@@ -244,6 +248,8 @@ def main() -> None:
     shape = SHAPES[args.shape]
     if args.output is None:
         args.output = Path(__file__).parent / "results" / ("overhead_compile.json" if args.compile else "overhead.json")
+    if args.models is None:
+        args.models = "llama,dar-block" if args.compile else "llama,dar-block,dar-full"
     names = args.models.split(",")
     device = torch.device(args.device)
     models = {name: build_model(name, shape).to(device) for name in names}
