@@ -649,6 +649,21 @@ class PromptCheck:
     source_continuation: list[int]
     target_continuation: list[int]
 
+    @classmethod
+    def of(cls, name, input_ids, max_abs_logit, max_abs_logit_difference, top1, source_tokens, target_tokens):
+        """One prompt's check from its figures; top1 = (checked, agreed); continuations None when not run."""
+        return cls(
+            name=name,
+            num_tokens=input_ids.shape[1],
+            max_abs_logit=max_abs_logit,
+            max_abs_logit_difference=max_abs_logit_difference,
+            top1_checked=top1[0],
+            top1_agreed=top1[1],
+            greedy_identical=None if source_tokens is None else source_tokens == target_tokens,
+            source_continuation=source_tokens or [],
+            target_continuation=target_tokens or [],
+        )
+
 
 @dataclasses.dataclass
 class VerificationReport:
@@ -865,18 +880,10 @@ def _verify_conversion(
     for (name, input_ids), (source_logits, target_logits), source_tokens, target_tokens in zip(
         prompts, logit_pairs, *continuations
     ):
-        checked, agreed = top1_agreement(source_logits, target_logits, tolerance)
         checks.append(
-            PromptCheck(
-                name=name,
-                num_tokens=input_ids.shape[1],
-                max_abs_logit=source_logits.abs().max().item(),
-                max_abs_logit_difference=(target_logits - source_logits).abs().max().item(),
-                top1_checked=checked,
-                top1_agreed=agreed,
-                greedy_identical=None if source_tokens is None else source_tokens == target_tokens,
-                source_continuation=source_tokens or [],
-                target_continuation=target_tokens or [],
+            PromptCheck.of(
+                name, input_ids, source_logits.abs().max().item(), (target_logits - source_logits).abs().max().item(),
+                top1_agreement(source_logits, target_logits, tolerance), source_tokens, target_tokens,
             )
         )
     return VerificationReport(
@@ -959,18 +966,10 @@ def verify_written(
         written.close()
     checks = []
     for (name, input_ids), stats, source_tokens, target_tokens in zip(prompts, statistics, *continuations):
-        checked, agreed = stats.top1_agreement(tolerance)
         checks.append(
-            PromptCheck(
-                name=name,
-                num_tokens=input_ids.shape[1],
-                max_abs_logit=stats.max_abs_logit,
-                max_abs_logit_difference=stats.max_abs_logit_difference,
-                top1_checked=checked,
-                top1_agreed=agreed,
-                greedy_identical=None if source_tokens is None else source_tokens == target_tokens,
-                source_continuation=source_tokens or [],
-                target_continuation=target_tokens or [],
+            PromptCheck.of(
+                name, input_ids, stats.max_abs_logit, stats.max_abs_logit_difference, stats.top1_agreement(tolerance),
+                source_tokens, target_tokens,
             )
         )
     return VerificationReport(
