@@ -649,7 +649,8 @@ HEAD_REMOTE_CODE_SCRIPT = textwrap.dedent(
         auto_class = getattr(transformers, open(os.path.join(folder, "auto_class.txt")).read())
         model = auto_class.from_pretrained(folder, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        assert type(model.model).__name__ == "DARMoeModel", type(model.model)
+        backbone = open(os.path.join(folder, "backbone.txt")).read()
+        assert type(model.model).__name__ == backbone, type(model.model)
         with torch.no_grad():
             output = model(input_ids)
         logits = torch.stack([output.start_logits, output.end_logits]) if hasattr(output, "start_logits") else output.logits
@@ -673,6 +674,7 @@ def test_task_heads_round_trip_and_load_with_remote_code_without_the_package(tmp
         folder = tmp_path / kind
         head.save_pretrained(folder)
         (folder / "auto_class.txt").write_text(auto_class.__name__)
+        (folder / "backbone.txt").write_text("DARMoeModel")
         assert json.loads((folder / "config.json").read_text())["auto_map"][auto_class.__name__] == (
             f"modeling_dar_moe.{head_class.__name__}"
         )
