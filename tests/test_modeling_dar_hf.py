@@ -458,7 +458,7 @@ def test_task_heads_are_registered_and_reduce_exactly_to_llamas(auto_class, dar_
 def test_dense_task_heads_load_with_remote_code_without_the_package(tmp_path):
     """The generic heads build their backbone with AutoModel; under trust_remote_code the config class is the remote
     module's own, which `DARTaskHeadMixin` registers. A fresh process without the package gives the same outputs."""
-    from test_moe import HEAD_REMOTE_CODE_SCRIPT, head_outputs
+    from test_moe import head_outputs, load_heads_with_remote_code
 
     import dar_transformers
 
@@ -477,14 +477,6 @@ def test_dense_task_heads_load_with_remote_code_without_the_package(tmp_path):
         with torch.no_grad():
             expected[class_name] = head_outputs(head(input_ids))
         folders.append(str(folder))
-    script = tmp_path / "load_remote_heads.py"
-    script.write_text(HEAD_REMOTE_CODE_SCRIPT)
-    environment = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": str(torch.get_num_threads()),
-        "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "HF_MODULES_CACHE": str(tmp_path / "modules"),
-    }
-    result = subprocess.run([sys.executable, str(script), str(tmp_path / "input_ids.pt"), *folders], cwd=tmp_path,
-                            env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    remote_logits = load_heads_with_remote_code(tmp_path, folders)
     for class_name in expected:
-        assert torch.equal(torch.load(tmp_path / class_name / "remote_logits.pt"), expected[class_name]), class_name
+        assert torch.equal(remote_logits[str(tmp_path / class_name)], expected[class_name]), class_name

@@ -660,6 +660,23 @@ HEAD_REMOTE_CODE_SCRIPT = textwrap.dedent(
 )
 
 
+def load_heads_with_remote_code(tmp_path, folders: list[str]) -> dict[str, torch.Tensor]:
+    """Run `HEAD_REMOTE_CODE_SCRIPT` in a fresh process without the package on the saved head folders (each with
+    `auto_class.txt`, `backbone.txt`, and `tmp_path / "input_ids.pt"` beside them) -> folder -> its head outputs."""
+    script = tmp_path / "load_remote_heads.py"
+    script.write_text(HEAD_REMOTE_CODE_SCRIPT)
+    environment = {
+        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": str(torch.get_num_threads()),
+        "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "HF_MODULES_CACHE": str(tmp_path / "modules"),
+    }
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "input_ids.pt"), *folders],
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {folder: torch.load(os.path.join(folder, "remote_logits.pt")) for folder in folders}
+
+
 def test_task_heads_round_trip_and_load_with_remote_code_without_the_package(tmp_path):
     input_ids = tokens()
     torch.save(input_ids, tmp_path / "input_ids.pt")
@@ -689,19 +706,9 @@ def test_task_heads_round_trip_and_load_with_remote_code_without_the_package(tmp
             assert torch.equal(head_outputs(reloaded(input_ids)), expected[kind])
         folders.append(str(folder))
 
-    script = tmp_path / "load_remote_heads.py"
-    script.write_text(HEAD_REMOTE_CODE_SCRIPT)
-    environment = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": str(torch.get_num_threads()),
-        "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "HF_MODULES_CACHE": str(tmp_path / "modules"),
-    }
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "input_ids.pt"), *folders],
-        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    remote_logits = load_heads_with_remote_code(tmp_path, folders)
     for kind in HEADS:
-        assert torch.equal(torch.load(tmp_path / kind / "remote_logits.pt"), expected[kind]), kind
+        assert torch.equal(remote_logits[str(tmp_path / kind)], expected[kind]), kind
 
 
 # --------------------------------------------------------------------------------------------------- conversion
