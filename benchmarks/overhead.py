@@ -22,7 +22,7 @@ first call of each mode (compile time included) is reported separately as `*_fir
 
     python benchmarks/overhead.py                 # SmolLM2-135M shape (hidden 576, 30 layers, 9/3 heads)
     python benchmarks/overhead.py --shape small   # a smaller shape for a quick look
-    python benchmarks/overhead.py --compile       # compiled Llama vs compiled Block DAR (about 15 minutes here)
+    python benchmarks/overhead.py --compile       # compiled Llama vs compiled Block DAR (about 11 minutes here)
     python benchmarks/overhead.py --compile --shape small --models llama,dar-block,dar-full
 
 On a machine with a GPU the same command runs there (`--device cuda`, the default when CUDA is available): timings
@@ -171,7 +171,7 @@ def time_compiled_decode(model, prompt, new_tokens: int) -> float:
     return statistics.median(gaps)
 
 
-def dtype_activation_ratios(shape: dict, names: list[str], seq: int = 512, vocab: int = 8192) -> dict:
+def saved_activations_by_dtype(shape: dict, names: list[str], seq: int = 512, vocab: int = 8192) -> dict:
     """Saved activations (MiB) of one training forward in bf16 (DAR parameters float32) and in float32."""
     shape = {**shape, "vocab_size": vocab}
     batch = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -179,9 +179,10 @@ def dtype_activation_ratios(shape: dict, names: list[str], seq: int = 512, vocab
     for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for name in names:
             model = build_model(name, shape).to(dtype)
+            keep_in_fp32 = tuple(model._keep_in_fp32_modules_strict or ())  # as a bf16 `from_pretrained` loads them
             for module_name, module in model.named_modules():
-                if module_name.endswith(("attn_residual", "mlp_residual", "final_readout")):
-                    module.float()  # `_keep_in_fp32_modules_strict`, as a bf16 `from_pretrained` loads them
+                if keep_in_fp32 and module_name.endswith(keep_in_fp32):
+                    module.float()
             model.train()
             result.setdefault(name, {})[f"saved_activation_{dtype_name}_mib"] = saved_activation_bytes(model, batch) / 2**20
             del model
@@ -308,7 +309,7 @@ def main() -> None:
             results[name]["peak_rss_prefill_mib"] = peak_rss_subprocess(name, args.shape, "prefill", 1, args.seq)
         results[name]["parameters"] = sum(p.numel() for p in model.parameters())
     if not args.no_dtype_activations and device.type == "cpu":
-        for name, figures in dtype_activation_ratios(shape, names).items():
+        for name, figures in saved_activations_by_dtype(shape, names).items():
             results[name].update(figures)
 
     metrics = [key for key in results[names[0]] if key != "parameters"]
@@ -326,7 +327,8 @@ def main() -> None:
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "shape": args.shape, "dims": shape, "compile": args.compile, "batch": args.batch, "seq": args.seq, "repeats": args.repeats,
+        "shape": args.shape, "dims": shape, "compile": args.compile, "batch": args.batch, "seq": args.seq,
+        "repeats": args.repeats,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
