@@ -383,30 +383,11 @@ class _TransportWrite(torch.autograd.Function):
         return grad_partial, grad_rho, grad_beta, grad_output
 
 
-def _memoised(module: torch.nn.Module, name: str, dtype: torch.dtype, compute: Callable[[], torch.Tensor]):
-    """Inference memo for small tensors derived from a module's own parameters (gates, folded queries).
-
-    Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
-    the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
-    version counters and storages (an in-place update, a load or a move invalidates it) and the requested dtype.
-    With gradients on it is always recomputed, so training is untouched.
-    """
-    if torch.is_grad_enabled():
-        return compute()
-    stamp = (dtype, *((p._version, p.data_ptr()) for p in module.parameters()))
-    memo = module.__dict__.setdefault("_dar_fast_memo", {})
-    cached = memo.get(name)
-    if cached is None or cached[0] != stamp:
-        cached = memo[name] = (stamp, compute())
-    return cached[1]
-
-
 @contextmanager
 def _onloaded(module: torch.nn.Module) -> Iterator[None]:
     """The weights of `module` and its submodules, loaded if accelerate offloaded them (`device_map` with "disk" or
-    CPU offload). accelerate's hooks load a module's weights only around its own forward; the fast path derives
-    gates and queries from the parameters outside those forwards, so it runs the same hooks around that (a couple
-    of dict look-ups when nothing is offloaded)."""
+    CPU offload): accelerate's hooks load a module's weights only around its own forward, so reading them outside
+    it runs the same hooks around the read."""
     hooked = [
         submodule for submodule in module.modules()
         if "_hf_hook" in submodule.__dict__
@@ -419,6 +400,29 @@ def _onloaded(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for submodule in hooked:
             submodule._hf_hook.post_forward(submodule, None)
+
+
+def _derived(module: torch.nn.Module, name: str, dtype: torch.dtype, compute: Callable[[], torch.Tensor]):
+    """A small tensor the fast path derives from a module's own parameters outside its forward (gates, folded
+    queries): computed with the module's weights onloaded (`_onloaded`), and memoised for inference.
+
+    Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
+    the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
+    version counters and storages (an in-place update, a load or a move invalidates it) and the requested dtype,
+    so a memo hit reads no weight at all. With gradients on it is always recomputed, so training is untouched.
+    """
+    memoise = not torch.is_grad_enabled()
+    if memoise:
+        stamp = (dtype, *((p._version, p.data_ptr()) for p in module.parameters()))
+        memo = module.__dict__.setdefault("_dar_fast_memo", {})
+        cached = memo.get(name)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+    with _onloaded(module):
+        value = compute()
+    if memoise:
+        memo[name] = (stamp, value)
+    return value
 
 
 class FastDepthBackend:
@@ -442,12 +446,11 @@ class FastDepthBackend:
     def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
         attention, read_gate = residual.depth_attention, residual.read_gate
         dtype, num_sources = self.history_buffer.dtype, len(state.history) + int(read_partial)
-        with _onloaded(attention), _onloaded(read_gate):
-            routed = _memoised(
-                attention, "routed_query", dtype,
-                lambda: routed_queries(attention.scoring_query().to(dtype), attention.key_streams),
-            )  # [J * D, J]
-            stream_weights = _memoised(read_gate, "stream_weights", dtype, lambda: read_gate.stream_weights().to(dtype))
+        routed = _derived(
+            attention, "routed_query", dtype,
+            lambda: routed_queries(attention.scoring_query().to(dtype), attention.key_streams),
+        )  # [J * D, J]
+        stream_weights = _derived(read_gate, "stream_weights", dtype, lambda: read_gate.stream_weights().to(dtype))
         gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
         return depth_read(
             routed, gate, self.history_buffer, self.inv_rms_buffer, state.history,
@@ -460,11 +463,10 @@ class FastDepthBackend:
         if write_gate.num_streams == 1:  # AttnRes writes y unchanged
             partial = residual.write_gate(branch_output.to(dtype), state.partial)
         else:
-            with _onloaded(write_gate):
-                beta = _memoised(write_gate, "beta", dtype, lambda: write_gate.beta().to(dtype))  # [J, D]
-                rho = None
-                if state.partial is not None:
-                    rho = _memoised(write_gate, "rho", dtype, lambda: write_gate.rho().to(dtype))  # (1,)
+            beta = _derived(write_gate, "beta", dtype, lambda: write_gate.beta().to(dtype))  # [J, D]
+            rho = None
+            if state.partial is not None:
+                rho = _derived(write_gate, "rho", dtype, lambda: write_gate.rho().to(dtype))  # (1,)
             if torch.is_grad_enabled():
                 partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
             else:
