@@ -287,10 +287,9 @@ def _copy_bytes(source_fd: int, offset: int, length: int, target) -> None:
             done += step
 
 
-def _write_tensor(plan: TensorPlan, checkpoint: Checkpoint, target) -> None:
+def _write_tensor(plan: TensorPlan, checkpoint: Checkpoint, infos: Mapping[str, TensorInfo], target) -> None:
     if plan.value is None and plan.transform is None:
         ranges = [checkpoint.byte_range(part) for part in plan.parts]
-        infos = checkpoint.infos()
         if all(r is not None for r in ranges) and all(infos[p].dtype == plan.dtype for p in plan.parts):
             for source_fd, offset, length in ranges:
                 _copy_bytes(source_fd, offset, length, target)
@@ -335,6 +334,7 @@ def write_checkpoint(
     shared = _shard(((name, plan.nbytes) for name, plan in plans.items() if name not in own), max_shard_size)
     new = _shard(((name, plans[name].nbytes) for name in own_shards), max_shard_size)
     shards = shared + new
+    infos = checkpoint.infos()  # once: a checkpoint builds this table of every tensor anew on each call
     weight_map, total = {}, 0
     for number, names in enumerate(shards, start=1):
         file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
@@ -355,7 +355,7 @@ def write_checkpoint(
             for name in names:
                 if progress is not None:
                     progress(name)
-                _write_tensor(plans[name], checkpoint, target)
+                _write_tensor(plans[name], checkpoint, infos, target)
             if target.tell() != 8 + len(encoded) + offset:
                 raise RuntimeError(f"{file_name}: wrote {target.tell()} bytes, planned {8 + len(encoded) + offset}")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
