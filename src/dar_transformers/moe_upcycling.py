@@ -336,11 +336,6 @@ def _warn_not_exact(expert_noise: float) -> None:
     )
 
 
-def is_moe_state_dict(state_dict: dict[str, torch.Tensor]) -> bool:
-    """True for an MoE checkpoint (fused or per-expert experts), False for a dense one."""
-    return any(".experts." in key or ".block_sparse_moe." in key for key in state_dict)
-
-
 def build_dar_moe_target_config(
     source_config: PretrainedConfig, branch_family: str, dtype: torch.dtype, fields: dict
 ) -> DARMoeConfig:
