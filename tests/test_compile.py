@@ -21,20 +21,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import TINY_LLAMA_FIELDS
 from dar_transformers import DARConfig, DARForCausalLM, DARMoeConfig, DARMoeForCausalLM
 from dar_transformers import depth_backends
+from test_moe import perturb_dar_parameters
 
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2)
 # CPU by default; benchmarks/gpu_check.sh re-runs these checks with DAR_TEST_DEVICE=cuda.
 DEVICE = torch.device(os.environ.get("DAR_TEST_DEVICE", "cpu"))
-
-
-def perturbed(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
-    """Move every DAR parameter off its exact-reduction init (queries, gates, rho), so every gradient is non-trivial."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
-            if any(part in name for part in ("attn_residual", "mlp_residual", "final_readout")):
-                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
-    return model
 
 
 def tiny(kind: str = "dar", dtype=torch.float64, **overrides) -> torch.nn.Module:
@@ -46,7 +37,9 @@ def tiny(kind: str = "dar", dtype=torch.float64, **overrides) -> torch.nn.Module
         model = DARMoeForCausalLM(DARMoeConfig(**fields, **TINY_MOE))
         if dtype == torch.float64:
             model.set_experts_implementation("batched_mm")  # grouped_mm takes no float64
-    return perturbed(model.to(dtype)).to(DEVICE).train()
+    model = model.to(dtype)
+    perturb_dar_parameters(model)  # every DAR parameter off its exact-reduction init: no gradient is trivial
+    return model.to(DEVICE).train()
 
 
 def loss_and_gradients(model, call, input_ids):
