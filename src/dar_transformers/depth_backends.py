@@ -402,18 +402,20 @@ def _onloaded(module: torch.nn.Module) -> Iterator[None]:
             submodule._hf_hook.post_forward(submodule, None)
 
 
-def _derived(module: torch.nn.Module, name: str, dtype: torch.dtype, compute: Callable[[], torch.Tensor]):
+def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Callable[[], torch.Tensor]):
     """A small tensor the fast path derives from a module's own parameters outside its forward (gates, folded
-    queries): computed with the module's weights onloaded (`_onloaded`), and memoised for inference.
+    queries), in the dtype and on the device of `like`: computed with the module's weights onloaded (`_onloaded`),
+    and memoised for inference.
 
     Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
     the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
-    version counters and storages (an in-place update, a load or a move invalidates it) and the requested dtype,
-    so a memo hit reads no weight at all. With gradients on it is always recomputed, so training is untouched.
+    version counters and storages (an in-place update, a load or a move invalidates it) and `like`'s dtype and
+    device (so the parameter-free one-stream read gate follows the model too), and a memo hit reads no weight at
+    all. With gradients on it is always recomputed, so training is untouched.
     """
     memoise = not torch.is_grad_enabled()
     if memoise:
-        stamp = (dtype, *((p._version, p.data_ptr()) for p in module.parameters()))
+        stamp = (like.dtype, like.device, *((p._version, p.data_ptr()) for p in module.parameters()))
         memo = module.__dict__.setdefault("_dar_fast_memo", {})
         cached = memo.get(name)
         if cached is not None and cached[0] == stamp:
@@ -445,12 +447,12 @@ class FastDepthBackend:
 
     def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
         attention, read_gate = residual.depth_attention, residual.read_gate
-        dtype, num_sources = self.history_buffer.dtype, len(state.history) + int(read_partial)
+        like, num_sources = self.history_buffer, len(state.history) + int(read_partial)
         routed = _derived(
-            attention, "routed_query", dtype,
-            lambda: routed_queries(attention.scoring_query().to(dtype), attention.key_streams),
+            attention, "routed_query", like,
+            lambda: routed_queries(attention.scoring_query().to(like), attention.key_streams),
         )  # [J * D, J]
-        stream_weights = _derived(read_gate, "stream_weights", dtype, lambda: read_gate.stream_weights().to(dtype))
+        stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
         gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
         return depth_read(
             routed, gate, self.history_buffer, self.inv_rms_buffer, state.history,
@@ -459,14 +461,14 @@ class FastDepthBackend:
         )
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
-        write_gate, dtype = residual.write_gate, self.history_buffer.dtype
+        write_gate, like = residual.write_gate, self.history_buffer
         if write_gate.num_streams == 1:  # AttnRes writes y unchanged
-            partial = residual.write_gate(branch_output.to(dtype), state.partial)
+            partial = residual.write_gate(branch_output.to(like.dtype), state.partial)
         else:
-            beta = _derived(write_gate, "beta", dtype, lambda: write_gate.beta().to(dtype))  # [J, D]
+            beta = _derived(write_gate, "beta", like, lambda: write_gate.beta().to(like))  # [J, D]
             rho = None
             if state.partial is not None:
-                rho = _derived(write_gate, "rho", dtype, lambda: write_gate.rho().to(dtype))  # (1,)
+                rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
             if torch.is_grad_enabled():
                 partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
             else:
