@@ -674,6 +674,7 @@ class VerificationReport:
     checks: list[PromptCheck]
     method: str = "in memory"  # or "layer-streamed"
     storage_dtype: str | None = None
+    greedy_skipped: str = "none asked for"  # why full greedy continuations did not run
 
     @property
     def relaxed(self) -> bool:
@@ -707,7 +708,7 @@ class VerificationReport:
         checked = sum(check.top1_checked for check in self.checks)
         total = sum(check.num_tokens for check in self.checks)
         greedy = (f"full greedy continuations of {self.max_new_tokens} tokens per prompt" if self.greedy_ran
-                  else "no full greedy continuations (both models do not fit in memory together)")
+                  else f"no full greedy continuations ({self.greedy_skipped})")
         return (f"Checks run ({self.method}, {computed}): max abs logit difference at every position; teacher-forced "
                 f"top-1 agreement at the {checked} of {total} positions whose source top-1/top-2 margin exceeds "
                 f"2 x tolerance; {greedy}.")
@@ -955,6 +956,9 @@ def verify_written(
             dtype,
             progress,
         )
+        greedy_skipped = ("none asked for: max new tokens 0" if max_new_tokens == 0
+                          else "turned off (--full-greedy off)" if full_greedy is False
+                          else "both models do not fit in memory together")
         if full_greedy is None:
             sizes = [info.nbytes // info.dtype.itemsize * dtype.itemsize
                      for checkpoint in (source.checkpoint, written) for info in checkpoint.infos().values()]
@@ -980,6 +984,7 @@ def verify_written(
         checks=checks,
         method="layer-streamed",
         storage_dtype=str(target_config.dtype).removeprefix("torch."),
+        greedy_skipped=greedy_skipped,
     )
 
 
@@ -1055,6 +1060,8 @@ def upcycle(
     """
     if tolerance is not None and not (isinstance(tolerance, (int, float)) and tolerance > 0):
         raise ValueError(f"tolerance must be a positive number, got {tolerance!r}.")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        raise ValueError(f"max_new_tokens must be an integer >= 0 (0: no greedy continuations), got {max_new_tokens!r}.")
     storage_dtype = resolve_dtype(dtype)
     target = _target_kind(kind)
     max_shard_bytes = parse_size(max_shard_size)
@@ -1102,7 +1109,7 @@ def upcycle(
             (folder / "README.md").write_text(card, encoding="utf-8")
 
         if output is not None:
-            write_repo_folder(output, write, overwrite)
+            write_repo_folder(output, write, overwrite, source)
             logger.info(f"Wrote the converted model to {output}")
         else:  # a check only: written to a temporary folder, verified, removed
             with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:

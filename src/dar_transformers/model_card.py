@@ -96,7 +96,7 @@ def _settings_rows(config) -> list[tuple[str, str]]:
 def chat_answers(report, tokenizer, eos_token_ids) -> tuple[str, str] | None:
     """The source's and the converted model's greedy answers to the verification chat prompt, cut at end-of-turn."""
     chat = [check for check in report.checks if check.name.startswith("chat:")] if report and tokenizer else []
-    if not chat:
+    if not chat or chat[0].greedy_identical is None:  # no continuations ran (max new tokens 0, or not in memory)
         return None
     stops = set(eos_token_ids if isinstance(eos_token_ids, list) else [eos_token_ids]) - {None}
 
