@@ -111,19 +111,35 @@ def run_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             **convert_fields(args),
         )
+    except KeyboardInterrupt as interrupt:  # the output is in place only if it came during the final swap
+        interrupt.output_written = getattr(interrupt, "output_written", False)
+        raise
     except VerificationError as error:
         print(error, file=sys.stderr)
         return 2
     except (ValueError, TypeError, OSError) as error:  # OSError: permission, read-only, no space, missing, ...
         return convert_error(error)
-    print(result.report.table())
-    config = result.config
-    print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).")
+    try:
+        print(result.report.table())
+        config = result.config
+        print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).")
+    except KeyboardInterrupt as interrupt:
+        interrupt.output_written = True
+        raise
     return 0
+
+
+def close_progress_bars() -> None:
+    """Close the progress bars an error or interrupt left open, so that the message that follows has its own line."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def convert_error(error: object) -> int:
     """One line on stderr (a message's own line breaks are folded), exit code 1."""
+    close_progress_bars()
     print(f"dar convert: error: {' '.join(str(error).split())}", file=sys.stderr)
     return 1
 
@@ -213,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             return args.run(args)
     except KeyboardInterrupt as interrupt:
         signum = getattr(interrupt, "signum", signal.SIGINT)
-        done = ""
-        if args.command == "convert":
-            done = f" after {args.output} was written" if getattr(interrupt, "output_written", False) else "; nothing was written"
+        written = getattr(interrupt, "output_written", None)  # set by run_convert
+        done = "" if written is None else f" after {args.output} was written" if written else "; nothing was written"
+        close_progress_bars()
         print(f"dar {args.command}: interrupted by {signal.Signals(signum).name}{done}.", file=sys.stderr)
         return 128 + signum
 

@@ -292,33 +292,33 @@ def _move_into_place(staging: Path, output: Path) -> None:
 
 
 def remove_stale_runs(parent: Path) -> list[Path]:
-    """Remove the staging and retired folders in `parent` that runs no longer alive left behind (recognised by
-    their marker; nothing else is touched) and name each on the log; a retired output whose place is empty is moved
-    back. Returns the folders removed or restored."""
-    handled = []
+    """Remove the staging and retired folders in `parent` that runs no longer alive left behind (recognised by their
+    marker; nothing else is touched), naming each on the log. A retired folder whose output is missing (a run killed
+    between its two renames) holds the only copy of that output: it is named, not removed. Returns what was removed."""
+    removed = []
     if not parent.is_dir():
-        return handled
-    for entry in parent.iterdir():
+        return removed
+    for entry in sorted(parent.iterdir()):
         if not (entry.name.startswith(".") and entry.name.endswith((STAGING_SUFFIX, RETIRED_SUFFIX))):
             continue
         marker = _read_marker(entry)
         if marker is None:
             continue
-        if marker.get("host") != socket.gethostname() or _alive(marker.get("pid")):
-            logger.warning(f"{entry} belongs to a conversion that may still be running (process {marker.get('pid')} "
-                           f"on {marker.get('host')}); left alone.")
+        pid, host, output = marker.get("pid"), marker.get("host"), Path(str(marker.get("output", "")))
+        if host != socket.gethostname() or _alive(pid):
+            logger.warning(f"{entry} belongs to a conversion that may still be running (process {pid} on {host}); "
+                           "left alone.")
             continue
+        kept = entry / output.name
+        if entry.name.endswith(RETIRED_SUFFIX) and os.path.lexists(kept) and not os.path.lexists(output):
+            logger.warning(f"{kept} is the previous {output}, moved aside by a conversion that was killed (process "
+                           f"{pid}); left alone: move it back or remove it yourself.")
+            continue
+        logger.warning(f"Removing {entry}, left behind by a killed conversion (process {pid}).")
         with signals_held():
-            output = Path(marker.get("output", ""))
-            kept = entry / output.name
-            if entry.name.endswith(RETIRED_SUFFIX) and output.name and kept.is_dir() and not os.path.lexists(output):
-                os.replace(kept, output)
-                logger.warning(f"Restored {output} from {entry}, left by a killed conversion (process {marker['pid']}).")
-            else:
-                logger.warning(f"Removing {entry}, left by a killed conversion (process {marker.get('pid')}).")
             shutil.rmtree(entry, ignore_errors=True)
-        handled.append(entry)
-    return handled
+        removed.append(entry)
+    return removed
 
 
 def _read_marker(folder: Path) -> dict | None:
