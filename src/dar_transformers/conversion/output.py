@@ -101,7 +101,7 @@ def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike) 
         elif _inside(protected, output):
             relation = "contains"
         if relation:
-            suggestion = source_path.with_name(source_path.stem + "-dar")
+            suggestion = source_path.with_name((source_path.name if source_path.is_dir() else source_path.stem) + "-dar")
             raise ValueError(
                 f"Output {shown} {relation} {what} {protected}; the source is never modified, with or without "
                 f"--overwrite. Choose an output folder outside it, e.g. {suggestion}."
@@ -120,9 +120,8 @@ def _protected_paths(given: Path, source: Path) -> Iterator[tuple[Path, bool, st
                     yield target, target.is_dir(), f"the target of the source's symlink {entry.name},"
     else:
         yield source, False, "the source file"
-    link = resolve_path(given.absolute().parent) / given.name
-    if link != source:  # the source was named through a symlink: keep that too
-        yield link, False, "the symlink to the source"
+    if given.is_symlink():  # the source was named through a symlink: keep that too
+        yield resolve_path(given.absolute().parent) / given.name, False, "the symlink to the source"
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
