@@ -33,7 +33,10 @@ CONVERT_FIELD_OPTIONS: dict[str, str] = {
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="an HF model folder (safetensors) or a .gguf file")
-    parser.add_argument("output", help="the folder to write (must not exist or be empty, unless --overwrite)")
+    parser.add_argument(
+        "output", help="the folder to write: new or empty (or a previous conversion output with --overwrite); never the "
+        "source, inside it or around it",
+    )
     parser.add_argument("--kind", default="dar", choices=sorted(TARGET_KINDS), help="target model kind")
     parser.add_argument(
         "--block-size", type=int, default=None,
