@@ -19,7 +19,10 @@ from transformers import (
 )
 
 from dar_transformers import DARConfig, DARForCausalLM, DARMoeForCausalLM
-from dar_transformers import convert as convert_module
+from dar_transformers.conversion import api as conversion_api
+from dar_transformers.conversion import plan as conversion_plan
+from dar_transformers.conversion.sources import plain_config
+from dar_transformers.conversion.verify import norms_in_input_dtype
 from dar_transformers.checkpoint_io import GGUFCheckpoint, SafetensorsCheckpoint
 from dar_transformers.convert import (
     DAR_NEW_PARAMETERS,
@@ -87,7 +90,7 @@ def test_float64_streamed_conversion_meets_1e_8(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto").eval()
     assert reloaded.dtype == torch.float64
     source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float64).eval()
-    with convert_module.norms_in_input_dtype(reloaded, source_model):
+    with norms_in_input_dtype(reloaded, source_model):
         assert max_logit_difference(reloaded, source_model, IDS) <= 1e-8
 
 
@@ -136,13 +139,13 @@ def test_new_parameter_values_are_what_init_weights_gives(fields):
 
 def test_streamed_verification_catches_a_wrong_dar_init_and_writes_nothing(tmp_path, monkeypatch):
     source = save_source(tmp_path / "source")
-    right = convert_module.new_parameter_values
+    right = conversion_plan.new_parameter_values
 
     def wrong(model_class, config, names):  # negative control: the read gates off their exact init alpha = 1/2
         values = right(model_class, config, names)
         return {name: value + 0.3 if name.endswith("read_gate.logit") else value for name, value in values.items()}
 
-    monkeypatch.setattr(convert_module, "new_parameter_values", wrong)
+    monkeypatch.setattr(conversion_plan, "new_parameter_values", wrong)
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(VerificationError, match="nothing was written") as caught:
         upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)
@@ -247,7 +250,7 @@ def test_the_gguf_source_is_read_tensor_by_tensor_as_transformers_loads_it(tmp_p
     model = make_source("llama", tied=False)
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", model, make_tokenizer())
     config = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf").config
-    meta = meta_model(LlamaForCausalLM, convert_module._plain_config(config))
+    meta = meta_model(LlamaForCausalLM, plain_config(config))
     streamed = GGUFCheckpoint(gguf, config, meta)
     whole = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=meta)["tensors"]
     assert streamed.infos().keys() == whole.keys()
@@ -272,7 +275,7 @@ def test_logits_within_tolerance_but_different_greedy_tokens_do_not_pass_and_wri
     assert not report_with(1e-6, None, agreed=4).passed  # a teacher-forced top-1 disagreement
     assert not report_with(1e-3, True).passed
     source = save_source(tmp_path / "source")
-    monkeypatch.setattr(convert_module, "verify_written", lambda *args, **kwargs: report_with(1e-6, False))
+    monkeypatch.setattr(conversion_api, "verify_written", lambda *args, **kwargs: report_with(1e-6, False))
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(VerificationError, match="nothing was written"):
         upcycle(source, tmp_path / "out", **FAST)

@@ -853,7 +853,7 @@ def test_conversion_rejects_bad_inputs():
     mixtral_config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **TINY)
     with pytest.raises(ValueError, match="differs from the mixtral source"):
         dar_moe_config_from_source(mixtral_config, num_experts=8)
-    with pytest.raises(ValueError, match="source model_type must be one of"):
+    with pytest.raises(ValueError, match="Cannot convert model_type 'gpt2' to DAR-MoE"):
         dar_moe_config_from_source(AutoConfig.for_model("gpt2"), num_experts=4, top_k=2)
 
 
