@@ -51,6 +51,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from conftest import TINY_LLAMA_FIELDS
+from test_convert import VOCAB as BPE_VOCAB
+from test_convert import make_tokenizer
 import dar_transformers
 from dar_transformers import (
     DARConfig,
@@ -887,9 +889,11 @@ def test_upcycle_to_dar_moe_verifies_and_writes_a_loadable_repo(tmp_path, dtype,
 
 
 def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
-    llama = tiny_llama(max_position_embeddings=256)  # the converter's default prompts are about 80 tokens
+    # The converter's default prompts are about 350 tokens of this BPE tokenizer, each a decided next token (a word
+    # tokenizer would map them all to <unk>, and a check that compares nothing does not pass).
+    llama = tiny_llama(max_position_embeddings=512, vocab_size=BPE_VOCAB)
     llama.save_pretrained(tmp_path / "llama")
-    word_tokenizer().save_pretrained(tmp_path / "llama")
+    make_tokenizer().save_pretrained(tmp_path / "llama")
     code = cli_main(
         ["convert", str(tmp_path / "llama"), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2",
          "--max-new-tokens", "8", "--block-size", "1"]
@@ -900,6 +904,8 @@ def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
     assert type(reloaded) is DARMoeForCausalLM and reloaded.config.num_experts_per_tok == 2
     assert reloaded.config.dar_block_size == 1
     assert max_logit_diff(llama, reloaded, tokens()) <= 1e-5
+    card = (tmp_path / "moe" / "README.md").read_text()
+    assert "| experts E (sparse layers) | 4 (2 of 2 layers) |" in card and "| experts per token (top-k) | 2 |" in card
 
     # Drop-Upcycling: written, but the check says plainly that it is relaxed and the logits differ.
     code = cli_main(
@@ -919,10 +925,10 @@ def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
 
 def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):
     torch.manual_seed(0)
-    fields = {**TINY, **INIT, "max_position_embeddings": 256}
+    fields = {**TINY, **INIT, "max_position_embeddings": 512, "vocab_size": BPE_VOCAB}
     mixtral = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **fields)).eval()
     mixtral.save_pretrained(tmp_path / "mixtral")  # per-expert tensors on disk
-    word_tokenizer().save_pretrained(tmp_path / "mixtral")
+    make_tokenizer().save_pretrained(tmp_path / "mixtral")
     code = cli_main(
         ["convert", str(tmp_path / "mixtral"), str(tmp_path / "moe"), "--kind", "dar_moe", "--max-new-tokens", "8"]
     )

@@ -22,7 +22,8 @@ from .card import chat_answers, render_model_card
 from .families import source_family
 from .options import ConversionOptions
 from .output import check_output_folder, write_repo_folder
-from .plan import cast_model, logging_level_error, plan_conversion, upcycle_model
+from .checkpoints import StateDictCheckpoint
+from .plan import cast_model, check_finite, logging_level_error, plan_conversion, upcycle_model
 from .report import VerificationReport
 from .sources import Source, display_name, load_source_config, open_source, source_storage_dtype
 from .targets import TargetKind, dar_moe_target_kind
@@ -94,6 +95,7 @@ def upcycle(
         config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
         plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
                                            loaded.checkpoint.description)
+        check_finite(loaded.checkpoint, loaded.checkpoint.description)
         check_dtype = options.verification_dtype(storage_dtype)
         prompt_ids = build_prompts(loaded.tokenizer, source_config.vocab_size, options.prompts) if options.verify else []
         outcome = {}
@@ -129,6 +131,7 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
     storage_dtype = options.storage_dtype or source.dtype
     target = options.target
     target.build_config(source.config, source_family(source.config), storage_dtype, options.fields)
+    check_finite(StateDictCheckpoint(source.state_dict()), "the in-memory model")
     model = upcycle_model(source, target, storage_dtype, **options.fields)
     report = None
     if options.verify:

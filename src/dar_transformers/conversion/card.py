@@ -56,7 +56,7 @@ Without the package, the modelling code shipped in this repo (`configuration_dar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{repo}")
+tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)  # the config's code; the tokenizer has none
 ```
 
 Requires `transformers>={transformers_version},<5.24` and torch. Chat:
@@ -87,9 +87,10 @@ def _settings_rows(config) -> list[tuple[str, str]]:
         ("weights dtype", str(config.dtype).removeprefix("torch.")),
         ("tied input/output embeddings", str(config.tie_word_embeddings)),
     ]
-    for name in ("dar_num_experts", "dar_num_experts_per_tok"):  # the MoE kind adds these, when present
-        if hasattr(config, name):
-            rows.append((name, str(getattr(config, name))))
+    if hasattr(config, "num_experts"):  # DAR-MoE
+        rows.append(("experts E (sparse layers)", f"{config.num_experts} ({len(config.moe_layer_indices)} of "
+                                                  f"{config.num_hidden_layers} layers)"))
+        rows.append(("experts per token (top-k)", str(config.num_experts_per_tok)))
     return rows
 
 

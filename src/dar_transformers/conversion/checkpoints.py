@@ -19,8 +19,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+    load_gguf_checkpoint,
+)
 
 from .keymaps import TensorInfo
+
+try:
+    import gguf  # the [gguf] extra: only GGUF sources need it
+except ImportError:
+    gguf = None
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -172,26 +183,26 @@ class StateDictCheckpoint(Checkpoint):
 
 class GGUFCheckpoint(Checkpoint):
     """A dense-family GGUF file, one tensor at a time: read at its offset, dequantised (float32), un-permuted by
-    transformers' tensor processor and named through `get_gguf_hf_weights_map` of a meta model of `config`."""
+    transformers' tensor processor and named through `get_gguf_hf_weights_map` of a meta model of `config`.
+
+    The last tensor read stays dequantised, so reading a tensor in row chunks (casting, checking, the LM head in
+    vocabulary chunks) dequantises it once, not once per chunk; the memory is that one tensor in float32, which the
+    first chunk needs anyway (the q/k un-permutation mixes rows within a head)."""
 
     def __init__(self, path: str | os.PathLike, config, meta_model: torch.nn.Module):
-        from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-            load_gguf_checkpoint,
-        )
-
+        if gguf is None:
+            raise ImportError("Reading a GGUF file needs the `gguf` package: pip install 'dar-transformers[gguf]'.")
         self.path = Path(path)
         self.description = f"GGUF file {self.path}"
         parsed = load_gguf_checkpoint(str(self.path))  # metadata only
         architecture = parsed["config"].get("model_type")
         self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
         key_map = get_gguf_hf_weights_map(meta_model, self.processor)
-        reader = GGUFReader(str(self.path))  # an np.memmap: only its header fields are touched here
+        reader = gguf.GGUFReader(str(self.path))  # an np.memmap: only its header fields are touched here
         self._fd = os.open(self.path, os.O_RDONLY)
         self._tensors = {}
+        self._last: tuple[str, torch.Tensor] | None = None  # (name, the whole dequantised tensor)
+        self.dequantised = 0  # tensors dequantised so far (each once per run of reads)
         for tensor in reader.tensors:
             hf_name = key_map.get(tensor.name)
             if hf_name is None:
@@ -204,17 +215,25 @@ class GGUFCheckpoint(Checkpoint):
     def infos(self) -> dict[str, TensorInfo]:
         return {name: entry[-1] for name, entry in self._tensors.items()}
 
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        from gguf import dequantize
-
+    def _dequantised(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        self._last = None  # free the previous tensor before making the next
         gguf_name, tensor_type, raw_dtype, raw_shape, offset, nbytes, info = self._tensors[name]
         raw = np.frombuffer(pread_exact(self._fd, nbytes, offset), dtype=raw_dtype).reshape(raw_shape)
-        weights = dequantize(raw, tensor_type)
+        weights = gguf.dequantize(raw, tensor_type)
         result = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping={}, parsed_parameters={})
         tensor = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(info.shape)
+        self.dequantised += 1
+        self._last = (name, tensor)
+        return tensor
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        tensor = self._dequantised(name)
         return tensor if rows is None else tensor[rows]
 
     def close(self) -> None:
+        self._last = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

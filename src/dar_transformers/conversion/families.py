@@ -60,6 +60,12 @@ class UnsupportedArchitectureError(ValueError):
     """The source is not a causal LM of a family whose branches DAR reuses."""
 
 
+def one_line(error: BaseException) -> str:
+    """An error's message on one line: a validator's own message (field name, allowed values) when it wraps one."""
+    cause = error.__cause__ if type(error).__name__.startswith("StrictDataclass") and error.__cause__ else error
+    return " ".join(str(cause).split())
+
+
 def supported_families_sentence() -> str:
     return (f"DAR converts model_type {sorted(SOURCE_FAMILIES)} (Llama, SmolLM, TinyLlama, Mistral, Qwen2, Qwen3) and, "
             f"to DAR-MoE, {sorted(MOE_SOURCE_FAMILIES)}")
@@ -120,6 +126,7 @@ __all__ = [
     "UnsupportedArchitectureError",
     "architecture_fields",
     "check_model_type",
+    "one_line",
     "source_architecture",
     "source_family",
 ]

@@ -21,6 +21,8 @@ from .families import source_family
 from .keymaps import TensorInfo, TensorPlan, check_keys
 from .targets import TargetKind, target_kind
 
+FINITE_CHECK_BYTES = 64 * 2**20  # rows of a source tensor checked for NaN/inf per read
+
 
 def meta_model(model_class: type[PreTrainedModel], config: PreTrainedConfig) -> PreTrainedModel:
     """The model of `config` on the meta device (no memory; an 8B model builds in well under a second)."""
@@ -101,6 +103,23 @@ def plan_conversion(
 
 
 
+def check_finite(checkpoint: Checkpoint, description: str = "the source") -> None:
+    """Refuse a source with a NaN or infinite weight, naming the tensor. Each floating tensor is read in row chunks
+    of about `FINITE_CHECK_BYTES`, so the check never holds more than one chunk (or one dequantised GGUF tensor)."""
+    for name, info in checkpoint.infos().items():
+        if not info.dtype.is_floating_point:
+            continue
+        rows = info.shape[0] if info.shape else 1
+        step = max(1, FINITE_CHECK_BYTES // max(1, info.nbytes // max(rows, 1)))
+        for start in range(0, rows, step):
+            chunk = checkpoint.read(name, slice(start, start + step) if info.shape else None)
+            if not torch.isfinite(chunk if chunk.dtype.itemsize > 1 else chunk.float()).all():
+                raise ValueError(
+                    f"{description}: tensor {name!r} holds NaN or infinite values (in rows {start}..{start + step - 1}); "
+                    "a broken source is not converted, nothing was written."
+                )
+
+
 def materialise(plan: TensorPlan, checkpoint: Checkpoint) -> torch.Tensor:
     """The planned tensor in memory (its storage dtype)."""
     if plan.value is not None:
@@ -163,5 +182,5 @@ def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
 
 
 
-__all__ = ["cast_model", "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
+__all__ = ["cast_model", "check_finite", "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
            "upcycle_model"]

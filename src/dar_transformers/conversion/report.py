@@ -4,6 +4,7 @@
 `dar convert`, shown in the model card), and the tolerances it is judged by."""
 
 import dataclasses
+import math
 
 import torch
 
@@ -24,7 +25,6 @@ class VerificationError(RuntimeError):
     def __init__(self, message: str, report: "VerificationReport"):
         super().__init__(message)
         self.report = report
-
 
 
 @dataclasses.dataclass
@@ -80,7 +80,19 @@ class VerificationReport:
 
     @property
     def max_abs_logit_difference(self) -> float:
-        return max(check.max_abs_logit_difference for check in self.checks)
+        """NaN when a difference is NaN (a Python max would skip it) or nothing was compared."""
+        differences = [check.max_abs_logit_difference for check in self.checks]
+        return math.nan if not differences or any(map(math.isnan, differences)) else max(differences)
+
+    @property
+    def nothing_compared(self) -> str | None:
+        """Why the verification compared nothing (no prompt, or no position whose next token is decided), or None.
+        A relaxed check compares logits only, so it needs prompts, not decided positions."""
+        if not self.checks or not sum(check.num_tokens for check in self.checks):
+            return "no prompt was run"
+        if not self.relaxed and not sum(check.top1_checked for check in self.checks):
+            return "no position's source top-1/top-2 margin exceeds 2 x tolerance, so no next token was compared"
+        return None
 
     @property
     def greedy_ran(self) -> bool:
@@ -94,7 +106,9 @@ class VerificationReport:
 
     @property
     def passed(self) -> bool:
-        within = self.max_abs_logit_difference <= self.tolerance
+        if self.first_nonfinite is not None or self.nothing_compared is not None:
+            return False
+        within = self.max_abs_logit_difference <= self.tolerance  # False for NaN
         return within and (self.greedy_identical or self.relaxed)
 
     def checks_run(self) -> str:
@@ -129,10 +143,14 @@ class VerificationReport:
         if self.relaxed:
             bar += f" (RELAXED from the default {self.default_tolerance:.1e}; greedy mismatches only reported)"
         lines.append("")
-        lines.append(f"{verdict}: max abs logit difference {self.max_abs_logit_difference:.3e}, {bar}.")
+        if self.first_nonfinite is not None:
+            lines.append(f"FAILED: non-finite values (NaN or inf) first appear in the output of {self.first_nonfinite}.")
+        elif self.nothing_compared is not None:
+            lines.append(f"FAILED: nothing was compared ({self.nothing_compared}).")
+        else:
+            lines.append(f"{verdict}: max abs logit difference {self.max_abs_logit_difference:.3e}, {bar}.")
         lines.append(self.checks_run())
         return "\n".join(lines)
-
 
 
 __all__ = ["DEFAULT_TOLERANCES", "PromptCheck", "VerificationError", "VerificationReport"]

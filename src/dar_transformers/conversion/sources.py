@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from .checkpoints import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint
-from .families import source_family
+from .families import check_model_type, one_line, source_family
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
@@ -60,15 +60,24 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
             raise ValueError(f"Source file {path} is not a .gguf file; pass an HF model folder or a GGUF file.")
         folder, gguf_file = _gguf_location(path)
         try:
-            return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+            return AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
         except Exception as error:  # gguf-py raises whatever a truncated or foreign file trips over
-            raise ValueError(f"Could not read the GGUF metadata of {path}: {error}") from error
-    if not (path / "config.json").is_file():
+            raise ValueError(f"Could not read the GGUF metadata of {path}: {one_line(error)}") from error
+    config_file = path / "config.json"
+    if not config_file.is_file():
         raise FileNotFoundError(f"Source folder {path} has no config.json; it is not a Hugging Face model folder.")
     try:
-        return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"Could not read {path / 'config.json'}: {error}") from error
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"Could not read {config_file}: {one_line(error)}") from error
+    if not isinstance(fields, dict):
+        raise ValueError(f"Could not read {config_file}: it holds a JSON {type(fields).__name__}, not an object.")
+    # Before any Auto call: a custom model_type (with an auto_map to code in the folder) never reaches transformers.
+    check_model_type(fields.get("model_type"), str(config_file))
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as error:  # transformers' validators raise StrictDataclass*, ValueError, TypeError, KeyError
+        raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
 
 
 def _load_tokenizer(folder: Path, gguf_file: str | None = None):
@@ -78,9 +87,12 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None):
             "one. Copy the tokenizer files into the folder, or convert an in-memory model with tokenizer=..."
         )
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
     except Exception as error:  # tokenizer backends raise many types; name the file either way
-        raise ValueError(f"Could not load the tokenizer of {folder / (gguf_file or '')}: {error}") from error
+        raise ValueError(
+            f"Could not load the tokenizer of {folder / (gguf_file or '')} without running code from the source "
+            f"(the converter never does): {one_line(error)}"
+        ) from error
 
 
 def _load_folder_model(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
@@ -91,7 +103,9 @@ def _load_folder_model(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
             "model-0000x-of-0000y.safetensors with model.safetensors.index.json)."
         )
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, output_loading_info=True, trust_remote_code=False
+        )
     except Exception as error:  # safetensors, JSON and shape errors alike: the file set is unusable
         raise ValueError(f"Could not load the weights in {folder}: {error}") from error
     problems = {name: info[name] for name in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(name)}
@@ -116,7 +130,9 @@ def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     """
     folder, gguf_file = _gguf_location(path)
     try:
-        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
+        )
     except Exception as error:
         raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
     plain = AutoModelForCausalLM.from_config(plain_config(quantized.config), dtype=torch.float32)
@@ -198,7 +214,10 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
     if (path / "generation_config.json").is_file():
-        generation_config = GenerationConfig.from_pretrained(path)
+        try:
+            generation_config = GenerationConfig.from_pretrained(path)
+        except Exception as error:  # a malformed generation_config.json: name it on one line
+            raise ValueError(f"Invalid {path / 'generation_config.json'}: {one_line(error)}") from error
     else:
         generation_config = GenerationConfig.from_model_config(source_config)
     return Source(None, loaded_tokenizer, path.name, f"HF folder {path.name}", source_config, checkpoint,

@@ -16,6 +16,7 @@ Shape legend: N prompts, T tokens (the longest prompt), D hidden, V vocabulary, 
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -57,7 +58,7 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     module.load_state_dict(state, strict=True, assign=True)
 
 
-def _all_finite(output) -> bool:
+def all_finite(output) -> bool:
     tensors = output if isinstance(output, (tuple, list)) else (output,)
     return all(torch.isfinite(tensor).all() for tensor in tensors if isinstance(tensor, torch.Tensor))
 
@@ -77,7 +78,7 @@ def streamed_weights(side: StreamedModel, dtype: torch.dtype, nonfinite: list[st
 
     def check(name):
         def hook(module, args, output):
-            if not _all_finite(output):
+            if not all_finite(output):
                 nonfinite.append(name)
         return hook
 
@@ -153,6 +154,11 @@ def lm_head_chunks(side: StreamedModel, dtype: torch.dtype) -> Iterator[tuple[in
         yield begin, side.checkpoint.read(name, slice(begin, begin + step)).to(dtype)
 
 
+def _nan_max(a: float, b: float) -> float:
+    """max that keeps a NaN (Python's max(0.0, nan) is 0.0: a NaN logit must not read as a zero difference)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 @dataclasses.dataclass
 class LogitStatistics:
     """Per prompt, accumulated over vocabulary chunks without keeping the logits."""
@@ -168,9 +174,9 @@ class LogitStatistics:
     def update(self, begin: int, source_logits: torch.Tensor, target_logits: torch.Tensor) -> None:
         """source_logits, target_logits [T, C] of vocabulary rows begin .. begin + C."""
         self.nonfinite |= not (torch.isfinite(source_logits).all() and torch.isfinite(target_logits).all())
-        self.max_abs_logit = max(self.max_abs_logit, source_logits.abs().max().item())
+        self.max_abs_logit = _nan_max(self.max_abs_logit, source_logits.abs().max().item())
         difference = (target_logits.double() - source_logits.double()).abs().max().item()
-        self.max_abs_logit_difference = max(self.max_abs_logit_difference, difference)
+        self.max_abs_logit_difference = _nan_max(self.max_abs_logit_difference, difference)
         top = source_logits.topk(min(2, source_logits.shape[-1]), dim=-1)
         values, indices = top.values, top.indices + begin  # [T, 2]
         if self.source_top2 is not None:

@@ -9,6 +9,7 @@ in-memory one with both models in memory (`verify_conversion`).
 """
 
 import contextlib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from .options import ConversionOptions
 from .plan import cast_model, logging_level_error, meta_model
 from .report import DEFAULT_TOLERANCES, PromptCheck, VerificationError, VerificationReport
 from .sources import Source, plain_config
-from .streamed import StreamedModel, streamed_logit_statistics
+from .streamed import StreamedModel, all_finite, streamed_logit_statistics
 from .targets import TargetKind
 
 logger = logging.get_logger(__name__)
@@ -184,9 +185,13 @@ def _verify_conversion(
     default_tolerance = DEFAULT_TOLERANCES[dtype]
     tolerance = default_tolerance if tolerance is None else tolerance
     steps = logging.tqdm(total=len(prompts) + 2, desc="Verifying (source vs DAR)", disable=not progress)
-    logit_pairs = []
+    logit_pairs, first_nonfinite = [], None
     for name, input_ids in prompts:
-        logit_pairs.append((source_model(input_ids).logits.double(), target_model(input_ids).logits.double()))  # [1, T, V]
+        pair = source_model(input_ids).logits.double(), target_model(input_ids).logits.double()  # [1, T, V] each
+        for role, model, logits in zip(("source", "converted"), (source_model, target_model), pair):
+            if first_nonfinite is None and not torch.isfinite(logits).all():
+                first_nonfinite = f"{role} {first_nonfinite_module(model, input_ids)}"
+        logit_pairs.append(pair)
         steps.update()
     continuations = [[None] * len(prompts), [None] * len(prompts)]
     if max_new_tokens > 0:
@@ -213,7 +218,31 @@ def _verify_conversion(
         default_tolerance=default_tolerance,
         max_new_tokens=max_new_tokens,
         checks=checks,
+        first_nonfinite=first_nonfinite,
     )
+
+
+@torch.no_grad()
+def first_nonfinite_module(model: PreTrainedModel, input_ids: torch.Tensor) -> str:
+    """The first module of `model`'s backbone (embedding, decoder layer, final readout or norm) whose output holds
+    a NaN or infinity on `input_ids`, in forward order; "LM head" when only the logits do."""
+    found = []
+
+    def watch(name: str):
+        def hook(module, args, output) -> None:
+            if not all_finite(output):
+                found.append(name)
+        return hook
+
+    watched = [(name, module) for name, module in model.model.named_modules()
+               if name in ("embed_tokens", "final_readout", "norm") or re.fullmatch(r"layers\.\d+", name)]
+    hooks = [module.register_forward_hook(watch(name)) for name, module in watched]
+    try:
+        model(input_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return f"model.{found[0]}" if found else "LM head"
 
 
 def _load_full_source(source: Source, dtype: torch.dtype) -> PreTrainedModel:

@@ -23,6 +23,8 @@ from .keymaps import TensorInfo, TensorPlan
 from .plan import materialise, meta_model
 from .sources import Source
 
+logger = logging.get_logger(__name__)
+
 CHUNK_BYTES = 64 * 2**20  # rows cast and written per step when a tensor is not copied byte for byte
 
 
@@ -133,7 +135,28 @@ def write_converted_folder(folder, target, config, plans, new_names, source: Sou
     custom_object_save(meta_model(target.model_class, config), folder, config=config)
     config.save_pretrained(folder)
     source.generation_config.save_pretrained(folder)
-    source.tokenizer.save_pretrained(folder)
+    write_tokenizer(folder, source.tokenizer)
 
 
-__all__ = ["write_checkpoint", "write_converted_folder"]
+def write_tokenizer(folder: Path, tokenizer) -> None:
+    """The tokenizer files, self-contained: an `auto_map` to tokenizer code is dropped (the converter loads and saves
+    the tokenizer with transformers' own classes, and never copies or runs a source's code), and so are the loading
+    flags `save_pretrained` leaves behind."""
+    tokenizer.save_pretrained(folder)
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return
+    fields = json.loads(config_file.read_text(encoding="utf-8"))
+    auto_map = fields.pop("auto_map", None)
+    for flag in ("is_local", "local_files_only"):
+        fields.pop(flag, None)
+    if auto_map:
+        logger.warning(
+            f"The source tokenizer's auto_map {auto_map} points to code that is not copied (the converter never ships "
+            f"or runs a source's code): dropped from tokenizer_config.json; the tokenizer loads as "
+            f"{fields.get('tokenizer_class') or type(tokenizer).__name__}."
+        )
+    config_file.write_text(json.dumps(fields, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+__all__ = ["write_checkpoint", "write_converted_folder", "write_tokenizer"]
