@@ -3,6 +3,8 @@
 keys that have no place stop the conversion, per-expert MoE tensors fuse into HF's layout, and each target's config
 validation names the field."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,9 +20,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from dar_transformers import DARForCausalLM
+from dar_transformers.configuration_dar import DAR_BRANCH_FAMILIES
 from dar_transformers.conversion import DAR_NEW_PARAMETERS, UnsupportedArchitectureError, convert_to_dar_moe, upcycle
+from dar_transformers.conversion.families import MOE_SOURCE_FAMILIES, SOURCE_FAMILIES
 from dar_transformers.conversion.keymaps import check_keys, fuse_expert_weights
 from dar_transformers.conversion.targets import dar_moe_config_from_source
+from dar_transformers.modeling_dar import DAR_BRANCH_MODULES, DAR_MODULE_NAMES
 
 from conftest import (
     FAST,
@@ -31,6 +37,7 @@ from conftest import (
     dense_llama,
     make_tokenizer,
     save_source,
+    tiny_dar_config,
 )
 
 
@@ -119,3 +126,14 @@ def test_conversion_rejects_bad_inputs():
         dar_moe_config_from_source(mixtral_config, num_experts=8)
     with pytest.raises(ValueError, match="Cannot convert model_type 'gpt2' to DAR-MoE"):
         dar_moe_config_from_source(AutoConfig.for_model("gpt2"), num_experts=4, top_k=2)
+
+
+def test_families_and_dar_module_names_are_written_once():
+    """The converter's families are the config's branch families (each with its modules in the model), and the new
+    parameters are exactly the parameters under DAR's module names."""
+    assert tuple(SOURCE_FAMILIES) == DAR_BRANCH_FAMILIES == tuple(DAR_BRANCH_MODULES)
+    assert set(MOE_SOURCE_FAMILIES.values()) <= set(DAR_BRANCH_FAMILIES)
+    model = DARForCausalLM(tiny_dar_config())
+    new = {name for name in model.state_dict() if any(re.fullmatch(p, name) for p in DAR_NEW_PARAMETERS)}
+    assert new == {name for name in model.state_dict() if set(name.split(".")) & set(DAR_MODULE_NAMES)} != set()
+    assert DARForCausalLM._keep_in_fp32_modules_strict == list(DAR_MODULE_NAMES)

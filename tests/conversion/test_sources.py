@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from dar_transformers.conversion import upcycle
+from dar_transformers.conversion import checkpoints, plan, upcycle
 from dar_transformers.conversion.checkpoints import GGUFCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.sources import plain_config
@@ -71,3 +71,36 @@ def test_the_gguf_source_is_read_tensor_by_tensor_as_transformers_loads_it(tmp_p
         assert torch.equal(streamed.read(name), tensor), name
     assert torch.equal(streamed.read_rows("model.embed_tokens.weight", torch.tensor([7, 3, 7])),
                        whole["model.embed_tokens.weight"][[7, 3, 7]])
+
+
+def test_a_gguf_tensor_read_in_row_chunks_is_dequantised_once(tmp_path, monkeypatch):
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", make_source("llama", tied=False), make_tokenizer())
+    config = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf").config
+    checkpoint = GGUFCheckpoint(gguf_path, config, meta_model(LlamaForCausalLM, plain_config(config)))
+    calls = []
+    dequantize = checkpoints.gguf.dequantize
+    monkeypatch.setattr(checkpoints.gguf, "dequantize", lambda *args: calls.append(args[1]) or dequantize(*args))
+    name = "model.embed_tokens.weight"
+    whole = checkpoint.read(name)
+    chunks = [checkpoint.read(name, slice(start, start + 7)) for start in range(0, whole.shape[0], 7)]
+    assert torch.equal(torch.cat(chunks), whole) and len(calls) == 1  # 46 chunks, one dequantisation
+    # The NaN check and the writer read every tensor in chunks: still one dequantisation per tensor.
+    checkpoint.close()
+    checkpoint = GGUFCheckpoint(gguf_path, config, meta_model(LlamaForCausalLM, plain_config(config)))
+    monkeypatch.setattr(plan, "FINITE_CHECK_BYTES", 1024)
+    calls.clear()
+    plan.check_finite(checkpoint)
+    assert len(calls) == len(checkpoint.infos())
+
+
+def test_a_nan_in_a_source_is_refused_at_planning_naming_the_tensor(tmp_path):
+    model = make_source("llama", tied=False)
+    with torch.no_grad():
+        model.lm_head.weight[300, 1] = float("inf")
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"the in-memory model: tensor 'lm_head\.weight' holds NaN or infinite values "
+                                         r"\(in rows 0\.\.\d+\)"):
+        upcycle(model, progress=False)
+    with pytest.raises(ValueError, match=r"tensor 'lm_head\.weight' holds NaN or infinite values"):
+        upcycle(model, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
+    assert_nothing_written(tmp_path, before)

@@ -2,6 +2,8 @@
 """Verification (CPU, tiny models): what is verified is what is written, and verdicts fail when they must: a
 wrong DAR init, an inexact setting, greedy or top-1 disagreement, rounding beyond the bar (unless relaxed)."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
@@ -20,7 +22,7 @@ from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.report import PromptCheck
 from dar_transformers.conversion.streamed import StreamedModel, streamed_logits
 
-from conftest import FAST, IDS, assert_nothing_written, make_source, save_bf16_source, save_source
+from conftest import FAST, IDS, assert_nothing_written, make_source, make_tokenizer, save_bf16_source, save_source
 
 
 def test_streamed_verification_catches_a_wrong_dar_init_and_writes_nothing(tmp_path, monkeypatch):
@@ -124,3 +126,47 @@ def test_float64_verification_runs_hf_norms_in_float64_and_restores_them():
         assert all("forward" in vars(layer.input_layernorm) for layer in llama.model.layers)
     assert not any("forward" in vars(module) for module in llama.modules())
     assert (norm(hidden) - exact).abs().max() > 1e-12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A check that compared nothing, or compared NaNs, does not pass.
+
+
+def test_a_verification_that_compared_nothing_is_not_passed():
+    empty = VerificationReport("float32", 2e-4, 2e-4, 0, [])
+    assert not empty.passed and "FAILED: nothing was compared (no prompt was run)" in empty.table()
+    undecided = VerificationReport("float32", 2e-4, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.0, 0, 0, None, [], [])])
+    assert not undecided.passed and "no next token was compared" in undecided.table()
+    # A relaxed check compares logits only (Drop-Upcycling): it needs prompts, not decided positions.
+    relaxed = VerificationReport("float32", math.inf, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.5, 0, 0, None, [], [])])
+    assert relaxed.passed
+    nan = VerificationReport("float32", 2e-4, 2e-4, 0, [PromptCheck("p", 5, 3.0, math.nan, 5, 5, None, [], [])])
+    assert not nan.passed and math.isnan(nan.max_abs_logit_difference)
+
+
+def overflowing_source(folder):
+    """A source whose weights are finite but whose layer 1 overflows: its MLP output is ~1e38 * 64 = inf."""
+    model = make_source("llama", tied=False)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.fill_(1e38)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_non_finite_outputs_fail_the_streamed_check_naming_the_first_layer(tmp_path):
+    source = tmp_path / "source"
+    overflowing_source(source)
+    make_tokenizer().save_pretrained(source)
+    with pytest.raises(VerificationError, match="nothing was written") as caught:
+        upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)
+    report = caught.value.report
+    assert report.first_nonfinite == "source model.layers.1" and not report.passed
+    assert "non-finite values (NaN or inf) first appear in the output of source model.layers.1" in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_outputs_fail_the_in_memory_check_naming_the_first_layer(tmp_path):
+    source = overflowing_source(tmp_path / "source")
+    with pytest.raises(VerificationError) as caught:
+        upcycle(source, dar_block_size=2, prompts=None, max_new_tokens=0, progress=False)
+    assert caught.value.report.first_nonfinite == "source model.layers.1"
