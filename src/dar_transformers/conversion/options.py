@@ -80,7 +80,7 @@ class ConversionOptions:
         resolve_dtype(self.dtype)
         if self.verify_dtype is not None and resolve_dtype(self.verify_dtype) not in (torch.float32, torch.float64):
             raise ValueError(f"verify_dtype must be 'float32' or 'float64', got {self.verify_dtype!r}.")
-        self.target  # an unknown kind fails here  # noqa: B018
+        target_kind(self.kind)  # an unknown kind fails here
         parse_size(self.max_shard_size)
 
     @classmethod

@@ -30,6 +30,7 @@ from ..configuration_dar_moe import DARMoeConfig
 from ..modeling_dar import DARForCausalLM
 from ..modeling_dar_moe import DARMoeForCausalLM
 from .families import (
+    ALL_SOURCE_FAMILIES,
     MOE_CONFIG_FIELDS,
     MOE_SOURCE_FAMILIES,
     SOURCE_FAMILIES,
@@ -148,13 +149,13 @@ def dar_moe_config_from_source(
     """
     _check_fields(dar_fields, DAR_MOE_OPTION_FIELDS, "DAR-MoE")
     model_type = source_config.model_type
-    if model_type not in {**SOURCE_FAMILIES, **MOE_SOURCE_FAMILIES}:
+    if model_type not in ALL_SOURCE_FAMILIES:
         raise UnsupportedArchitectureError(
             f"Cannot convert model_type {model_type!r} to DAR-MoE: the source must be one of "
             f"{sorted(SOURCE_FAMILIES) + sorted(MOE_SOURCE_FAMILIES)}."
         )
     fields = source_architecture(source_config)
-    fields["dar_branch_family"] = {**SOURCE_FAMILIES, **MOE_SOURCE_FAMILIES}[model_type]
+    fields["dar_branch_family"] = ALL_SOURCE_FAMILIES[model_type]
     if model_type == "qwen2_moe" and not source_config.qkv_bias:
         # Qwen2's attention always has q/k/v biases; without them it is Llama's attention (o_proj has none in both).
         fields.update(dar_branch_family="llama", attention_bias=False)

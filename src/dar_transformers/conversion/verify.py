@@ -55,7 +55,6 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
     "large pot and",
 )
 CHAT_PROMPT = "What is the capital of France?"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def top1_agreement(source_logits: torch.Tensor, target_logits: torch.Tensor, tolerance: float) -> tuple[int, int]:
