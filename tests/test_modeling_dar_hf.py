@@ -458,7 +458,7 @@ def test_task_heads_are_registered_and_reduce_exactly_to_llamas(auto_class, dar_
 def test_dense_task_heads_load_with_remote_code_without_the_package(tmp_path):
     """The generic heads build their backbone with AutoModel; under trust_remote_code the config class is the remote
     module's own, which `DARTaskHeadMixin` registers. A fresh process without the package gives the same outputs."""
-    from test_moe import head_outputs, load_heads_with_remote_code
+    from test_moe_heads import head_outputs, load_heads_with_remote_code
 
     import dar_transformers
 

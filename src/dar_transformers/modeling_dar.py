@@ -60,6 +60,10 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_dar import ROUTING_KEY_VALUE_STREAMS, DARConfig
 from .depth_backends import DepthState, dar_compute_dtype, depth_backend
 
+# Every DAR-only parameter lives under a module of one of these names; everything else keeps Llama's names. The one
+# list of them: the fp32 policy below, weight decay (`training.py`) and the converter's new parameters read it.
+DAR_MODULE_NAMES = ("attn_residual", "mlp_residual", "final_readout")
+
 # The unchanged branch modules per family: (attention class, MLP class). Data, not an if-ladder.
 DAR_BRANCH_MODULES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
     "llama": (LlamaAttention, LlamaMLP),
@@ -339,7 +343,7 @@ class DARPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     # DAR parameters stay float32 when the model is loaded in half precision (DESIGN.md section 4).
-    _keep_in_fp32_modules_strict = ["attn_residual", "mlp_residual", "final_readout"]
+    _keep_in_fp32_modules_strict = list(DAR_MODULE_NAMES)
     # hidden_states[l] is the input u of layer l's attention branch (the embedding for l = 0, Llama's residual
     # stream at upcycling), then the final readout (replaced by `last_hidden_state` after `norm`).
     _can_record_outputs = {
