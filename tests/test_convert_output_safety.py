@@ -159,10 +159,16 @@ def test_cli_refuses_an_output_that_overlaps_the_source(tmp_path, tiny_source, c
     assert tree_state(tmp_path) == before and source_bytes(source) == source_before
 
 
-def test_cli_refuses_negative_max_new_tokens_in_one_line(tmp_path, tiny_source):
-    completed = run_dar("convert", tiny_source, tmp_path / "out", "--max-new-tokens", "-5", cwd=tmp_path)
-    assert completed.returncode == 1
-    assert completed.stderr.strip().splitlines() == [
+@pytest.mark.parametrize("how", [pytest.param("subprocess", marks=pytest.mark.slow), "in process"])
+def test_cli_refuses_negative_max_new_tokens_in_one_line(tmp_path, tiny_source, how):
+    args = (tiny_source, tmp_path / "out", "--max-new-tokens", "-5")
+    if how == "subprocess":
+        completed = run_dar("convert", *args, cwd=tmp_path)
+        code, stderr = completed.returncode, completed.stderr
+    else:
+        code, stderr = run_in_process(*args, cwd=tmp_path)
+    assert code == 1
+    assert stderr.strip().splitlines() == [
         "dar convert: error: --max-new-tokens must be 0 (no greedy continuations) or more, got -5."
     ]
     assert list(tmp_path.iterdir()) == []
