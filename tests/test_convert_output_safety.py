@@ -257,6 +257,35 @@ def test_immutable_previous_output_is_refused_at_the_swap_and_kept(tmp_path, tin
     assert tree_state(tmp_path) == before
 
 
+def test_a_previous_output_that_cannot_be_removed_is_named_until_it_can(tmp_path, tiny_source, caplog):
+    """An immutable file in the replaced output: the new output is in place (exit 0), the old one stays in its marked
+    folder, named by this run and by the next ones, which remove it once they can."""
+    out = tmp_path / "out"
+    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    if subprocess.run(["chattr", "+i", str(out / "config.json")], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i needs root on a file system with attributes")
+    try:
+        code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+        assert code == 0, stderr
+        assert_complete_output(out)
+        (retired,) = tmp_path.glob(".out.*.old")
+        assert (retired / STAGING_MARKER).is_file() and (retired / "out" / "config.json").is_file()
+        assert f"the previous output moved to {retired} could not be removed" in caplog.text
+        marker = json.loads((retired / STAGING_MARKER).read_text())
+        assert marker["pid"] == os.getpid()  # this process: alive, so the next run would leave it alone
+        finished = subprocess.Popen(["true"])
+        finished.wait()
+        (retired / STAGING_MARKER).write_text(json.dumps({**marker, "pid": finished.pid}))  # as if run elsewhere
+        assert run_in_process(tiny_source, tmp_path / "other", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+        assert f"Could not remove {retired}" in caplog.text and retired.is_dir()
+    finally:
+        for config in [out / "config.json", *tmp_path.glob(".out.*.old/out/config.json")]:
+            if config.exists():
+                subprocess.run(["chattr", "-i", str(config)], check=True)
+    assert run_in_process(tiny_source, tmp_path / "third", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other", "out", "third"]
+
+
 def test_output_under_a_file_or_in_sys_is_one_line(tmp_path, tiny_source):
     (tmp_path / "file").write_text("x")
     for output, expected in [(tmp_path / "file" / "out", "which is not a folder"),
@@ -339,7 +368,7 @@ def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp
                                                       "output": str(tmp_path / "out")}))
     code, stderr = run_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
-    assert f"Removing {stale}, left behind by a killed conversion (process {pid})." in caplog.text
+    assert f"Removing {stale}, left behind by an earlier conversion (process {pid}, no longer running)." in caplog.text
     assert f"{running} belongs to a conversion that may still be running" in caplog.text
     assert not stale.exists() and (lookalike / "data").read_text() == "user data" and running.is_dir()
     assert_complete_output(tmp_path / "out")
