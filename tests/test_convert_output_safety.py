@@ -434,13 +434,13 @@ OUTPUT_SPELLINGS = [
     "a", "alink", ".", "a/src/..",  # folders holding it
     "a/src/dar", "link/dar", "a/src/sub", "a/src/sub/dar",  # inside it
     "a/dar", "alink/dar", "a/src/../dar", "link/../dar", "new/deeper/dar",  # new siblings
-    "a/empty", "a/prev", "alink/prev", "a/user", "a/file.txt",  # existing siblings
+    "a/empty", "a/prev", "alink/prev", "prevlink", "a/user", "a/file.txt",  # existing siblings
 ]
 
 
 def build_layout(root: Path, tiny_source: Path, linked_tokenizer: bool) -> None:
     """root/a/{src (with sub/), x/, empty/, prev (a previous conversion output), user (a user's folder), file.txt},
-    root/link -> a/src, root/alink -> a; `linked_tokenizer`: src/tokenizer.json is a symlink into prev/."""
+    root/link -> a/src, root/alink -> a, root/prevlink -> a/prev; `linked_tokenizer`: src/tokenizer.json is a symlink into prev/."""
     src = root / "a" / "src"
     shutil.copytree(tiny_source, src)
     (src / "sub").mkdir()
@@ -456,6 +456,7 @@ def build_layout(root: Path, tiny_source: Path, linked_tokenizer: bool) -> None:
         (src / "tokenizer.json").symlink_to("../prev/tokenizer.json")
     (root / "link").symlink_to("a/src")
     (root / "alink").symlink_to("a")
+    (root / "prevlink").symlink_to("a/prev")
 
 
 def expected_to_write(root: Path, source: str, output: str, overwrite: bool) -> bool:
