@@ -309,7 +309,7 @@ def _start_and_signal(tmp_path: Path, source: Path, signum: int) -> tuple[subpro
     process, its pid)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [*dar_command(), "convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "2000"],
+        [*dar_command(), "convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "1500"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )
     deadline = time.monotonic() + 300
