@@ -159,10 +159,16 @@ def test_cli_refuses_an_output_that_overlaps_the_source(tmp_path, tiny_source, c
     assert tree_state(tmp_path) == before and source_bytes(source) == source_before
 
 
-def test_cli_refuses_negative_max_new_tokens_in_one_line(tmp_path, tiny_source):
-    completed = run_dar("convert", tiny_source, tmp_path / "out", "--max-new-tokens", "-5", cwd=tmp_path)
-    assert completed.returncode == 1
-    assert completed.stderr.strip().splitlines() == [
+@pytest.mark.parametrize("how", [pytest.param("subprocess", marks=pytest.mark.slow), "in process"])
+def test_cli_refuses_negative_max_new_tokens_in_one_line(tmp_path, tiny_source, how):
+    args = (tiny_source, tmp_path / "out", "--max-new-tokens", "-5")
+    if how == "subprocess":
+        completed = run_dar("convert", *args, cwd=tmp_path)
+        code, stderr = completed.returncode, completed.stderr
+    else:
+        code, stderr = run_in_process(*args, cwd=tmp_path)
+    assert code == 1
+    assert stderr.strip().splitlines() == [
         "dar convert: error: --max-new-tokens must be 0 (no greedy continuations) or more, got -5."
     ]
     assert list(tmp_path.iterdir()) == []
@@ -251,6 +257,35 @@ def test_immutable_previous_output_is_refused_at_the_swap_and_kept(tmp_path, tin
     assert tree_state(tmp_path) == before
 
 
+def test_a_previous_output_that_cannot_be_removed_is_named_until_it_can(tmp_path, tiny_source, caplog):
+    """An immutable file in the replaced output: the new output is in place (exit 0), the old one stays in its marked
+    folder, named by this run and by the next ones, which remove it once they can."""
+    out = tmp_path / "out"
+    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    if subprocess.run(["chattr", "+i", str(out / "config.json")], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i needs root on a file system with attributes")
+    try:
+        code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+        assert code == 0, stderr
+        assert_complete_output(out)
+        (retired,) = tmp_path.glob(".out.*.old")
+        assert (retired / STAGING_MARKER).is_file() and (retired / "out" / "config.json").is_file()
+        assert f"the previous output moved to {retired} could not be removed" in caplog.text
+        marker = json.loads((retired / STAGING_MARKER).read_text())
+        assert marker["pid"] == os.getpid()  # this process: alive, so the next run would leave it alone
+        finished = subprocess.Popen(["true"])
+        finished.wait()
+        (retired / STAGING_MARKER).write_text(json.dumps({**marker, "pid": finished.pid}))  # as if run elsewhere
+        assert run_in_process(tiny_source, tmp_path / "other", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+        assert f"Could not remove {retired}" in caplog.text and retired.is_dir()
+    finally:
+        for config in [out / "config.json", *tmp_path.glob(".out.*.old/out/config.json")]:
+            if config.exists():
+                subprocess.run(["chattr", "-i", str(config)], check=True)
+    assert run_in_process(tiny_source, tmp_path / "third", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other", "out", "third"]
+
+
 def test_output_under_a_file_or_in_sys_is_one_line(tmp_path, tiny_source):
     (tmp_path / "file").write_text("x")
     for output, expected in [(tmp_path / "file" / "out", "which is not a folder"),
@@ -274,7 +309,7 @@ def _start_and_signal(tmp_path: Path, source: Path, signum: int) -> tuple[subpro
     process, its pid)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [*dar_command(), "convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "2000"],
+        [*dar_command(), "convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "1500"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )
     deadline = time.monotonic() + 300
@@ -333,7 +368,7 @@ def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp
                                                       "output": str(tmp_path / "out")}))
     code, stderr = run_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
-    assert f"Removing {stale}, left behind by a killed conversion (process {pid})." in caplog.text
+    assert f"Removing {stale}, left behind by an earlier conversion (process {pid}, no longer running)." in caplog.text
     assert f"{running} belongs to a conversion that may still be running" in caplog.text
     assert not stale.exists() and (lookalike / "data").read_text() == "user data" and running.is_dir()
     assert_complete_output(tmp_path / "out")
@@ -399,13 +434,13 @@ OUTPUT_SPELLINGS = [
     "a", "alink", ".", "a/src/..",  # folders holding it
     "a/src/dar", "link/dar", "a/src/sub", "a/src/sub/dar",  # inside it
     "a/dar", "alink/dar", "a/src/../dar", "link/../dar", "new/deeper/dar",  # new siblings
-    "a/empty", "a/prev", "alink/prev", "a/user", "a/file.txt",  # existing siblings
+    "a/empty", "a/prev", "alink/prev", "prevlink", "a/user", "a/file.txt",  # existing siblings
 ]
 
 
 def build_layout(root: Path, tiny_source: Path, linked_tokenizer: bool) -> None:
     """root/a/{src (with sub/), x/, empty/, prev (a previous conversion output), user (a user's folder), file.txt},
-    root/link -> a/src, root/alink -> a; `linked_tokenizer`: src/tokenizer.json is a symlink into prev/."""
+    root/link -> a/src, root/alink -> a, root/prevlink -> a/prev; `linked_tokenizer`: src/tokenizer.json is a symlink into prev/."""
     src = root / "a" / "src"
     shutil.copytree(tiny_source, src)
     (src / "sub").mkdir()
@@ -421,6 +456,7 @@ def build_layout(root: Path, tiny_source: Path, linked_tokenizer: bool) -> None:
         (src / "tokenizer.json").symlink_to("../prev/tokenizer.json")
     (root / "link").symlink_to("a/src")
     (root / "alink").symlink_to("a")
+    (root / "prevlink").symlink_to("a/prev")
 
 
 def expected_to_write(root: Path, source: str, output: str, overwrite: bool) -> bool:

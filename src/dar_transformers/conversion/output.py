@@ -284,7 +284,7 @@ def _move_into_place(staging: Path, output: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
         raise
     try:
-        shutil.rmtree(retired)
+        _remove_marked(retired)
     except OSError as error:  # the new output is in place; say what is left rather than fail
         logger.warning(f"Wrote {output}, but the previous output moved to {retired} could not be removed "
                        f"({_describe(error)}); remove it yourself.")
@@ -313,11 +313,23 @@ def remove_stale_runs(parent: Path) -> list[Path]:
             logger.warning(f"{kept} is the previous {output}, moved aside by a conversion that was killed (process "
                            f"{pid}); left alone: move it back or remove it yourself.")
             continue
-        logger.warning(f"Removing {entry}, left behind by a killed conversion (process {pid}).")
-        with signals_held():
-            shutil.rmtree(entry, ignore_errors=True)
+        logger.warning(f"Removing {entry}, left behind by an earlier conversion (process {pid}, no longer running).")
+        try:
+            with signals_held():
+                _remove_marked(entry)
+        except OSError as error:
+            logger.warning(f"Could not remove {entry} ({_describe(error)}); remove it yourself.")
+            continue
         removed.append(entry)
     return removed
+
+
+def _remove_marked(folder: Path) -> None:
+    """Remove a marked folder, its marker last: a folder that cannot be removed whole stays recognisable."""
+    for entry in folder.iterdir():
+        if entry.name != STAGING_MARKER:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    shutil.rmtree(folder)
 
 
 def _read_marker(folder: Path) -> dict | None:
