@@ -20,7 +20,7 @@ from dar_transformers.conversion import (
 from dar_transformers.conversion.checkpoints import SafetensorsCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.report import PromptCheck
-from dar_transformers.conversion.streamed import StreamedModel, streamed_logits
+from dar_transformers.conversion.streamed import StreamedModel, streamed_hidden_states, streamed_logits, token_budget_groups
 
 from conftest import FAST, IDS, assert_nothing_written, make_source, make_tokenizer, save_bf16_source, save_source
 
@@ -170,3 +170,20 @@ def test_non_finite_outputs_fail_the_in_memory_check_naming_the_first_layer(tmp_
     with pytest.raises(VerificationError) as caught:
         upcycle(source, dar_block_size=2, prompts=None, max_new_tokens=0, progress=False)
     assert caught.value.report.first_nonfinite == "source model.layers.1"
+
+
+def test_the_streamed_forward_gives_each_prompt_its_unpadded_output_in_any_batching(tmp_path):
+    """Right padding never reaches a real position (causal attention): one batch, groups, or one prompt at a time
+    give the same hidden states, and the same as the reloaded model's own forward on the unpadded prompt."""
+    source = save_source(tmp_path / "source")
+    upcycle(source, tmp_path / "out", dar_block_size=2, tolerance=1e-5, **FAST)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    side = StreamedModel(meta_model(DARForCausalLM, reloaded.config), SafetensorsCheckpoint(tmp_path / "out"))
+    prompts = [IDS[:1, :24], IDS[1:, :7], IDS[:1, 3:15]]
+    assert token_budget_groups([24, 7, 12], 30) == [[0], [1, 2]]
+    runs = [streamed_hidden_states(side, prompts, torch.float32, max_batch_tokens=budget)[0] for budget in (None, 30, 1)]
+    with torch.no_grad():
+        for index, ids in enumerate(prompts):
+            own = reloaded.model(ids).last_hidden_state
+            for run in runs:
+                assert run[index].shape == own.shape and torch.allclose(run[index], own, atol=1e-5, rtol=0)

@@ -5,8 +5,10 @@
 just before the layer runs and dropped right after it (forward hooks), computing in float32 (or float64) whatever
 the storage dtype. No forward is written here, so what is verified is the model's code as it is.
 
-All prompts go through in one right-padded batch: under causal attention a position never sees the padding after
-it, so every real position's output is the unpadded prompt's (and each layer is read once). The embedding reads
+Prompts go through in right-padded batches: under causal attention a position never sees the padding after it, so
+every real position's output is the unpadded prompt's. The source runs one batch (each layer read, or dequantised,
+once); the converted model, whose depth history grows activations by the number of sources, in batches of at most
+`TARGET_BATCH_TOKENS` padded tokens, re-reading its written layers per batch. The embedding reads
 only the prompts' rows (`inputs_embeds`), the rotary embedding is built as `from_pretrained` builds it (`inv_freq`
 in float32), and the logits are computed in vocabulary chunks of the LM head, so the peak is about one decoder layer
 in the compute dtype plus one vocabulary chunk.
@@ -27,6 +29,9 @@ from .checkpoints import Checkpoint
 
 LM_HEAD_CHUNK_BYTES = 32 * 2**20  # one vocabulary chunk of the LM head in the compute dtype
 EMBEDDING = "model.embed_tokens.weight"
+# Padded tokens per forward of the converted model: the default prompts of a real tokenizer (70-110 tokens each) go
+# in one batch; longer ones in groups, which bounds DAR's activations near those of a few prompts.
+TARGET_BATCH_TOKENS = 768
 
 
 def _identity(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,30 +122,57 @@ def right_padded(prompts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[in
     return batch, lengths
 
 
+def token_budget_groups(lengths: Sequence[int], max_batch_tokens: int | None) -> list[list[int]]:
+    """Prompt indices in order, grouped so that each group's padded batch holds at most `max_batch_tokens` tokens
+    (a longer prompt goes alone); one group when the budget is None."""
+    groups: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        group = groups[-1] if groups else None
+        if group is not None and (max_batch_tokens is None
+                                  or (len(group) + 1) * max(length, *(lengths[i] for i in group)) <= max_batch_tokens):
+            group.append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
 @torch.no_grad()
 def streamed_hidden_states(
     side: StreamedModel, prompts: Sequence[torch.Tensor], dtype: torch.dtype, progress: bool = False,
-    description: str = "model",
+    description: str = "model", max_batch_tokens: int | None = None,
 ) -> tuple[list[torch.Tensor], str | None]:
     """The final hidden states (after `norm`) [1, T_i, D] of every prompt in `dtype`, from the model's own forward,
-    and the first module ("embedding", "model.layers.3", ...) whose output is not finite (None if all are)."""
-    batch, lengths = right_padded(prompts)
-    embeds = side.checkpoint.read_rows(EMBEDDING, batch.reshape(-1)).to(dtype).reshape(*batch.shape, -1)  # [N, T, D]
-    nonfinite = [] if torch.isfinite(embeds).all() else ["embedding"]
-    bar = logging.tqdm(total=side.model.config.num_hidden_layers, desc=f"Verifying layer by layer ({description})",
-                       disable=not progress)
-    with streamed_weights(side, dtype, nonfinite) as backbone:
-        def advance(module, args, output) -> None:  # a forward hook that returned a value would replace the output
-            bar.update()
+    and the first module ("embedding", "model.layers.3", ...) whose output is not finite (None if all are).
 
-        handles = [layer.register_forward_hook(advance) for layer in backbone.layers]
-        try:
-            hidden = backbone(inputs_embeds=embeds, use_cache=False).last_hidden_state  # [N, T, D]
-        finally:
-            for handle in handles:
-                handle.remove()
-            bar.close()
-    return [hidden[row : row + 1, :length] for row, length in enumerate(lengths)], (nonfinite or [None])[0]
+    The prompts run in right-padded batches of at most `max_batch_tokens` padded tokens (None: one batch), each
+    batch reading every layer once: a smaller budget bounds the activations, a larger one reads the layers fewer
+    times."""
+    lengths = [ids.shape[-1] for ids in prompts]
+    groups = token_budget_groups(lengths, max_batch_tokens)
+    hidden: list[torch.Tensor | None] = [None] * len(prompts)
+    nonfinite: list[str] = []
+    bar = logging.tqdm(total=len(groups) * side.model.config.num_hidden_layers,
+                       desc=f"Verifying layer by layer ({description})", disable=not progress)
+
+    def advance(module, args, output) -> None:  # a forward hook that returned a value would replace the output
+        bar.update()
+
+    for group in groups:
+        batch, group_lengths = right_padded([prompts[index] for index in group])
+        embeds = side.checkpoint.read_rows(EMBEDDING, batch.reshape(-1)).to(dtype).reshape(*batch.shape, -1)  # [N, T, D]
+        if not torch.isfinite(embeds).all():
+            nonfinite.append("embedding")
+        with streamed_weights(side, dtype, nonfinite) as backbone:
+            handles = [layer.register_forward_hook(advance) for layer in backbone.layers]
+            try:
+                output = backbone(inputs_embeds=embeds, use_cache=False).last_hidden_state  # [N, T, D]
+            finally:
+                for handle in handles:
+                    handle.remove()
+        for row, (index, length) in enumerate(zip(group, group_lengths)):
+            hidden[index] = output[row : row + 1, :length]
+    bar.close()
+    return hidden, (nonfinite or [None])[0]
 
 
 @torch.no_grad()
@@ -211,8 +243,11 @@ def streamed_logit_statistics(
     progress: bool = False,
 ) -> StreamedComparison:
     """Both sides' logits compared prompt by prompt, one side's layer in memory at a time."""
+    # The source (possibly GGUF: a layer read is a dequantisation) runs all prompts in one batch; DAR's activations
+    # grow with its depth history (T x S x J x D), so it runs in groups, re-reading its written layers per group.
     source_hidden, source_nonfinite = streamed_hidden_states(source, prompts, dtype, progress, "source")
-    target_hidden, target_nonfinite = streamed_hidden_states(target, prompts, dtype, progress, "converted")
+    target_hidden, target_nonfinite = streamed_hidden_states(target, prompts, dtype, progress, "converted",
+                                                             TARGET_BATCH_TOKENS)
     statistics = [LogitStatistics() for _ in prompts]
     chunks = zip(lm_head_chunks(source, dtype), lm_head_chunks(target, dtype))
     for (begin, source_rows), (_, target_rows) in chunks:
