@@ -37,6 +37,8 @@ from dar_transformers import (
 )
 from dar_transformers.moe_upcycling import convert_to_dar_moe
 
+pytestmark = pytest.mark.compat
+
 HEADS = [
     (DARForSequenceClassification, DARMoeForSequenceClassification, GenericForSequenceClassification),
     (DARForQuestionAnswering, DARMoeForQuestionAnswering, GenericForQuestionAnswering),

@@ -44,7 +44,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
@@ -58,6 +58,20 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import ROUTING_KEY_VALUE_STREAMS, DARConfig
 from .depth_backends import DepthState, dar_compute_dtype, depth_backend
+
+
+def slice_last_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """hidden [B, T, D] -> [B, T', D]: an int keeps the last `logits_to_keep` positions (0 keeps all), a 1-D tensor
+    picks those positions. Llama's slicing up to transformers 5.19, which has no `slice_logits_to_keep`."""
+    indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden_states[:, indices, :]
+
+
+try:  # transformers >= 5.20 (also takes per-row 2-D index tensors)
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers 5.19, the newest vLLM's CPU build accepts
+    slice_logits_to_keep = slice_last_positions
+
 
 # The unchanged branch modules per family: (attention class, MLP class). Data, not an if-ladder.
 DAR_BRANCH_MODULES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
