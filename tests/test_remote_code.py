@@ -25,7 +25,6 @@ from tokenizers.pre_tokenizers import Whitespace
 import transformers
 from transformers import AutoConfig, PreTrainedTokenizerFast
 
-import dar_transformers
 from dar_transformers import AUTO_CLASSES, DARForCausalLM, DARMoeConfig, DARMoeForCausalLM
 from dar_transformers.convert import upcycle
 from dar_transformers.moe_upcycling import upcycle_to_dar_moe
@@ -81,7 +80,8 @@ REMOTE_SCRIPT = textwrap.dedent(
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer over the tiny vocabulary (the converter writes one into the folder)."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{index}": index for index in range(3, TINY_LLAMA_FIELDS["vocab_size"])}
+    words = {f"w{index}": index for index in range(3, TINY_LLAMA_FIELDS["vocab_size"])}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | words
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")

@@ -61,7 +61,7 @@ AUTO_CLASSES = {
 
 
 def _remote_code_name(cls: type) -> str:
-    """"modeling_dar.DARModel": the file (flat, as written into a folder) and class that `auto_map` names."""
+    """The file (flat, as written into a folder) and class that `auto_map` names, e.g. `modeling_dar.DARModel`."""
     return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
 
 
@@ -70,13 +70,11 @@ def _register_auto_classes() -> None:
     for config_class, model_classes in AUTO_CLASSES.items():
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         config_class.register_for_auto_class()
+        config_class.remote_code_auto_map = {"AutoConfig": _remote_code_name(config_class)}
         for auto_class, model_class in model_classes.items():
             auto_class.register(config_class, model_class, exist_ok=True)
             model_class.register_for_auto_class(auto_class.__name__)
-        config_class.remote_code_auto_map = {
-            "AutoConfig": _remote_code_name(config_class),
-            **{auto_class.__name__: _remote_code_name(model_class) for auto_class, model_class in model_classes.items()},
-        }
+            config_class.remote_code_auto_map[auto_class.__name__] = _remote_code_name(model_class)
 
 
 _register_auto_classes()
