@@ -17,6 +17,7 @@ Prints perplexity before and after and writes it to <output-dir>/results.json.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -36,6 +37,12 @@ from transformers import (
 from dar_transformers.convert import load_source, upcycle_model
 from dar_transformers.peft_utils import dar_lora_config
 from dar_transformers.training import dar_optimizer_cls_and_kwargs
+
+CHECKPOINTING_ARGUMENT = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in {field.name for field in dataclasses.fields(TrainingArguments)}
+    else "gradient_checkpointing"
+)
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -175,7 +182,8 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
         save_strategy="no",
         report_to="none",
         bf16=arguments.bf16,
-        activation_checkpointing=arguments.gradient_checkpointing,
+        # transformers 5.23 renamed gradient_checkpointing (now a deprecated alias); 5.19 has only the old name
+        **{CHECKPOINTING_ARGUMENT: arguments.gradient_checkpointing},
         use_cpu=not torch.cuda.is_available(),
         # Every DAR parameter takes part in every forward, so DDP needs no unused-parameter search; leaving it off
         # also makes DDP fail loudly if a parameter ever stops receiving a gradient.
