@@ -453,30 +453,3 @@ def test_task_heads_are_registered_and_reduce_exactly_to_llamas(auto_class, dar_
     with torch.no_grad():
         for name in output_names:
             assert torch.equal(getattr(reloaded(input_ids), name), getattr(got, name))
-
-
-def test_dense_task_heads_load_with_remote_code_without_the_package(tmp_path):
-    """The generic heads build their backbone with AutoModel; under trust_remote_code the config class is the remote
-    module's own, which `DARTaskHeadMixin` registers. A fresh process without the package gives the same outputs."""
-    from test_moe import head_outputs, load_heads_with_remote_code
-
-    import dar_transformers
-
-    input_ids = random_input_ids()
-    torch.save(input_ids, tmp_path / "input_ids.pt")
-    folders, expected = [], {}
-    for auto_name, class_name in (("AutoModelForSequenceClassification", "DARForSequenceClassification"),
-                                  ("AutoModelForQuestionAnswering", "DARForQuestionAnswering"),
-                                  ("AutoModelForTokenClassification", "DARForTokenClassification")):
-        torch.manual_seed(0)
-        head = getattr(dar_transformers, class_name)(DARConfig(**TINY_LLAMA_FIELDS, num_labels=3)).eval()
-        folder = tmp_path / class_name
-        head.save_pretrained(folder)
-        (folder / "auto_class.txt").write_text(auto_name)
-        (folder / "backbone.txt").write_text("DARModel")
-        with torch.no_grad():
-            expected[class_name] = head_outputs(head(input_ids))
-        folders.append(str(folder))
-    remote_logits = load_heads_with_remote_code(tmp_path, folders)
-    for class_name in expected:
-        assert torch.equal(remote_logits[str(tmp_path / class_name)], expected[class_name]), class_name
