@@ -99,9 +99,10 @@ def scratch(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_folder(scratch) -> Path:
     source = tiny_source(scratch / "tiny-llama")  # the demo's tiny tokenizer and chat template
+    vocab_size = len(AutoTokenizer.from_pretrained(source))  # every id decodes to text: the chat answer is not empty
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=320, tie_word_embeddings=False, bos_token_id=1,
+                         num_key_value_heads=1, vocab_size=vocab_size, tie_word_embeddings=False, bos_token_id=1,
                          eos_token_id=2, max_position_embeddings=256)
     LlamaForCausalLM(config).save_pretrained(source)
     output = scratch / "tiny-dar"

