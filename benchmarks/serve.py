@@ -17,12 +17,15 @@ load are printed and written to benchmarks/results/serve.json.
 
     python benchmarks/serve.py                         # eager and compiled, 2 rounds (about 20 min on 2 cores)
     python benchmarks/serve.py --modes eager --rounds 1
+    python benchmarks/serve.py --dar-variant perf=../wt-perf/src   # + the same DAR folder with another checkout's
+                                                                    #   remote code, measured in the same rounds
 """
 
 import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,6 +64,21 @@ def write_folders(root: Path) -> tuple[dict[str, Path], object]:
     return {"llama": llama, "dar": dar}, source.tokenizer
 
 
+def add_variant(folders: dict[str, Path], spec: str) -> str:
+    """`NAME=SRC`: a copy of the DAR folder whose remote-code files come from the package source SRC (another
+    branch's checkout), so two versions of DAR's code run on the same weights in the same rounds."""
+    name, _, source = spec.partition("=")
+    package = Path(source) / "dar_transformers"
+    if not name or not package.is_dir():
+        raise SystemExit(f"--dar-variant {spec!r}: expected NAME=SRC with SRC/dar_transformers a package folder")
+    variant = folders["dar"].with_name(f"{folders['dar'].name}-{name}")
+    shutil.copytree(folders["dar"], variant)
+    for code in variant.glob("*.py"):
+        shutil.copyfile(package / code.name, code)
+    folders[f"dar-{name}"] = variant
+    return f"dar-{name}"
+
+
 def run_engine(python: Path, folder: Path, prompts: Path, args, compiled: bool, model_impl: str, out: Path) -> dict:
     command = [str(python), str(RUNNER), "throughput", str(folder), "--prompts", str(prompts), "--max-tokens",
                str(args.new_tokens), "--repeats", str(args.repeats), "--dtype", args.dtype, "--max-model-len",
@@ -86,12 +104,15 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, default=REPOSITORY / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compiled-rounds", type=int, default=None, help="rounds of the compiled mode (default --rounds)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--llama-native", action="store_true", help="also Llama through vLLM's native model")
+    parser.add_argument("--dar-variant", action="append", default=[], metavar="NAME=SRC",
+                        help="also DAR with the remote code of the package source SRC (e.g. another branch's src/)")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "serve.json")
     args = parser.parse_args()
@@ -99,17 +120,19 @@ def main() -> None:
         raise SystemExit(f"{args.vllm_python} is missing: `make test-vllm` (or `make bench-serve`) builds vLLM's venv")
 
     models = [("llama", "transformers"), ("dar", "transformers")]
-    models += [("llama", "auto")] if args.llama_native else []
     samples: dict[str, dict[str, list[float]]] = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         folders, tokenizer = write_folders(scratch)
+        models += [(add_variant(folders, spec), "transformers") for spec in args.dar_variant]
+        models += [("llama", "auto")] if args.llama_native else []
         prompts = scratch / "prompts.json"
         texts = (TEXTS * (args.prompts // len(TEXTS) + 1))[: args.prompts]
         prompts.write_text(json.dumps([tokenizer(text).input_ids for text in texts]))
         for mode in args.modes.split(","):
-            for round_index in range(args.rounds):
+            rounds = args.compiled_rounds if mode == "compiled" and args.compiled_rounds is not None else args.rounds
+            for round_index in range(rounds):
                 for name, model_impl in models:
                     key = f"{name}{'-native' if model_impl == 'auto' else ''}/{mode}"
                     out = scratch / f"{key.replace('/', '-')}-{round_index}.json"
@@ -125,7 +148,7 @@ def main() -> None:
     results = {key: {metric: statistics.median(values) for metric, values in entry.items()}
                for key, entry in samples.items()}
     print(f"\nvLLM {args.dtype}, {args.prompts} prompts x {args.new_tokens} new tokens, medians of "
-          f"{args.rounds} rounds x {args.repeats} repeats; ratios DAR / Llama (same backend):")
+          f"{args.rounds} rounds (compiled {args.compiled_rounds or args.rounds}) x {args.repeats} repeats; ratios DAR / Llama (same backend):")
     print(f"{'model/mode':<22} {'tokens/s':>9} {'ms/token':>9} {'throughput ratio':>17} {'latency ratio':>14}")
     for key, value in results.items():
         mode = key.split("/")[1]
