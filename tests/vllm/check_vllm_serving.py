@@ -35,7 +35,7 @@ from dar_transformers.convert import chat_input_ids, upcycle
 REPOSITORY = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 VLLM_PYTHON = Path(os.environ.get("DAR_VLLM_PYTHON", REPOSITORY / ".venv-vllm" / "bin" / "python"))
-ENGINE_TIMEOUT_S = int(os.environ.get("DAR_VLLM_ENGINE_TIMEOUT", "1200"))
+ENGINE_TIMEOUT_S = int(os.environ.get("DAR_VLLM_ENGINE_TIMEOUT", "3000"))
 QUESTION = "What is the capital of France?"
 TEXT_PROMPTS = [
     "The history of the Roman Empire begins",

