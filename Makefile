@@ -10,8 +10,12 @@ STAMP := $(VENV)/.installed
 COMPAT_VENV ?= .venv-519
 COMPAT_TRANSFORMERS ?= 5.19.0
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
+# torchao in a venv of its own: once installed, transformers imports it on every import, which costs time and prints
+# library-load warnings on stderr (the CLI's one-line errors would no longer be one line).
+QUANT_VENV ?= .venv-quant
+QUANT_STAMP := $(QUANT_VENV)/.installed
 
-.PHONY: install test test-default test-upstream test-compat test-slow demo bench clean
+.PHONY: install test test-default test-upstream test-compat test-quant test-slow demo bench clean
 
 # transformers' own tests/test_modeling_common.py of the release a venv holds, from its source distribution on PyPI,
 # into .cache/transformers-<version>/ (read by tests/test_transformers_common.py). $(1): the venv.
@@ -40,12 +44,19 @@ $(COMPAT_STAMP): setup.cfg pyproject.toml
 	$(COMPAT_VENV)/bin/pip install --quiet -e ".[test,gguf,train]" "transformers==$(COMPAT_TRANSFORMERS)"
 	touch $(COMPAT_STAMP)
 
+$(QUANT_STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(QUANT_VENV)
+	$(QUANT_VENV)/bin/pip install --quiet --upgrade pip
+	$(QUANT_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(QUANT_VENV)/bin/pip install --quiet -e ".[test,quant]"
+	touch $(QUANT_STAMP)
+
 install: $(STAMP)
 
 # What CI runs (.ci/run): on the newest supported transformers the default suite and transformers' own common model
 # tests; on the oldest the focused `compat` suite (model, generation, cache, remote code, conversion of a tiny
-# model, a Trainer step) and the common tests of that release.
-test: test-default test-upstream test-compat
+# model, a Trainer step) and the common tests of that release; int8 quantization with torchao in its own venv.
+test: test-default test-upstream test-compat test-quant
 
 test-default: $(STAMP)
 	$(PY) -m pytest -q
@@ -53,6 +64,9 @@ test-default: $(STAMP)
 test-upstream: $(STAMP)
 	$(call fetch_common_tests,$(VENV))
 	$(PY) -m pytest -q -m "upstream and not slow"
+
+test-quant: $(QUANT_STAMP)
+	$(QUANT_VENV)/bin/python -m pytest -q -m quant tests/test_quantization.py
 
 test-compat: $(COMPAT_STAMP)
 	$(call fetch_common_tests,$(COMPAT_VENV))
@@ -73,7 +87,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) $(QUANT_VENV) build dist src/*.egg-info
 
 # ---- vLLM (issue 18), opt-in: `make test-vllm` ---------------------------------------------------------------------
 # vLLM's CPU build in a venv of its own, WITHOUT this package: a DAR folder must serve through its remote code, as

@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, To
 from conftest import DAR_MODULE_NAMES, perturb_dar_parameters
 from dar_transformers.convert import convert
 
+pytestmark = pytest.mark.quant
+
 RELATIVE_BOUND = 0.02
 INPUT_IDS = torch.tensor([[1, 17, 42, 5, 88, 23, 61, 7, 19, 77, 3, 54]])
 
