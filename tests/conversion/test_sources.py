@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from dar_transformers.conversion import checkpoints, plan, upcycle
+from dar_transformers.conversion import api, checkpoints, plan, upcycle
 from dar_transformers.conversion.checkpoints import GGUFCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.sources import plain_config
@@ -93,6 +93,23 @@ def test_a_gguf_tensor_read_in_row_chunks_is_dequantised_once(tmp_path, monkeypa
     assert len(calls) == len(checkpoint.infos())
 
 
+def test_a_gguf_conversion_dequantises_each_tensor_once_before_verifying(tmp_path, monkeypatch):
+    """The conversion write is the one read of the source (its NaN/inf check included): one dequantisation per GGUF
+    tensor up to the verification (which streams the source again, layer by layer)."""
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer())
+    calls, at_verification = [], []
+    dequantize = checkpoints.gguf.dequantize
+    monkeypatch.setattr(checkpoints.gguf, "dequantize", lambda *args: calls.append(args[0].shape) or dequantize(*args))
+    verify_written = api.verify_written
+    monkeypatch.setattr(api, "verify_written", lambda source, *args: at_verification.append(
+        (len(calls), len(source.checkpoint.infos()), source.checkpoint.dequantised)) or verify_written(source, *args))
+    upcycle(gguf_path, tmp_path / "out", dar_block_size=2, tolerance=1e-5, full_greedy=False, prompts=["Hello"],
+            progress=False)
+    (dequantised, tensors, counted), = at_verification
+    assert tensors == 3 + 3 * 9 and dequantised == counted == tensors  # embedding, norm, head; 9 per layer (3)
+
+
 def test_a_nan_in_a_source_is_refused_at_planning_naming_the_tensor(tmp_path):
     model = make_source("llama", tied=False)
     with torch.no_grad():
@@ -104,3 +121,36 @@ def test_a_nan_in_a_source_is_refused_at_planning_naming_the_tensor(tmp_path):
     with pytest.raises(ValueError, match=r"tensor 'lm_head\.weight' holds NaN or infinite values"):
         upcycle(model, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
     assert_nothing_written(tmp_path, before)
+
+
+@pytest.mark.parametrize("source_kind, dtype", [("safetensors", None), ("safetensors", "bfloat16"), ("gguf", None)])
+def test_a_non_finite_weight_is_refused_by_the_write_in_its_staging_folder(tmp_path, monkeypatch, source_kind, dtype):
+    """The check is the writer's one read (a byte-for-byte copy, a cast, a dequantised GGUF tensor): it stops the write
+    part-way, with shards already in the staging folder, which is removed; nothing reaches the output's parent."""
+    model = make_source("llama", tied=False)
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight[5, 7] = float("-inf")  # late: earlier shards are written first
+    if source_kind == "gguf":
+        (tmp_path / "source").mkdir()
+        source = write_tiny_gguf(tmp_path / "source" / "tiny.gguf", model, make_tokenizer())
+    else:
+        model.save_pretrained(tmp_path / "source")
+        make_tokenizer().save_pretrained(tmp_path / "source")
+        source = tmp_path / "source"
+    staged = []
+    write_converted_folder = api.write_converted_folder
+
+    def spy(folder, *args):
+        staged.append(folder)
+        try:
+            write_converted_folder(folder, *args)
+        finally:
+            staged.append(sorted(path.name for path in folder.iterdir()))
+
+    monkeypatch.setattr(api, "write_converted_folder", spy)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.2\.mlp\.down_proj\.weight' holds NaN or infinite "
+                                         r"values \(in rows 0\.\.\d+\); a broken source is not converted"):
+        upcycle(source, tmp_path / "out", dtype=dtype, max_shard_size="20KB", progress=False)
+    folder, written = staged
+    assert folder.parent == tmp_path and folder.name != "out" and len(written) > 1  # shards were being staged
+    assert not folder.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["source"]

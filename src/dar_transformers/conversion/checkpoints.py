@@ -82,6 +82,41 @@ class Checkpoint:
         pass
 
 
+def require_finite(chunk: torch.Tensor, name: str, description: str, first_row: int | None = None) -> None:
+    """Raise, naming the tensor (and the rows of `chunk` when it holds rows `first_row`..), if `chunk` holds a NaN or
+    an infinite value."""
+    if not chunk.dtype.is_floating_point:
+        return
+    if torch.isfinite(chunk if chunk.dtype.itemsize > 1 else chunk.float()).all():
+        return
+    rows = "" if first_row is None else f" (in rows {first_row}..{first_row + max(len(chunk), 1) - 1})"
+    raise ValueError(f"{description}: tensor {name!r} holds NaN or infinite values{rows}; a broken source is not "
+                     "converted, nothing was written.")
+
+
+class FiniteCheckpoint(Checkpoint):
+    """`checkpoint` with every read checked for NaN/inf as it is materialised (`require_finite`), so the one read
+    that writes a tensor also checks it; `byte_range` is not offered: a copy must go through a checked read."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self.description = checkpoint.description
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return self.checkpoint.infos()
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        chunk = self.checkpoint.read(name, rows)
+        first_row = None if rows is None or chunk.dim() == 0 else rows.indices(2**63 - 1)[0]
+        require_finite(chunk, name, self.description, first_row)
+        return chunk
+
+    def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        chunk = self.checkpoint.read_rows(name, indices)
+        require_finite(chunk, name, self.description)
+        return chunk
+
+
 class SafetensorsCheckpoint(Checkpoint):
     """A folder's safetensors files (those of its index, or every `*.safetensors`), read through their headers."""
 
@@ -239,4 +274,4 @@ class GGUFCheckpoint(Checkpoint):
             self._fd = None
 
 
-__all__ = ["Checkpoint", "GGUFCheckpoint", "SafetensorsCheckpoint", "StateDictCheckpoint"]
+__all__ = ["Checkpoint", "FiniteCheckpoint", "GGUFCheckpoint", "SafetensorsCheckpoint", "StateDictCheckpoint", "require_finite"]

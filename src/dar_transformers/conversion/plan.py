@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .checkpoints import Checkpoint, StateDictCheckpoint
+from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite
 from .families import source_family
 from .keymaps import TensorInfo, TensorPlan, check_keys
 from .targets import TargetKind, target_kind
@@ -113,11 +113,7 @@ def check_finite(checkpoint: Checkpoint, description: str = "the source") -> Non
         step = max(1, FINITE_CHECK_BYTES // max(1, info.nbytes // max(rows, 1)))
         for start in range(0, rows, step):
             chunk = checkpoint.read(name, slice(start, start + step) if info.shape else None)
-            if not torch.isfinite(chunk if chunk.dtype.itemsize > 1 else chunk.float()).all():
-                raise ValueError(
-                    f"{description}: tensor {name!r} holds NaN or infinite values (in rows {start}..{start + step - 1}); "
-                    "a broken source is not converted, nothing was written."
-                )
+            require_finite(chunk, name, description, start if info.shape else None)
 
 
 def materialise(plan: TensorPlan, checkpoint: Checkpoint) -> torch.Tensor:

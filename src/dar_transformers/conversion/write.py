@@ -3,8 +3,9 @@
 """Writing a planned conversion as a repo folder (without its card): safetensors shards and their index, the config
 with `auto_map` and the remote-code files, the generation config and the tokenizer.
 
-A tensor whose bytes are those of its sources is copied by the kernel (`os.copy_file_range`); others are cast in row
-chunks, so no more than one tensor (a transformed one) or one chunk is in memory at a time.
+Each source tensor is read once, in row chunks (a transformed one whole), and each chunk is checked for NaN/inf as it is
+read, so no more than one tensor or one chunk is in memory at a time; a non-floating tensor whose bytes are those of
+its source is copied by the kernel (`os.copy_file_range`).
 """
 
 import copy
@@ -18,7 +19,7 @@ import torch
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
-from .checkpoints import INDEX_NAME, SAFETENSORS_NAMES, Checkpoint, pread_exact
+from .checkpoints import INDEX_NAME, SAFETENSORS_NAMES, Checkpoint, FiniteCheckpoint, pread_exact
 from .keymaps import TensorInfo, TensorPlan
 from .plan import materialise, meta_model
 from .sources import Source
@@ -47,17 +48,21 @@ def _copy_bytes(source_fd: int, offset: int, length: int, target) -> None:
             done += step
 
 
-def _write_tensor(plan: TensorPlan, checkpoint: Checkpoint, infos: Mapping[str, TensorInfo], target) -> None:
+def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping[str, TensorInfo], target) -> None:
+    """Write one planned tensor; `checkpoint` checks every chunk for NaN/inf as it is read, so this read (the only
+    one of the write: a GGUF tensor is dequantised once) is also the check. Floating tensors are copied through such
+    a checked read (the chunk copied is the chunk checked); others are copied by the kernel."""
     if plan.value is None and plan.transform is None:
-        ranges = [checkpoint.byte_range(part) for part in plan.parts]
-        if all(r is not None for r in ranges) and all(infos[p].dtype == plan.dtype for p in plan.parts):
+        ranges = [checkpoint.checkpoint.byte_range(part) for part in plan.parts]
+        same_bytes = all(r is not None for r in ranges) and all(infos[p].dtype == plan.dtype for p in plan.parts)
+        if same_bytes and not plan.dtype.is_floating_point:  # nothing to check: NaN/inf are floating values
             for source_fd, offset, length in ranges:
                 _copy_bytes(source_fd, offset, length, target)
             return
-        for part in plan.parts:  # cast in row chunks: one chunk in memory at a time
+        for part in plan.parts:  # cast (or copied) in row chunks: one chunk in memory at a time
             info = infos[part]
             rows = info.shape[0] if info.shape else 1
-            step = max(1, CHUNK_BYTES // max(1, info.nbytes // max(rows, 1) * 2))
+            step = max(1, CHUNK_BYTES // max(1, info.nbytes // max(rows, 1) * (1 if same_bytes else 2)))
             for start in range(0, rows, step):
                 chunk = checkpoint.read(part, slice(start, start + step) if info.shape else None)
                 target.write(memoryview(chunk.to(plan.dtype).contiguous().view(torch.uint8).numpy()))
@@ -89,11 +94,15 @@ def write_checkpoint(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Write `plans` as safetensors shards `model-0000i-of-0000n.safetensors` and the index; the names in
-    `own_shards` (DAR's new parameters) go into shard(s) of their own at the end. Returns the index."""
+    `own_shards` (DAR's new parameters) go into shard(s) of their own at the end. Returns the index.
+
+    Every source tensor is read once, and each chunk is checked for NaN/inf as it is read: a non-finite source raises
+    a ValueError naming the tensor part-way through the write (`convert` writes in a staging folder it removes on error)."""
     own = set(own_shards)
     shared = _shard(((name, plan.nbytes) for name, plan in plans.items() if name not in own), max_shard_size)
     new = _shard(((name, plans[name].nbytes) for name in own_shards), max_shard_size)
     shards = shared + new
+    checkpoint = FiniteCheckpoint(checkpoint)
     infos = checkpoint.infos()  # once: a checkpoint builds this table of every tensor anew on each call
     weight_map, total = {}, 0
     for number, names in enumerate(shards, start=1):
