@@ -7,8 +7,7 @@ float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machin
   - prefill: forward of the prompt with a fresh KV cache;
   - decode: one-token forwards with the KV cache after the prompt (median per token);
   - saved activations: bytes of the tensors autograd keeps for backward in one training forward (deduplicated
-    by storage, DAR's history buffers included; a deterministic measure of training activation memory that
-    excludes weights and optimiser);
+    by storage; a deterministic measure of training activation memory that excludes weights and optimiser);
   - peak RSS: resident memory high-water mark of a fresh process doing one training step or one prefill.
   - saved activations in bf16 and fp32 (issue #11's measure): SmolLM2's dimensions with a vocabulary of 8192, one
     sequence of 512 tokens, weights in bf16 with DAR parameters in float32 (as `from_pretrained(dtype=bfloat16)`
@@ -112,9 +111,9 @@ def time_decode(model, prompt, new_tokens: int) -> float:
 
 
 def saved_activation_bytes(model, batch) -> int:
-    """Bytes of distinct storages autograd keeps for backward in one training forward: the tensors saved by the
-    graph, plus (for DAR) the depth-major history buffers that its fused reads keep outside the saved-tensor
-    mechanism, so that the count is complete."""
+    """Bytes of distinct storages autograd keeps for backward in one training forward (parameters excluded). DAR's
+    two-phase backend chains its own saved-tensor hooks to this one, so what it keeps is counted and the partial
+    states it rebuilds in backward are not."""
     storages = {}
 
     def record(tensor):
@@ -123,24 +122,9 @@ def saved_activation_bytes(model, batch) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    backbone = getattr(model, "model", None)
-    initial_state = getattr(backbone, "initial_state", None)
-    if initial_state is not None:  # DAR: the flattened state starts with its backend, which may own buffers
-        def recording_initial_state(*args, **kwargs):
-            state = initial_state(*args, **kwargs)
-            for buffer in (getattr(state[0], "history_buffer", None), getattr(state[0], "inv_rms_buffer", None)):
-                if buffer is not None:
-                    record(buffer)
-            return state
-
-        backbone.initial_state = recording_initial_state
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
-            loss = model(input_ids=batch, labels=batch).loss
-    finally:
-        if initial_state is not None:
-            del backbone.initial_state
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        loss = model(input_ids=batch, labels=batch).loss
     del loss
     return sum(size for pointer, size in storages.items() if pointer not in parameters)
 

@@ -20,9 +20,8 @@
 - `dar_branch_family`: which HF family's attention and MLP modules implement the unchanged branches.
 - `sliding_window`: Mistral's attention window (None: full causal attention), read by the Mistral branch and
   by the mask, as in `MistralModel`; kept from the source at conversion so the upcycle stays exact.
-- `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`): "fast" (fused eager reads, keys
-  normalised once per entry) or "reference" (the plain equations). A forward traced by `torch.compile` always
-  uses "reference".
+- `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`), eager and compiled alike: "fast"
+  (two-phase depth reads, DESIGN.md section 7) or "reference" (the plain equations, the oracle).
 """
 
 import math

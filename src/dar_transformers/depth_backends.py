@@ -4,37 +4,44 @@
 token attention.
 
 The paper modules (`modeling_dar.py`) say *what* a branch reads and writes (DESIGN.md section 2); a backend says
-*how*. Every backend has the same three methods over the same state (`DepthState`):
+*how*. Every backend has the same methods over the same state (`DepthState`):
 
-  Backend(config).start(entry)         -> state with history (B_0,) and no partial          (B_0 = the embedding)
-  read(residual, state, read_partial)  -> (u [B, T, D], depth weights [N, B, T, J])            eq. (2)-(5)
-  write(residual, state, y, commits)   -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
+  Backend(config).start(entry)           -> state with history (B_0,) and no partial        (B_0 = the embedding)
+  plan(state, *residuals)                -> phase 1 of the leading reads that see the same committed entries
+  read(residual, state, read_partial, planned) -> (u [B, T, D], depth weights [N, B, T, J])   eq. (2)-(5)
+  write(residual, state, y, commits)     -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
 
-Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
+Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`), eager and compiled alike:
   - "reference": the plain equations, composed from the paper modules themselves (`DARDepthAttention`,
-    `DARReadGate`, `DARWriteGate`); stateless. Autograd, `torch.compile` and inductor see ordinary tensor ops, so
-    this is also the backend of every compiled forward (`depth_backend`).
-  - "fast": the eager fast path. Keys are normalised once per committed entry (a per-token inverse RMS); committed
-    entries are copied into a depth-major buffer allocated once per forward, and each branch reads it with one fused
-    product (`_DepthRead`: scores against a routed query matrix, softmax over depth, read gate folded into per-value-
-    stream coefficients). Its backward keeps per-token scalars only and adds the entries' gradients in place into
-    one shared buffer (`DepthGradients`) that each entry's commit hands to autograd (`_Commit`). That sharing
-    between autograd nodes is invisible to a compiler, which is why a compiled forward never uses this backend.
+    `DARReadGate`, `DARWriteGate`); every read stacks its sources and normalises every key again. The oracle.
+  - "fast": two-phase depth reads (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
+    computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
+    see the same committed entries (the attention and MLP branches inside a block): the folded queries w * gamma of
+    both branches meet the stacked history in one product (scores, log-sum-exp L, softmax-weighted value sum Obar).
+    Phase 2, per branch: the partial P joins by the log-sum-exp rule, x = N * lerp(Obar, P, sigmoid(z - L)), then
+    the read gate. Phase 1 is computed without autograd; one `autograd.Function` per read (`_TwoPhaseRead`, no
+    state outside its inputs and outputs, so `torch.compile` traces it) keeps per-token statistics only (softmax
+    weights and key dots, [N, B, T, J]) besides the entries and the partial that are alive anyway, and rebuilds
+    every gradient from them. The write is plain autograd with the branch output y kept in the model dtype.
+    Phase 1 is per decoder layer rather than per block of K branches so that a layer reads no other layer's
+    parameters: layer-streamed verification, offloading and regional compilation see self-contained layers.
 
 Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
-partial), J streams. One layout for the history everywhere: depth-major, entry n of every stream is [B, T, J, D],
-and the entries stacked on a leading depth axis are [N, B, T, J, D] (the fast path's buffer is [S_max, ...]).
-Precision policy: the DAR state and depth mixing run in `dar_compute_dtype` (float32, or float64 for a float64
-model); a branch output y arrives in the model dtype and is cast once on write.
+partial), R reads planned together, J streams. One layout for the history everywhere: depth-major, entry n of every
+stream is [B, T, J, D], and the entries stacked on a leading depth axis are [N, B, T, J, D].
+Precision policy (`dar_compute_dtype`, the one place that says it): the DAR state and depth mixing run in float32 (or
+float64 for a float64 model), also under autocast; a branch output y arrives in the model dtype.
 """
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from transformers.utils.generic import GeneralInterface
 
 
@@ -46,8 +53,9 @@ def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class DepthState:
     """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
-    [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), and the
-    backend that reads and writes it (the fast backend owns per-forward buffers).
+    [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), the per-token
+    inverse RMS of every committed entry [S, B, T, J] (two-phase backend; computed at the commit, without autograd
+    history; None for the reference), and the backend that reads and writes it.
 
     A decoder layer takes and returns it flattened (`as_args`), so that reentrant gradient checkpointing, which only
     sees positional tensors, tracks the partial and every entry.
@@ -56,13 +64,14 @@ class DepthState:
     backend: Any
     partial: torch.Tensor | None
     history: tuple[torch.Tensor, ...]
+    history_inv_rms: torch.Tensor | None = None
 
     def as_args(self) -> tuple:
-        return (self.backend, self.partial, *self.history)
+        return (self.backend, self.partial, self.history_inv_rms, *self.history)
 
     @classmethod
-    def from_args(cls, backend, partial, *history) -> "DepthState":
-        return cls(backend, partial, tuple(history))
+    def from_args(cls, backend, partial, history_inv_rms, *history) -> "DepthState":
+        return cls(backend, partial, tuple(history), history_inv_rms)
 
     def sources(self, read_partial: bool) -> tuple[torch.Tensor, ...]:
         """S^j of DESIGN.md section 2: the committed entries, then the partial when the branch reads it."""
@@ -82,7 +91,13 @@ class ReferenceDepthBackend:
     def start(self, entry: torch.Tensor) -> DepthState:
         return DepthState(self, None, (entry,))
 
-    def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self, state: DepthState, *residuals) -> tuple[None, ...]:
+        return (None,) * len(residuals)
+
+    def keeping_partials_lean(self):
+        return nullcontext()
+
+    def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
         sources = torch.stack(state.sources(read_partial))  # [N, B, T, J, D]
         extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
         return residual.read_gate(extraction), weights  # u [B, T, D]
@@ -96,7 +111,7 @@ class ReferenceDepthBackend:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# "fast": the fused eager path.
+# "fast": two-phase reads (DESIGN.md section 7).
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -137,250 +152,158 @@ def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) ->
     return by_target @ stream_selector(value_streams, by_target).T  # [J, J_val]: row j marks nu(j)
 
 
-def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, value_streams):
-    """One branch's fast read: softmax over depth of its sources, mixed straight into the branch input.
+@dataclass(frozen=True)
+class PhaseOne:
+    """Phase 1 of one read, against the committed entries only (DESIGN.md section 7), without autograd history:
+    key dots (w * gamma) . B^{kappa(j)}_r before the inverse RMS [S, B, T, J], softmax weights [S, B, T, J], their
+    log-sum-exp L [B, T, J] and the softmax-weighted value sum Obar [B, T, J, D] (values of stream nu(j))."""
 
-    routed [J * D, J] (`routed_queries`), gate [J] (read gate times scale), sources history [N, B, T, J, D] with
-    their inverse RMS [N, B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J], key dots [N, B, T, J]).
-    """
+    key_dots: torch.Tensor
+    weights: torch.Tensor
+    log_sum_exp: torch.Tensor
+    mean: torch.Tensor
+
+
+def phase_one(
+    routed: torch.Tensor, history: torch.Tensor, history_inv_rms: torch.Tensor, key_streams, value_streams
+) -> list[PhaseOne]:
+    """Phase 1 of R reads in one pass over the history: routed [J * D, R * J] (`routed_queries` side by side),
+    history [S, B, T, J, D], its inverse RMS [S, B, T, J] -> one `PhaseOne` per read."""
     sources, batch, tokens, streams, hidden = history.shape
-    keyed_dots = (history.reshape(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)
-    scores = keyed_dots * _streams(history_inv_rms, key_streams, 3)  # [N, B, T, J]: key stream kappa(j)'s norm
-    weights = scores.softmax(dim=0)  # [N, B, T, J]
-    # u = sum_j gate_j sum_n w^j_n V^{nu(j)}_n: fold the read gate into per-value-stream coefficients, so the
-    # per-stream extractions are never materialised; one product over tokens and streams reads the history.
-    coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
-    values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, N, D], a view of the buffer
-    # contiguous: a strided [1, N] operand sends bmm down a per-matrix copy loop on CPU.
-    coefficients = coefficients.permute(1, 2, 3, 0).contiguous().view(-1, 1, sources)  # [BTJ_val, 1, N]
-    mixed = torch.bmm(coefficients, values).view(batch, tokens, streams, hidden)  # [B, T, J_val, D]
-    return mixed.sum(dim=2), weights, keyed_dots
+    reads = routed.shape[1] // streams
+    key_dots = (history.view(-1, streams * hidden) @ routed).view(sources, batch, tokens, reads, streams)
+    scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, R, J]
+    log_sum_exp = scores.logsumexp(0)  # [B, T, R, J]
+    weights = torch.exp(scores - log_sum_exp)  # [S, B, T, R, J]
+    values = _streams(history, value_streams, 3)  # [S, B, T, J, D]: value stream nu(j) per target
+    means = torch.einsum("sbtrj,sbtjd->btrjd", weights, values)  # [B, T, R, J, D]
+    return [
+        PhaseOne(key_dots[:, :, :, read], weights[:, :, :, read], log_sum_exp[:, :, read], means[:, :, read])
+        for read in range(reads)
+    ]
 
 
-class DepthGradients:
-    """The committed entries' gradient, shared by all reads of one forward: [S_max, B, T, J, D], like the history.
+def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_streams, value_streams):
+    """Phase 2 of one read: the partial (if read) joins phase 1 by the log-sum-exp rule, then the read gate.
 
-    Every fused read's backward adds its contribution for the entries it read into their slots in place, and each
-    entry's commit hands its slot to autograd once every read of that entry is done (autograd runs a node's
-    backward only after all its consumers'). So no read allocates an entry-sized gradient per source and autograd
-    sums no per-entry gradients; the buffer is allocated by the first backward that needs it and freed after
-    entry 0, the last to be handed over.
+    routed [J * D, J], gate [J] (read gate times read and count scaling), partial [B, T, J, D] or None with its
+    inverse RMS [B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J], key dots [N, B, T, J]).
     """
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-
-    def slots(self, history_buffer: torch.Tensor, count: int) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.zeros_like(history_buffer)
-        return self.buffer[:count]  # [count, B, T, J, D]
-
-    def take(self, slot: int) -> torch.Tensor | None:
-        """The accumulated gradient of entry `slot`, leaving zeros behind (a second backward starts clean)."""
-        if self.buffer is None:
-            return None
-        gradient = self.buffer[slot].clone()
-        if slot == 0:
-            self.buffer = None
-        else:
-            self.buffer[slot].zero_()
-        return gradient
+    if partial is None:
+        extraction, weights, key_dots = phase.mean, phase.weights, phase.key_dots  # [B, T, J, D], [S, B, T, J]
+    else:
+        batch, tokens, streams, hidden = partial.shape
+        partial_dots = (partial.reshape(-1, streams * hidden) @ routed).view(batch, tokens, streams)  # [B, T, J]
+        score = partial_dots * _streams(partial_inv_rms, key_streams, 2)  # z [B, T, J]
+        share = torch.sigmoid(score - phase.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
+        values = _streams(partial, value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
+        extraction = torch.lerp(phase.mean, values, share.unsqueeze(-1))  # [B, T, J, D]
+        weights = torch.cat([phase.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
+        key_dots = torch.cat([phase.key_dots, partial_dots.unsqueeze(0)])  # [N, B, T, J]
+    branch_input = torch.einsum("btjd,j->btd", extraction, gate)  # [B, T, D]
+    return branch_input, weights, key_dots
 
 
-def _write_slot(history_buffer, inv_rms_buffer, slot: int, entry: torch.Tensor, eps: float) -> torch.Tensor:
-    """Copy an entry (a commit) or the partial block state (staged in the slot where its block will be committed,
-    so that a read is one product over buffer[: slot + 1]) into the buffers with its inverse RMS; returns that
-    [B, T, J]. Through `.data`: the buffers are caches invisible to autograd, and writing through `.data` leaves
-    their version counters alone, so a checkpointed replay may rewrite them."""
-    entry = entry.detach()
-    entry_inv_rms = inverse_rms(entry, eps)
-    history_buffer.data[slot].copy_(entry)
-    inv_rms_buffer.data[slot].copy_(entry_inv_rms)
-    return entry_inv_rms
+def gated_write(partial, rho, beta, branch_output):
+    """(6) of one branch output y [B, T, D] in the model dtype: P = beta * y at the start of a block (partial None),
+    else rho P + (1 - rho) swap(P) + beta * y -> [B, T, J, D] in beta's dtype. The swap is applied after the product,
+    so autograd keeps P itself (once) and y in the model dtype, nothing else entry-sized. One stream: rho is None
+    after the first branch too, and P + y (beta = 1)."""
+    written = beta * branch_output.unsqueeze(-2)  # [B, T, J, D]
+    if partial is None:
+        return written
+    if rho is None:
+        return partial + written
+    return rho * partial + ((1.0 - rho) * partial).flip(-2) + written
 
 
-class _Commit(torch.autograd.Function):
-    """Commit an entry into the buffers; its backward adds the reads' gradient accumulated in `DepthGradients`."""
+class _TwoPhaseRead(torch.autograd.Function):
+    """One branch's read (phase 2 on a phase 1 computed without autograd), with the gradient of the whole read.
 
-    @staticmethod
-    def forward(ctx, entry, history_buffer, inv_rms_buffer, slot, eps, gradients):
-        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
-        ctx.slot, ctx.gradients = slot, gradients
-        return entry.view_as(entry)
-
-    @staticmethod
-    def backward(ctx, grad):
-        accumulated = ctx.gradients.take(ctx.slot)
-        if accumulated is not None and grad is not None:
-            accumulated += grad
-        return (grad if accumulated is None else accumulated), None, None, None, None, None
-
-
-def commit_entry(entry, history_buffer, inv_rms_buffer, slot: int, eps: float, gradients: "DepthGradients | None"):
-    """Write `entry` into slot `slot` of the buffers; with gradients, through `_Commit` so that the fused reads'
-    gradients reach it. Returns the entry to keep in the tuple of committed entries."""
-    if gradients is not None and torch.is_grad_enabled() and entry.requires_grad:
-        return _Commit.apply(entry, history_buffer, inv_rms_buffer, slot, eps, gradients)
-    with torch.no_grad():
-        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
-    return entry
-
-
-def _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps):
-    """The sources of one read in the buffers, the partial (if read) staged in the next free slot ->
-    (history [N, B, T, J, D], inverse RMS [N, B, T, J], the partial's inverse RMS [B, T, J] or None)."""
-    num_sources, partial_inv_rms = len(entries), None
-    if partial is not None:
-        partial_inv_rms = _write_slot(history_buffer, inv_rms_buffer, num_sources, partial, eps)
-        num_sources += 1
-    return history_buffer[:num_sources], inv_rms_buffer[:num_sources], partial_inv_rms
-
-
-class _DepthRead(torch.autograd.Function):
-    """One branch's depth read and read gate (eq. 2-5), fused; returns u and the (non-differentiable) weights.
-
-    The committed entries are read from the preallocated depth-major buffer; they are inputs only so that autograd
-    runs this backward before their commits' (`_Commit`), which hand on what this backward adds into their slots of
-    the shared `DepthGradients`. The partial block state is an ordinary input. Backward keeps only per-token scalars
-    (softmax weights and key dots, N per token and stream) and the partial (which the write keeps anyway), and
-    rebuilds every gradient from the buffer, including the key normalisation's, d rms^-1 / d h = -rms^-3 h / D.
-    Neither the per-stream extractions nor normalised keys are stored.
+    Saves per-token statistics (softmax weights [N, B, T, J], inverse RMS) and references to the committed entries
+    and the partial, which are alive anyway; nothing entry-sized of its own. Backward stacks the entries again,
+    recomputes the key dots (one product) and rebuilds every gradient from them, including the key normalisation's,
+    d rms^-1 / d h = -rms^-3 h / D. Its inputs are its only state, so `torch.compile` traces it like plain code.
     """
 
     @staticmethod
-    def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries):
-        sources, sources_inv_rms, partial_inv_rms = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
-        branch_input, weights, keyed_dots = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
-        # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
-        ctx.save_for_backward(routed, gate, weights, keyed_dots, partial, partial_inv_rms)
-        ctx.history, ctx.history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
-        ctx.history_buffer, ctx.routing, ctx.gradients = history_buffer, routing, gradients
+    def forward(ctx, routed, gate, partial, history_inv_rms, key_dots, weights, log_sum_exp, mean, routing, eps,
+                *entries):
+        phase = PhaseOne(key_dots, weights, log_sum_exp, mean)
+        partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
+        branch_input, weights, key_dots = phase_two(phase, routed, gate, partial, partial_inv_rms, *routing)
+        ctx.save_for_backward(routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries)
+        ctx.routing = routing
         ctx.mark_non_differentiable(weights)
         return branch_input, weights
 
     @staticmethod
+    @once_differentiable  # the backward is hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad_input, _grad_weights):
-        routed, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
-        history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
+        routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries = ctx.saved_tensors
+        key_streams, value_streams = ctx.routing
+        history = torch.stack(entries)  # [S, B, T, J, D], recomputed
         sources, batch, tokens, streams, hidden = history.shape
-        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, 1, hidden)  # [BTJ, 1, D]
-        values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, S, D]
-        value_dots = torch.bmm(values, grad_rows.transpose(1, 2)).view(batch, tokens, streams, sources)
-        value_dots = value_dots.permute(3, 0, 1, 2)  # [S, B, T, J_val]: g . V_n
+        key_dots = (history.view(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)  # recomputed
+        if partial is not None:
+            partial_dots = (partial.reshape(-1, streams * hidden) @ routed).view(1, batch, tokens, streams)
+            key_dots = torch.cat([key_dots, partial_dots])  # [N, B, T, J]
+        value_dots = torch.einsum("sbtjd,btd->sbtj", history, grad_input)  # g . B^v_r per value stream
         key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
         if partial is not None:
-            value_dots = torch.cat([value_dots, (partial * grad_input.unsqueeze(2)).sum(-1).unsqueeze(0)])
+            value_dots = torch.cat([value_dots, torch.einsum("btjd,btd->btj", partial, grad_input).unsqueeze(0)])
             key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
         target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
         grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
         grad_weights = gate * target_value_dots  # [N, B, T, J]
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
-        grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]
+        grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]: d/d key dots
         selector = stream_selector(key_streams, weights)  # [J_key, J]
-        grad_inv_rms = (grad_scores * keyed_dots) @ selector.T  # [N, B, T, J_key]
+        grad_inv_rms = (grad_scores * key_dots) @ selector.T  # [N, B, T, J_key]
         queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
-        # Committed entries: values, keys and key norm, added in place into their slots of the shared gradient.
-        grad_entries = ctx.gradients.slots(ctx.history_buffer, sources)  # [S, B, T, J, D]
-        grad_entries.addcmul_(coefficients[:sources].unsqueeze(-1), grad_input.unsqueeze(0).unsqueeze(3))
-        grad_dots = grad_keyed[:sources].unsqueeze(3) * selector  # [S, B, T, J_key, J]: at each target's key stream
-        grad_entries.view(-1, hidden).addmm_(grad_dots.reshape(-1, streams), queries)
-        norm_coefficient = grad_inv_rms[:sources] * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
-        grad_entries.addcmul_(history, norm_coefficient.unsqueeze(-1))
+        def source_gradient(source, index, source_inv_rms):  # value, key and key-norm paths: [..., J, D]
+            grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)
+            grad = grad + (grad_keyed[index].unsqueeze(-2) * selector) @ queries  # [..., J_key, J] @ [J, D]
+            norm_coefficient = grad_inv_rms[index] * source_inv_rms.pow(3) / -hidden  # [..., J]
+            return torch.addcmul(grad, source, norm_coefficient.unsqueeze(-1))
 
-        grad_partial = None
-        if partial is not None:
-            grad_partial = coefficients[sources].unsqueeze(-1) * grad_input.unsqueeze(2)  # [B, T, J, D]
-            partial_dots = grad_keyed[sources].unsqueeze(2) * selector  # [B, T, J_key, J]
-            grad_partial.view(-1, hidden).addmm_(partial_dots.reshape(-1, streams), queries)
-            norm_coefficient = grad_inv_rms[sources] * partial_inv_rms.pow(3) / -hidden  # [B, T, J]
-            grad_partial.addcmul_(partial, norm_coefficient.unsqueeze(-1))
+        grad_history = source_gradient(history, slice(0, sources), history_inv_rms)  # [S, B, T, J, D]
+        grad_partial = source_gradient(partial, sources, partial_inv_rms) if partial is not None else None
         grad_routed = None
         if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
             grad_routed = grad_keyed[:sources].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
             if partial is not None:
-                grad_routed.addmm_(grad_keyed[sources].reshape(-1, streams).T, partial.reshape(-1, streams * hidden))
+                grad_routed = grad_routed + grad_keyed[sources].reshape(-1, streams).T @ partial.reshape(
+                    -1, streams * hidden
+                )
             grad_routed = grad_routed.T
-        return (grad_routed, grad_gate, None, None, None, None, None, grad_partial, *(None for _ in range(sources)))
+        unused = (None,) * 7  # history_inv_rms, phase 1, routing, eps: no gradient
+        return (grad_routed, grad_gate, grad_partial, *unused, *grad_history.unbind(0))
 
 
-def depth_read(
+def two_phase_read(
     routed: torch.Tensor,
     gate: torch.Tensor,
-    history_buffer: torch.Tensor,
-    inv_rms_buffer: torch.Tensor,
-    entries: tuple[torch.Tensor, ...],
+    state: "DepthState",
     partial: torch.Tensor | None,
+    phase: PhaseOne,
     key_streams: tuple[int, ...],
     value_streams: tuple[int, ...],
     eps: float,
-    gradients: DepthGradients | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fast path's read of one branch: u = sum_j gate_j x^j with x^j the depth attention of target stream j.
-
-    routed [J * D, J] (`routed_queries` of pseudo-query times key-norm weight); gate [J] (the read gate's
-    (alpha, 1 - alpha), or (1,) for one stream, times read and count scaling); the committed entries, each
-    [B, T, J, D], also copied into history_buffer [S_max, B, T, J, D] with their inverse RMS in inv_rms_buffer
-    [S_max, B, T, J]; the partial block state [B, T, J, D] when the branch reads it -> (u [B, T, D], weights
-    [N, B, T, J]), compute dtype. Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are
-    never materialised.
-    """
-    routing = (key_streams, value_streams)
-    with torch.autocast(history_buffer.device.type, enabled=False):  # the precision policy, also under autocast
-        inputs = (routed, gate, partial, *entries)
-        if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
-            if gradients is None:
-                raise ValueError("depth_read needs the forward's DepthGradients to train (see FastDepthBackend).")
-            return _DepthRead.apply(
-                routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries
-            )
-        sources, sources_inv_rms, _ = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
-        branch_input, weights, _ = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
-        return branch_input, weights
-
-
-def transport_write(partial, rho, beta, branch_output):
-    """P [B, T, J, D], rho (1,), beta [J, D], y [B, T, 1, D] -> [[rho, 1-rho], [1-rho, rho]] P + beta * y."""
-    return torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, branch_output)
-
-
-def gated_write(partial, rho, beta, branch_output):
-    """The write of a branch output y [B, T, D] in the model dtype: beta * y at the start of a block (partial None),
-    else `transport_write` -> [B, T, J, D] in beta's dtype."""
-    written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D]
-    if partial is None:
-        return beta * written  # [B, T, J, D]
-    return transport_write(partial, rho, beta, written)  # [B, T, J, D]
-
-
-class _TransportWrite(torch.autograd.Function):
-    """`transport_write` with the cast of y fused in: y arrives in the model dtype and backward keeps it there
-    (bf16 training keeps no float32 copy of it), with P (kept by the next read anyway); the gate gradients are dot
-    products, with no full-size temporaries. Without a partial (the first branch of a block) it is beta * y."""
-
-    @staticmethod
-    def forward(ctx, partial, rho, beta, branch_output):
-        ctx.save_for_backward(partial, rho, beta, branch_output)
-        return gated_write(partial, rho, beta, branch_output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        partial, rho, beta, branch_output = ctx.saved_tensors
-        grad_partial = grad_rho = None
-        if partial is not None:
-            swapped = grad.flip(-2)  # the transport matrix is symmetric: dL/dP = [[rho, 1-rho], [1-rho, rho]] g
-            grad_partial = torch.lerp(swapped, grad, rho) if ctx.needs_input_grad[0] else None
-            if ctx.needs_input_grad[1]:  # dL/drho = sum g . (P - swap P) = sum (g - swap g) . P
-                flat_partial = partial.flatten()
-                grad_rho = torch.vdot(grad.flatten(), flat_partial) - torch.vdot(swapped.flatten(), flat_partial)
-                grad_rho = grad_rho.reshape(rho.shape)
-        written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D], recomputed from the kept model dtype
-        grad_beta = (grad * written).sum((0, 1)) if ctx.needs_input_grad[2] else None  # [J, D]
-        grad_output = None
-        if ctx.needs_input_grad[3]:
-            grad_output = (grad * beta).sum(-2).to(branch_output.dtype)  # [B, T, D]
-        return grad_partial, grad_rho, grad_beta, grad_output
+    """Phase 2 of one read -> (u [B, T, D], depth weights [N, B, T, J]), with `_TwoPhaseRead`'s gradient when
+    training, plainly otherwise."""
+    inputs = (routed, gate, partial, *state.history)
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
+        return _TwoPhaseRead.apply(
+            routed, gate, partial, state.history_inv_rms, phase.key_dots, phase.weights, phase.log_sum_exp,
+            phase.mean, (key_streams, value_streams), eps, *state.history,
+        )
+    partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
+    branch_input, weights, _ = phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams)
+    return branch_input, weights
 
 
 @contextmanager
@@ -403,7 +326,7 @@ def _onloaded(module: torch.nn.Module) -> Iterator[None]:
 
 
 def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Callable[[], torch.Tensor]):
-    """A small tensor the fast path derives from a module's own parameters outside its forward (gates, folded
+    """A small tensor the two-phase backend derives from a module's own parameters outside its forward (gates, folded
     queries), in the dtype and on the device of `like`: computed with the module's weights onloaded (`_onloaded`),
     and memoised for inference.
 
@@ -411,10 +334,16 @@ def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Ca
     the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
     version counters and storages (an in-place update, a load or a move invalidates it) and `like`'s dtype and
     device (so the parameter-free one-stream read gate follows the model too), and a memo hit reads no weight at
-    all. With gradients on it is always recomputed, so training is untouched.
+    all. With gradients on it is always recomputed, so training is untouched, and the module's memo is dropped:
+    fused optimisers (`AdamW(fused=True)`, the Trainer's default) update parameters in place without bumping their
+    version counters, so a memo from before a training step must not survive it (evaluation between steps).
     """
+    if torch.compiler.is_compiling():  # a compiled graph reads the parameters; no Python memo in it
+        return compute()
     memoise = not torch.is_grad_enabled()
-    if memoise:
+    if not memoise:
+        module.__dict__.pop("_dar_fast_memo", None)
+    else:
         stamp = (like.dtype, like.device, *((p._version, p.data_ptr()) for p in module.parameters()))
         memo = module.__dict__.setdefault("_dar_fast_memo", {})
         cached = memo.get(name)
@@ -427,80 +356,178 @@ def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Ca
     return value
 
 
-class FastDepthBackend:
-    """The fused eager path, one instance per forward: it owns the depth-major buffers (history [S_max, B, T, J, D],
-    inverse RMS [S_max, B, T, J]) and the shared entry gradients."""
+class _BlockPartials:
+    """The partial states P_1 .. P_{K-1} of one block, rebuilt for backward from what autograd keeps anyway (the
+    branch outputs y in the model dtype and the gates) instead of being kept in float32 (DESIGN.md section 7).
+
+    `add` records one write (beta, rho, y); `rebuild(k)` replays the block's writes 0 .. k without autograd (the
+    same ops in the same order, so the same values bit for bit) and keeps them until every kept reference to the
+    block's partials has been unpacked once, so one backward replays the block once.
+    """
+
+    def __init__(self):
+        self.writes: list[tuple] = []
+        self.rebuilt: list[torch.Tensor] | None = None
+        self.pending = 0
+
+    def add(self, beta, rho, branch_output) -> int:
+        self.writes.append((beta.detach(), None if rho is None else rho.detach(), branch_output.detach()))
+        return len(self.writes) - 1
+
+    def rebuild(self, index: int) -> torch.Tensor:
+        if self.rebuilt is None or len(self.rebuilt) <= index:
+            with torch.no_grad():
+                partial, self.rebuilt = None, []
+                for beta, rho, branch_output in self.writes:
+                    partial = gated_write(partial, rho, beta, branch_output)
+                    self.rebuilt.append(partial)
+        partial = self.rebuilt[index]
+        self.pending -= 1
+        if self.pending <= 0:
+            self.rebuilt = None
+        return partial
+
+
+class _LeanPartials:
+    """Saved-tensor hooks of one training forward (eager): a kept reference to a partial state that is not committed
+    becomes a (block, index) handle, unpacked by replaying the block's writes (`_BlockPartials`). Everything else is
+    kept as autograd keeps it, through the hooks that were active around the forward (`save_on_cpu`, a memory
+    measurement), which are chained rather than replaced. Gradient checkpointing's own hooks take precedence inside a
+    checkpointed layer."""
+
+    def __init__(self):
+        self.block: _BlockPartials | None = None
+        self.partials: dict[int, tuple] = {}  # id(P) -> (weak reference to P, block, index)
+        # The enclosing saved-tensor hooks (torch keeps only the innermost active): everything else goes through them.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
+
+    def record(self, partial, beta, rho, branch_output, opens_block: bool) -> None:
+        if opens_block or self.block is None:
+            self.block = _BlockPartials()
+        index = self.block.add(beta, rho, branch_output)
+        self.partials[id(partial)] = (weakref.ref(partial), self.block, index)
+
+    def pack(self, tensor):
+        found = self.partials.get(id(tensor))
+        if found is None or found[0]() is not tensor:
+            return ("kept", tensor if self.outer_pack is None else self.outer_pack(tensor))
+        _, block, index = found
+        block.pending += 1
+        return ("rebuilt", (block, index))
+
+    def unpack(self, packed):
+        how, value = packed
+        if how == "rebuilt":
+            block, index = value
+            return block.rebuild(index)
+        return value if self.outer_unpack is None else self.outer_unpack(value)
+
+
+class TwoPhaseDepthBackend:
+    """Two-phase depth reads (DESIGN.md section 7); stateless apart from the model's configuration."""
 
     def __init__(self, config):
-        self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
         self.eps = config.rms_norm_eps
-        self.history_buffer = self.inv_rms_buffer = None
-        self.gradients = DepthGradients()
+        self.lean: _LeanPartials | None = None
+
+    def keeping_partials_lean(self):
+        """Context of a training forward: autograd keeps no float32 partial state (only the committed entries); each
+        block's partials are rebuilt in backward from the branch outputs it keeps anyway. Eager only: a compiled
+        graph plans its own saved tensors."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return nullcontext()
+        self.lean = _LeanPartials()
+        return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
 
     def start(self, entry: torch.Tensor) -> DepthState:
-        self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
-        self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
-        return DepthState(self, None, (self._commit(entry, 0),))
+        with torch.no_grad():
+            entry_inv_rms = inverse_rms(entry, self.eps).unsqueeze(0)  # [1, B, T, J]
+        return DepthState(self, None, (entry,), entry_inv_rms)
 
-    def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
-        return commit_entry(entry, self.history_buffer, self.inv_rms_buffer, slot, self.eps, self.gradients)
-
-    def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        attention, read_gate = residual.depth_attention, residual.read_gate
-        like, num_sources = self.history_buffer, len(state.history) + int(read_partial)
-        routed = _derived(
+    def _routed(self, residual, like: torch.Tensor) -> torch.Tensor:
+        attention = residual.depth_attention
+        return _derived(
             attention, "routed_query", like,
             lambda: routed_queries(attention.scoring_query().to(like), attention.key_streams),
         )  # [J * D, J]
-        stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
-        gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
-        return depth_read(
-            routed, gate, self.history_buffer, self.inv_rms_buffer, state.history,
-            state.partial if read_partial else None, attention.key_streams, attention.value_streams, self.eps,
-            self.gradients,
-        )
+
+    def plan(self, state: DepthState, *residuals) -> tuple[PhaseOne | None, ...]:
+        """Phase 1 of the leading residuals whose reads see the state's committed entries (up to and including the
+        first that commits); None for the rest, which plan their own read."""
+        planned = [residuals[0]]
+        for previous, residual in zip(residuals, residuals[1:]):
+            if previous.commits:
+                break
+            planned.append(residual)
+        like = state.history_inv_rms
+        with torch.autocast(like.device.type, enabled=False):  # outside no_grad: the memo is for inference only
+            routed = torch.cat([self._routed(residual, like) for residual in planned], dim=1)  # [J * D, R * J]
+        with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
+            routed = routed.detach()
+            attention = planned[0].depth_attention
+            phases = phase_one(
+                routed, torch.stack(state.history), like, attention.key_streams, attention.value_streams
+            )
+        return (*phases, *(None for _ in residuals[len(planned):]))
+
+    def read(self, residual, state: DepthState, read_partial: bool, planned: PhaseOne | None = None):
+        attention, read_gate = residual.depth_attention, residual.read_gate
+        like, num_sources = state.history_inv_rms, len(state.history) + int(read_partial)
+        if planned is None:
+            planned = self.plan(state, residual)[0]
+        with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
+            routed = self._routed(residual, like)
+            stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
+            gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
+            return two_phase_read(
+                routed, gate, state, state.partial if read_partial else None, planned, attention.key_streams,
+                attention.value_streams, self.eps,
+            )
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
-        write_gate, like = residual.write_gate, self.history_buffer
-        if write_gate.num_streams == 1:  # AttnRes writes y unchanged
-            partial = residual.write_gate(branch_output.to(like.dtype), state.partial)
-        else:
-            beta = _derived(write_gate, "beta", like, lambda: write_gate.beta().to(like))  # [J, D]
-            rho = None
-            if state.partial is not None:
-                rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
-            if torch.is_grad_enabled():
-                partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
+        write_gate, like = residual.write_gate, state.history_inv_rms
+        with torch.autocast(like.device.type, enabled=False):
+            if write_gate.num_streams == 1:  # AttnRes writes y unchanged: beta = 1, no transport
+                beta, rho = like.new_ones(1, 1), None
             else:
-                partial = gated_write(state.partial, rho, beta, branch_output)
+                beta = _derived(write_gate, "beta", like, lambda: write_gate.beta().to(like))  # [J, D]
+                rho = None
+                if state.partial is not None:
+                    rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
+            # y stays in the model dtype: autograd keeps it as the branch produced it
+            partial = gated_write(state.partial, rho, beta, branch_output)  # [B, T, J, D], compute dtype
+        if self.lean is not None and not commits and partial.requires_grad:
+            self.lean.record(partial, beta, rho, branch_output, opens_block=state.partial is None)
         if commits:
-            return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
-        return DepthState(self, partial, state.history)
+            with torch.no_grad():
+                entry_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)  # [1, B, T, J]
+            history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
+            return DepthState(self, None, (*state.history, partial), history_inv_rms)
+        return DepthState(self, partial, state.history, state.history_inv_rms)
 
 
 class DARDepthBackendInterface(GeneralInterface):
     """Name -> backend class, like transformers' `AttentionInterface`; `register` adds one library-wide."""
 
-    _global_mapping = {"reference": ReferenceDepthBackend, "fast": FastDepthBackend}
+    _global_mapping = {"reference": ReferenceDepthBackend, "fast": TwoPhaseDepthBackend}
 
 
 ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 
 
 def depth_backend(config):
-    """The backend of one forward. A forward traced by `torch.compile` always takes the reference equations: the
-    fast path's shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md
-    section 6), and inductor fuses the plain equations by itself."""
-    implementation = "reference" if torch.compiler.is_compiling() else config.dar_implementation
-    return ALL_DEPTH_BACKENDS[implementation](config)
+    """The backend of one forward, eager or compiled alike."""
+    return ALL_DEPTH_BACKENDS[config.dar_implementation](config)
 
 
 __all__ = [
     "ALL_DEPTH_BACKENDS",
     "DARDepthBackendInterface",
     "DepthState",
-    "FastDepthBackend",
+    "PhaseOne",
     "ReferenceDepthBackend",
+    "TwoPhaseDepthBackend",
     "dar_compute_dtype",
     "depth_backend",
 ]

@@ -18,7 +18,7 @@ decoder layer reads and writes a two-stream residual state through its `DARBranc
 
 Equation numbers are this docstring's, one per line of DESIGN.md section 2; the sources S^j of a read are the
 committed entries B^j_0 .. B^j_{n-1} and, inside a block, the partial P^j. The modules below say *what* is read and
-written; how (the plain equations, or the fused eager fast path) is a backend in `depth_backends.py`, picked by
+written; how (the plain equations, or two-phase reads) is a backend in `depth_backends.py`, picked by
 `config.dar_implementation` the way `ALL_ATTENTION_FUNCTIONS` picks token attention.
 
 Shape legend: B batch, T tokens, D hidden, N sources of one read, J streams. History is depth-major: sources
@@ -245,15 +245,16 @@ class DARBranchResidual(nn.Module):
         self.reads_partial = config.dar_include_partial and branch_index % block_size != 0
         self.commits = (branch_index + 1) % block_size == 0 or branch_index == config.dar_num_branches - 1
 
-    def forward(self, state: DepthState, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, state: DepthState, dtype: torch.dtype, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The read: (u [B, T, D] in `dtype`, depth weights [N, B, T, J]). A forward, so that `output_hidden_states`
-        and `output_depth_weights` record them."""
-        branch_input, weights = state.backend.read(self, state, self.reads_partial)
+        and `output_depth_weights` record them. `planned`: this read's phase 1, if the backend planned it with
+        others (`plan`)."""
+        branch_input, weights = state.backend.read(self, state, self.reads_partial, planned)
         return branch_input.to(dtype), weights
 
-    def read(self, state: DepthState, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, state: DepthState, dtype: torch.dtype, planned=None) -> torch.Tensor:
         """u [B, T, D] in the model dtype, eq. (2)-(5)."""
-        return self(state, dtype)[0]
+        return self(state, dtype, planned)[0]
 
     def write(self, state: DepthState, branch_output: torch.Tensor) -> DepthState:
         """y [B, T, D] in the model dtype -> the state after eq. (6)-(8)."""
@@ -308,8 +309,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple:
         state = DepthState.from_args(*state)
         dtype = self.input_layernorm.weight.dtype
+        # Phase 1 of both reads at once when the attention branch does not commit (DESIGN.md section 7).
+        attn_read, mlp_read = state.backend.plan(state, self.attn_residual, self.mlp_residual)
 
-        hidden_states = self.attn_residual.read(state, dtype)  # [B, T, D]
+        hidden_states = self.attn_residual.read(state, dtype, attn_read)  # [B, T, D]
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -321,7 +324,7 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         )
         state = self.attn_residual.write(state, hidden_states)
 
-        hidden_states = self.mlp_residual.read(state, dtype)  # [B, T, D]
+        hidden_states = self.mlp_residual.read(state, dtype, mlp_read)  # [B, T, D]
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         state = self.mlp_residual.write(state, hidden_states)
         return state.as_args()
@@ -444,18 +447,18 @@ class DARModel(DARPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
         state = self.initial_state(inputs_embeds)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            state = decoder_layer(
-                *state,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                **kwargs,
-            )
-
-        readout, _ = self.final_readout(*state)  # [B, T, D], compute dtype
+        with state[0].keeping_partials_lean():  # the backend decides what backward keeps of the DAR state
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                state = decoder_layer(
+                    *state,
+                    attention_mask=causal_mask,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    past_key_values=past_key_values,
+                    use_cache=use_cache,
+                    **kwargs,
+                )
+            readout, _ = self.final_readout(*state)  # [B, T, D], compute dtype
         hidden_states = self.norm(readout.to(inputs_embeds.dtype))
         return DARModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
