@@ -283,11 +283,18 @@ class _TwoPhaseRead(torch.autograd.Function):
         queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
+        keys_permuted = sorted(key_streams) == list(range(streams))  # each key stream keys exactly one target
+        if keys_permuted:  # per key stream: its target's key-dot gradient and query
+            grad_keyed_by_stream = _by_value_stream(grad_keyed, key_streams)  # [N, B, T, J_key]
+            queries_by_stream = _by_value_stream(queries.T, key_streams).T  # [J_key, D]
+
         def source_gradient(source, index, source_inv_rms):  # value, key and key-norm paths: [..., J, D]
-            grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)
-            grad = grad + (grad_keyed[index].unsqueeze(-2) * selector) @ queries  # [..., J_key, J] @ [J, D]
+            grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)  # the one entry-sized temporary
             norm_coefficient = grad_inv_rms[index] * source_inv_rms.pow(3) / -hidden  # [..., J]
-            return torch.addcmul(grad, source, norm_coefficient.unsqueeze(-1))
+            grad.addcmul_(source, norm_coefficient.unsqueeze(-1))
+            if keys_permuted:
+                return grad.addcmul_(grad_keyed_by_stream[index].unsqueeze(-1), queries_by_stream)
+            return grad.add_((grad_keyed[index].unsqueeze(-2) * selector) @ queries)  # [..., J_key, J] @ [J, D]
 
         grad_history = source_gradient(history, slice(0, sources), history_inv_rms)  # [S, B, T, J, D]
         grad_partial = source_gradient(partial, sources, partial_inv_rms) if partial is not None else None
