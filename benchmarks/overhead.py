@@ -68,6 +68,11 @@ def build_model(name: str, shape: dict) -> torch.nn.Module:
     return DARForCausalLM(config)
 
 
+# Wall-clock time by default; `--clock process` times this process's CPU time instead, which on a CPU shared with
+# other jobs (one thread: the process runs or waits) moves far less than wall time between interleaved repeats.
+clock = time.perf_counter
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so that wall-clock timings cover it (a no-op on CPU)."""
     if device.type == "cuda":
@@ -76,22 +81,22 @@ def synchronize(device: torch.device) -> None:
 
 def time_train_step(model, optimizer, batch) -> float:
     synchronize(batch.device)
-    start = time.perf_counter()
+    start = clock()
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     synchronize(batch.device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 @torch.no_grad()
 def time_prefill(model, prompt) -> float:
     synchronize(prompt.device)
-    start = time.perf_counter()
+    start = clock()
     model(input_ids=prompt, use_cache=True)
     synchronize(prompt.device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 @torch.no_grad()
@@ -102,10 +107,10 @@ def time_decode(model, prompt, new_tokens: int) -> float:
     times = []
     for _ in range(new_tokens):
         synchronize(prompt.device)
-        start = time.perf_counter()
+        start = clock()
         output = model(input_ids=token, past_key_values=cache, use_cache=True)
         synchronize(prompt.device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
     return statistics.median(times)
 
@@ -137,7 +142,7 @@ class TokenClock(BaseStreamer):
 
     def put(self, value):
         synchronize(self.device)
-        self.times.append(time.perf_counter())
+        self.times.append(clock())
 
     def end(self):
         pass
@@ -226,10 +231,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the models run (default: cuda when available); on cuda, peak memory is the "
                         "allocator's high-water mark of one training step / prefill instead of process RSS")
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
+                        help="wall-clock time, or this process's CPU time (CPU only; for a loaded shared machine)")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results (default: results/overhead.json, or overhead_compile.json with --compile)")
     args = parser.parse_args()
 
+    global clock
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     shape = SHAPES[args.shape]
     if args.output is None:
         args.output = Path(__file__).parent / "results" / ("overhead_compile.json" if args.compile else "overhead.json")
@@ -263,9 +272,9 @@ def main() -> None:
         first[name] = {"train_step_first_s": time_train_step(runners[name], optimizers[name], batch)}
         models[name].eval()
         first[name]["prefill_first_s"] = time_prefill(runners[name], prompt)
-        start = time.perf_counter()
+        start = clock()
         decode(models[name], prompt, 2)
-        first[name]["decode_first_s"] = time.perf_counter() - start
+        first[name]["decode_first_s"] = clock() - start
         print(f"warm-up {name}: " + ", ".join(f"{key} {value:.1f} s" for key, value in first[name].items()), flush=True)
     for _ in range(args.repeats):
         for name in names:
@@ -312,7 +321,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "shape": args.shape, "dims": shape, "compile": args.compile, "batch": args.batch, "seq": args.seq,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "clock": args.clock,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
