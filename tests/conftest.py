@@ -1,15 +1,39 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared tiny-model builders for the CPU test suite.
+"""Shared builders and checks for the CPU test suite (import them: `from conftest import tiny_llama, save_source`).
 
-Every model here is built from random weights in a fraction of a second: hidden 32, 2 decoder layers (M = 4 branches),
-GQA with 4 query and 2 key/value heads, a 97-token vocabulary. Import the plain functions from other test files
-(`from conftest import tiny_llama, upcycled_dar`); they take keyword overrides of any config field.
+Two tiny shapes, both built from random weights in a fraction of a second:
+- `TINY_LLAMA_FIELDS` (hidden 32, 2 layers, M = 4 branches, GQA 4/2 heads, 97 tokens): the model-side tests, the
+  DAR-MoE tests (`TINY_MOE`: 4 experts, top-2) and sparse upcycling (`dense_llama`);
+- `SHAPE` with `VOCAB` 320 (3 layers, weights spread so logits reach a few units): the converter's sources of each
+  family (`make_source`, `save_source` with the BPE `make_tokenizer`), whose every position is a decided next token.
+Keyword overrides of any config field are accepted where a builder takes `**overrides`.
 """
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import hashlib
+import json
+from pathlib import Path
 
-from dar_transformers import DARConfig, DARForCausalLM
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from dar_transformers import DARConfig, DARForCausalLM, DARMoeConfig, DARMoeForCausalLM
+from dar_transformers.modeling_dar import DAR_MODULE_NAMES
 
 TINY_LLAMA_FIELDS = dict(
     vocab_size=97,
@@ -24,10 +48,6 @@ TINY_LLAMA_FIELDS = dict(
     pad_token_id=0,
 )
 
-# Every DAR-only parameter lives under one of these module names (the rest keeps Llama's names).
-DAR_MODULE_NAMES = ("attn_residual", "mlp_residual", "final_readout")
-
-
 def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**{**TINY_LLAMA_FIELDS, **overrides})
 
@@ -40,6 +60,11 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -
     """A random tiny LlamaForCausalLM in eval mode; `seed` fixes its weights."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_llama_config(**overrides)).to(dtype).eval()
+
+
+def dense_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """`tiny_llama` at `INIT`: logits O(1) and routing far from uniform, so rounding and drift are visible."""
+    return tiny_llama(seed, **{**INIT, **overrides})
 
 
 def is_dar_parameter(name: str) -> bool:
@@ -87,3 +112,212 @@ def random_input_ids(batch: int = 2, length: int = 9, vocab_size: int = 97, seed
     """Token ids drawn from 3 .. vocab_size - 1, so no pad, bos or eos token appears by chance."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (batch, length), generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The converter's sources and checks.
+
+REPO = Path(__file__).resolve().parents[1]  # the repository root
+
+
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+
+
+VOCAB = 320
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+SHORT_PROMPTS = ["The capital of France is Paris, and the capital of Italy is Rome.", "Hello world, tiny models"]
+
+
+IDS = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))  # token ids of the VOCAB sources
+FAST = dict(prompts=SHORT_PROMPTS, max_new_tokens=12, progress=False)  # keeps the default suite quick
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (300 tokens) with a chat template, trained in milliseconds."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(["The capital of France is Paris. Hello world, tiny models are fun."] * 10, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def spread_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights at a scale where logits reach a few units (default init: below 1), so a 1e-5 bar is a real test."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    return model.eval()
+
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 5}),  # shorter than the prompts
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),  # head_dim != hidden / heads, as in Qwen3
+}
+
+
+def make_source(family: str = "llama", tied: bool = True, seed: int = 0):
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_class(**SHAPE, **extra, vocab_size=VOCAB, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    return spread_weights(model_class(config), seed)
+
+
+def save_source(folder: Path, family: str = "llama", tied: bool = True, shard: str | None = None) -> Path:
+    model = make_source(family, tied)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def assert_same_state(model_a: torch.nn.Module, model_b: torch.nn.Module) -> None:
+    """Same parameter names, dtypes and values, bit for bit."""
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name, tensor in state_a.items():
+        assert tensor.dtype == state_b[name].dtype and torch.equal(tensor, state_b[name]), name
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def logits(model, input_ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's rotary layout for attn_q / attn_k (transformers' GGUF loader undoes it)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}
+
+
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> Path:
+    """A float32 Llama GGUF with a BPE ("gpt2") tokenizer and chat template, as llama.cpp's converter writes it."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get) + [f"<unused{i}>" for i in range(config.vocab_size - len(vocab))]
+    special = {added["content"] for added in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in special else 1 for token in tokens])  # 3: control, 1: normal
+    writer.add_token_merges([merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(tokenizer.chat_template)
+    for key, tensor in model.state_dict().items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.numpy().astype(np.float32)
+        if key in GGUF_GLOBAL_NAMES:
+            writer.add_tensor(GGUF_GLOBAL_NAMES[key], array)
+            continue
+        layer, module = key.split(".")[2], ".".join(key.split(".")[3:-1])
+        if module == "self_attn.q_proj":
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif module == "self_attn.k_proj":
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def assert_nothing_written(parent: Path, before: set[str]) -> None:
+    assert {p.name for p in parent.iterdir()} == before
+
+
+def written_state(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    state = {}
+    for file in sorted(set(index["weight_map"].values())):
+        state.update(load_file(folder / file))
+    assert state.keys() == index["weight_map"].keys()
+    return state
+
+
+def assert_equals_in_memory(folder: Path, in_memory: torch.nn.Module) -> None:
+    """The written tensors are the in-memory conversion's, bit for bit (tied heads are not written, as save_pretrained)."""
+    expected = in_memory.state_dict()
+    if in_memory.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state = written_state(folder)
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+
+
+def max_logit_difference(model_a, model_b, input_ids) -> float:
+    with torch.no_grad():
+        return (model_a(input_ids).logits.double() - model_b(input_ids).logits.double()).abs().max().item()
+
+
+def save_bf16_source(folder: Path, family: str = "llama") -> Path:
+    model = make_source(family, tied=False).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+# Larger than HF's 0.02 so that logits are O(1) and routing is far from uniform: rounding and drift are visible.
+INIT = dict(initializer_range=0.2)
+
+
+TINY_MOE = dict(TINY_LLAMA_FIELDS, num_experts=4, num_experts_per_tok=2)
+
+
+def tiny_dar_moe(seed: int = 0, **overrides) -> DARMoeForCausalLM:
+    torch.manual_seed(seed)
+    return DARMoeForCausalLM(DARMoeConfig(**{**TINY_MOE, **overrides})).eval()
+
+
+def word_tokenizer(vocab_size: int = TINY_LLAMA_FIELDS["vocab_size"]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (the converter writes one into the repo folder)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{index}": index for index in range(3, vocab_size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")

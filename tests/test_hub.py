@@ -74,6 +74,7 @@ def test_pushed_folder_holds_config_with_auto_map_code_weights_tokenizer_and_car
     assert config["model_type"] == "dar" and config["architectures"] == ["DARForCausalLM"]
     assert config["auto_map"]["AutoConfig"] == "configuration_dar.DARConfig"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dar.DARForCausalLM"
+    assert config["auto_map"]["AutoModel"] == "modeling_dar.DARModel"  # what vLLM's Transformers backend builds
     # The remote code is this package's source as is: flat files importing only torch, transformers and each other.
     source = (PACKAGE_SOURCE / "dar_transformers" / "modeling_dar.py").read_text()
     assert (pushed.folder / "modeling_dar.py").read_text() == source

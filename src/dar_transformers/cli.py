@@ -4,10 +4,17 @@
 
 `convert` upcycles an HF folder or a GGUF file into DAR as a file operation (see `dar_transformers.convert`),
 verifies the written folder layer by layer, prints the verification table and moves the Hub-ready folder into place; `generate` streams a (chat) answer from any causal-LM folder.
+
+A user error is one line on stderr and exit code 1 (a failed verification: its table, exit code 2). SIGTERM and
+SIGHUP interrupt like Ctrl-C (SIGINT): the staging folder is removed, one line says so, and the exit code is 128 +
+the signal's number.
 """
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 
 from .analysis import add_arguments as add_analyze_arguments
 from .analysis import run_command as run_analyze
@@ -26,7 +33,10 @@ CONVERT_FIELD_OPTIONS: dict[str, str] = {
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="an HF model folder (safetensors) or a .gguf file")
-    parser.add_argument("output", help="the folder to write (must not exist or be empty, unless --overwrite)")
+    parser.add_argument(
+        "output", help="the folder to write: new or empty (or a previous conversion output with --overwrite); never the "
+        "source, inside it or around it",
+    )
     parser.add_argument("--kind", default="dar", choices=sorted(TARGET_KINDS), help="target model kind")
     parser.add_argument(
         "--block-size", type=int, default=None,
@@ -64,10 +74,17 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="max abs logit difference allowed (default 2e-4 in float32, 1e-8 in float64); a larger value relaxes "
         "the check, e.g. for a conversion that rounds float32 weights to bfloat16, and the model card says so",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens compared per prompt")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64,
+        help="greedy tokens compared per prompt (0: no full greedy continuations)",
+    )
     parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
     parser.add_argument("--base-model", default=None, help="Hub id of the source, for the model card")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace a previous conversion output (a folder whose config.json has model_type dar or dar_moe), "
+        "only once the new one is written and verified; never the source or a folder around or inside it",
+    )
 
 
 def convert_fields(args: argparse.Namespace) -> dict:
@@ -76,6 +93,8 @@ def convert_fields(args: argparse.Namespace) -> dict:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 0:
+        return convert_error(f"--max-new-tokens must be 0 (no greedy continuations) or more, got {args.max_new_tokens}.")
     convert_function, kind_options = upcycle, {"kind": args.kind}
     if args.kind == "dar_moe" or args.experts is not None or args.top_k is not None or args.expert_noise:
         convert_function = upcycle_to_dar_moe
@@ -95,16 +114,37 @@ def run_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             **convert_fields(args),
         )
+    except KeyboardInterrupt as interrupt:  # the output is in place only if it came during the final swap
+        interrupt.output_written = getattr(interrupt, "output_written", False)
+        raise
     except VerificationError as error:
         print(error, file=sys.stderr)
         return 2
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as error:
-        print(f"dar convert: error: {error}", file=sys.stderr)
-        return 1
-    print(result.report.table())
-    config = result.config
-    print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).")
+    except (ValueError, TypeError, OSError) as error:  # OSError: permission, read-only, no space, missing, ...
+        return convert_error(error)
+    try:
+        print(result.report.table())
+        config = result.config
+        print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).")
+    except KeyboardInterrupt as interrupt:
+        interrupt.output_written = True
+        raise
     return 0
+
+
+def close_progress_bars() -> None:
+    """Close the progress bars an error or interrupt left open, so that the message that follows has its own line."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def convert_error(error: object) -> int:
+    """One line on stderr (a message's own line breaks are folded), exit code 1."""
+    close_progress_bars()
+    print(f"dar convert: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return 1
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,9 +197,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C's KeyboardInterrupt so that the same clean-up runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts_raised():
+    """While the command runs, SIGTERM and SIGHUP raise `Interrupted` (by default they end the process at once,
+    leaving a half-written staging folder behind); the previous handlers come back afterwards."""
+    signums = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        with interrupts_raised():
+            return args.run(args)
+    except KeyboardInterrupt as interrupt:
+        signum = getattr(interrupt, "signum", signal.SIGINT)
+        written = getattr(interrupt, "output_written", None)  # set by run_convert
+        done = "" if written is None else f" after {args.output} was written" if written else "; nothing was written"
+        close_progress_bars()
+        print(f"dar {args.command}: interrupted by {signal.Signals(signum).name}{done}.", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

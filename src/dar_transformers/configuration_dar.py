@@ -25,6 +25,9 @@
 """
 
 import math
+import os
+from pathlib import Path
+from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
@@ -63,6 +66,9 @@ class DARConfig(LlamaConfig):
     ```"""
 
     model_type = "dar"
+    # Auto class name -> "file.Class" of every class of this model type; set by the package's registration table
+    # (`dar_transformers.AUTO_CLASSES`) at import, empty where only the remote-code files are loaded.
+    remote_code_auto_map: ClassVar[dict[str, str]] = {}
 
     dar_block_size: int | None = None
     dar_num_streams: int = 2
@@ -110,6 +116,20 @@ class DARConfig(LlamaConfig):
                 "DARConfig.dar_gate_delta must be 0 with dar_routing='fixedkv': values come from stream 1 only, so "
                 f"anti-symmetric write gates would change the function at initialisation (got {self.dar_gate_delta!r})."
             )
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
+        """HF's `save_pretrained`, with `auto_map` naming every Auto class whose code is in the folder.
+
+        A model's `save_pretrained` (and `dar convert`) first writes the model's flat code files and adds the one Auto
+        class that model was registered for (`custom_object_save`); the base model and the other heads live in the same
+        files, so they are added too: vLLM builds `AutoModel`, a fine-tuning user a task head.
+        """
+        if getattr(self, "auto_map", None):  # not a declared field: transformers adds it when it writes code
+            written = {path.stem for path in Path(save_directory).glob("*.py")}
+            for auto_class, reference in self.remote_code_auto_map.items():
+                if reference.split(".")[0] in written:
+                    self.auto_map.setdefault(auto_class, reference)
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     @property
     def dar_num_branches(self) -> int:

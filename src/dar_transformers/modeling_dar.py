@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -45,7 +44,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
@@ -59,6 +58,24 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import ROUTING_KEY_VALUE_STREAMS, DARConfig
 from .depth_backends import DepthState, dar_compute_dtype, depth_backend
+
+# Every DAR-only parameter lives under a module of one of these names; everything else keeps Llama's names. The one
+# list of them: the fp32 policy below, weight decay (`training.py`) and the converter's new parameters read it.
+DAR_MODULE_NAMES = ("attn_residual", "mlp_residual", "final_readout")
+
+
+def slice_last_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """hidden [B, T, D] -> [B, T', D]: an int keeps the last `logits_to_keep` positions (0 keeps all), a 1-D tensor
+    picks those positions. Llama's slicing up to transformers 5.19, which has no `slice_logits_to_keep`."""
+    indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden_states[:, indices, :]
+
+
+try:  # transformers >= 5.20 (also takes per-row 2-D index tensors)
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers 5.19, the newest vLLM's CPU build accepts
+    slice_logits_to_keep = slice_last_positions
+
 
 # The unchanged branch modules per family: (attention class, MLP class). Data, not an if-ladder.
 DAR_BRANCH_MODULES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
@@ -342,7 +359,7 @@ class DARPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     # DAR parameters stay float32 when the model is loaded in half precision (DESIGN.md section 4).
-    _keep_in_fp32_modules_strict = ["attn_residual", "mlp_residual", "final_readout"]
+    _keep_in_fp32_modules_strict = list(DAR_MODULE_NAMES)
     # hidden_states[l] is the input u of layer l's attention branch (the embedding for l = 0, Llama's residual
     # stream at upcycling), then the final readout (replaced by `last_hidden_state` after `norm`).
     _can_record_outputs = {
@@ -384,6 +401,7 @@ class DARPreTrainedModel(PreTrainedModel):
 
 class DARModel(DARPreTrainedModel):
     decoder_layer_class = DARDecoderLayer
+    output_class = DARModelOutputWithPast  # DAR-MoE's adds the router logits
 
     def __init__(self, config: DARConfig):
         super().__init__(config)
@@ -460,18 +478,23 @@ class DARModel(DARPreTrainedModel):
                 )
             readout, _ = self.final_readout(*state)  # [B, T, D], compute dtype
         hidden_states = self.norm(readout.to(inputs_embeds.dtype))
-        return DARModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return self.output_class(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
+    """Llama's causal-LM head over the DAR backbone; the recorded outputs of the backbone (hidden states, attentions,
+    depth weights, and router logits for DAR-MoE) pass through to `output_class`."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     _fsdp_plan = {"lm_head": "keep_full_weight"}
+    backbone_class = DARModel
+    output_class = DARCausalLMOutputWithPast
 
     def __init__(self, config: DARConfig):
         super().__init__(config)
-        self.model = DARModel(config)
+        self.model = self.backbone_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -507,45 +530,55 @@ class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
-        return DARCausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            depth_weights=outputs.depth_weights,
-        )
+        recorded = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+        return self.output_class(loss=loss, logits=logits, **recorded)
 
 
-class DARTaskHeadMixin:
-    """Lets transformers' generic heads, which build their backbone with `AutoModel.from_config(config)`, find the
-    DAR backbone (`backbone_class`) for the class of the config they are given.
-
-    With the package imported, its `__init__` has registered the Auto classes already. Under `trust_remote_code=True`
-    the package is absent, and the config is an instance of the class from the config file's own dynamic module, not
-    the one this file imported (transformers loads each remote file under its own hash), so no registration at import
-    time could match it: the backbone is registered for the class actually passed in (idempotent).
-    """
-
-    backbone_class: type[PreTrainedModel]
+# Task heads as Llama's: transformers' generic heads (forward, pooling, loss) over DARModel, with the backbone under
+# `model` (Llama's question-answering head keeps a legacy `transformer`), so an upcycled causal-LM checkpoint starts
+# every head. The generic constructors build the backbone with `AutoModel.from_config(config)`, which cannot find it
+# under `trust_remote_code=True`: the config is then an instance of the class from the config file's own dynamic
+# module (transformers loads each remote file under its own hash), which no registration made at import can name.
+# So each head builds its `backbone_class` itself, skipping only the generic constructor (`super(GenericFor..., self)`),
+# and adds the generic head's own layers.
+class DARForSequenceClassification(GenericForSequenceClassification, DARPreTrainedModel):
+    backbone_class = DARModel
 
     def __init__(self, config: DARConfig):
-        AutoModel.register(type(config), self.backbone_class, exist_ok=True)
-        super().__init__(config)
+        super(GenericForSequenceClassification, self).__init__(config)
+        self.num_labels = config.num_labels
+        self.model = self.backbone_class(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+
+        self.post_init()
 
 
-# Task heads as Llama's: transformers' generic heads over DARModel. The backbone stays under `model` (Llama's
-# question-answering head keeps a legacy `transformer`), so an upcycled causal-LM checkpoint starts every head.
-class DARForSequenceClassification(DARTaskHeadMixin, GenericForSequenceClassification, DARPreTrainedModel):
+class DARForQuestionAnswering(GenericForQuestionAnswering, DARPreTrainedModel):
     backbone_class = DARModel
 
+    def __init__(self, config: DARConfig):
+        super(GenericForQuestionAnswering, self).__init__(config)
+        self.model = self.backbone_class(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
 
-class DARForQuestionAnswering(DARTaskHeadMixin, GenericForQuestionAnswering, DARPreTrainedModel):
+        self.post_init()
+
+
+class DARForTokenClassification(GenericForTokenClassification, DARPreTrainedModel):
     backbone_class = DARModel
 
+    def __init__(self, config: DARConfig):
+        super(GenericForTokenClassification, self).__init__(config)
+        self.num_labels = config.num_labels
+        self.model = self.backbone_class(config)
+        # The generic head's dropout: an optional `classifier_dropout` or `hidden_dropout` a user put in the config.
+        dropout = getattr(config, "classifier_dropout", None)
+        dropout = getattr(config, "hidden_dropout", None) if dropout is None else dropout
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
+        bias = getattr(config, "token_classification_bias", True)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=bias)
 
-class DARForTokenClassification(DARTaskHeadMixin, GenericForTokenClassification, DARPreTrainedModel):
-    backbone_class = DARModel
+        self.post_init()
 
 
 __all__ = [

@@ -9,10 +9,10 @@ transformers' Qwen3-MoE / Qwen2-MoE classes, subclassed only where DAR-MoE diffe
     implementations, `grouped_mm` by default), plus Qwen2-MoE's sigmoid-gated `shared_expert` when configured;
   - `mlp_only_layers` / `decoder_sparse_step` keep some layers dense, with the family's own MLP;
   - experts and routers get Qwen3-MoE's `_init_weights`, after DAR's (one cooperative `super()` chain);
-  - outputs are `MoeModelOutputWithPast` / `MoeCausalLMOutputWithPast`; with `output_router_logits` the head adds
-    `router_aux_loss_coef * load_balancing_loss` (Switch Transformer eq. 4-6) to the LM loss, padding masked out;
-  - the sequence-classification, question-answering and token-classification heads are transformers' generic
-    heads, as Qwen3-MoE's are.
+  - outputs are Qwen3-MoE's (`MoeModelOutputWithPast` / `MoeCausalLMOutputWithPast`) plus DAR's depth weights; with
+    `output_router_logits` the head adds `router_aux_loss_coef * load_balancing_loss` (Switch Transformer eq. 4-6)
+    to DAR's LM loss, padding masked out;
+  - the model and every head are DAR's with the DAR-MoE backbone (`backbone_class`, `output_class`).
 The DAR residual (depth reads, read gate, write gates, readout) is untouched: the MoE block is just another branch
 F_m (DESIGN.md section 2), so sparse upcycling and DAR upcycling compose (residual-methods.md section 5.3).
 
@@ -27,17 +27,12 @@ non-reentrant checkpointing is exact. `grouped_mm` experts take float32/bf16/fp1
 Shape legend: N tokens (B * T flattened), D hidden, E experts, k experts per token.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
-from transformers.modeling_layers import (
-    GenericForQuestionAnswering,
-    GenericForSequenceClassification,
-    GenericForTokenClassification,
-)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoePreTrainedModel,
@@ -49,7 +44,35 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_dar_moe import DARMoeConfig
-from .modeling_dar import DARDecoderLayer, DARForCausalLM, DARModel, DARPreTrainedModel, DARTaskHeadMixin
+from .modeling_dar import (
+    DARDecoderLayer,
+    DARForCausalLM,
+    DARForQuestionAnswering,
+    DARForSequenceClassification,
+    DARForTokenClassification,
+    DARModel,
+    DARPreTrainedModel,
+)
+
+
+@dataclass
+class DARMoeModelOutputWithPast(MoeModelOutputWithPast):
+    r"""
+    depth_weights (`tuple(torch.FloatTensor)`, *optional*, returned when `output_depth_weights=True`):
+        As in `DARModelOutputWithPast`: the depth weights of every read, in forward order.
+    """
+
+    depth_weights: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DARMoeCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""
+    depth_weights (`tuple(torch.FloatTensor)`, *optional*, returned when `output_depth_weights=True`):
+        As in `DARModelOutputWithPast`.
+    """
+
+    depth_weights: tuple[torch.FloatTensor, ...] | None = None
 
 
 class DARMoeTopKRouter(Qwen3MoeTopKRouter):
@@ -124,28 +147,18 @@ class DARMoePreTrainedModel(DARPreTrainedModel, Qwen3MoePreTrainedModel):
 
 
 class DARMoeModel(DARMoePreTrainedModel, DARModel):
+    """`DARModel` with the MoE decoder layer; `_can_record_outputs` adds the router logits to its output when
+    `output_router_logits` is set."""
+
     decoder_layer_class = DARMoeDecoderLayer
-
-    @can_return_tuple
-    def forward(self, *args, **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
-        """`DARModel.forward`, whatever its arguments, with the MoE output type: `_can_record_outputs` has added the
-        router logits to its output when `output_router_logits` is set."""
-        return MoeModelOutputWithPast(**super().forward(*args, return_dict=True, **kwargs))
+    output_class = DARMoeModelOutputWithPast
 
 
-class DARMoeForCausalLM(DARMoePreTrainedModel, GenerationMixin):
-    _tied_weights_keys = DARForCausalLM._tied_weights_keys
-    _tp_plan = DARForCausalLM._tp_plan
-    _pp_plan = DARForCausalLM._pp_plan
-    _fsdp_plan = DARForCausalLM._fsdp_plan
+class DARMoeForCausalLM(DARMoePreTrainedModel, DARForCausalLM):
+    """`DARForCausalLM` over `DARMoeModel`, plus the load-balancing loss when the router logits are recorded."""
 
-    def __init__(self, config: DARMoeConfig):
-        super().__init__(config)
-        self.model = DARMoeModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-        self.post_init()
+    backbone_class = DARMoeModel
+    output_class = DARMoeCausalLMOutputWithPast
 
     @can_return_tuple
     def forward(
@@ -160,58 +173,46 @@ class DARMoeForCausalLM(DARMoePreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeCausalLMOutputWithPast:
+    ) -> DARMoeCausalLMOutputWithPast:
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        outputs: MoeModelOutputWithPast = self.model(
+        outputs = super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
+            labels=labels,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
+            logits_to_keep=logits_to_keep,
+            return_dict=True,
             **kwargs,
         )
+        if not output_router_logits:
+            return outputs
 
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-
-        aux_loss = None
-        if output_router_logits:
-            # Padded tokens (attention_mask 0) are left out of the routing fractions and probabilities.
-            aux_loss = load_balancing_loss_func(
-                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
-            )
-            if labels is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-
-        return MoeCausalLMOutputWithPast(
-            loss=loss,
-            aux_loss=aux_loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
+        # Padded tokens (attention_mask 0) are left out of the routing fractions and probabilities.
+        aux_loss = load_balancing_loss_func(
+            outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
         )
+        loss = outputs.loss
+        if labels is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return self.output_class(**{**outputs, "loss": loss, "aux_loss": aux_loss})
 
 
-# Task heads as Qwen3-MoE's (and Llama's): transformers' generic heads over DARMoeModel. Like Qwen3-MoE's heads they
+# Task heads as Qwen3-MoE's: DAR's heads (transformers' generic ones) over DARMoeModel. Like Qwen3-MoE's heads they
 # train on the task loss alone (no load-balancing term).
-class DARMoeForSequenceClassification(DARTaskHeadMixin, GenericForSequenceClassification, DARMoePreTrainedModel):
+class DARMoeForSequenceClassification(DARMoePreTrainedModel, DARForSequenceClassification):
     backbone_class = DARMoeModel
 
 
-class DARMoeForQuestionAnswering(DARTaskHeadMixin, GenericForQuestionAnswering, DARMoePreTrainedModel):
+class DARMoeForQuestionAnswering(DARMoePreTrainedModel, DARForQuestionAnswering):
     backbone_class = DARMoeModel
 
 
-class DARMoeForTokenClassification(DARTaskHeadMixin, GenericForTokenClassification, DARMoePreTrainedModel):
+class DARMoeForTokenClassification(DARMoePreTrainedModel, DARForTokenClassification):
     backbone_class = DARMoeModel
 
 

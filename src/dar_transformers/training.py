@@ -23,10 +23,10 @@ from transformers import TrainingArguments
 from transformers.trainer_pt_utils import get_parameter_names
 from transformers.utils import logging
 
+from .modeling_dar import DAR_MODULE_NAMES
+
 logger = logging.get_logger(__name__)
 
-# Every DAR-only parameter lives under one of these module names; everything else keeps Llama's names.
-DAR_MODULE_NAMES = ("attn_residual", "mlp_residual", "final_readout")
 
 # The no-decay name patterns of `Trainer.get_decay_parameter_names` (transformers 5.23, trainer.py): biases and
 # norms are not decayed, as in the Trainer's own default.

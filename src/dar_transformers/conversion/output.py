@@ -1,28 +1,355 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The dar-transformers authors.
-"""The output folder of a conversion: checked against the source, written in a staging folder, moved into place."""
+"""The output folder of a conversion: checked against the source, written in a staging folder, moved into place.
 
+The rules (users point `dar convert` at the only copy of a checkpoint):
+
+- Every path is resolved (symlinks, `..`, relative) before anything is written, and compared by identity (device and
+  inode, which also sees bind mounts) as well as by name.
+- The source is sacred. For a source folder, the output may not be it, lie inside it or contain it; the same holds
+  for the target of every symlink at the folder's top level (a Hub cache snapshot links into `blobs/`). For a source
+  file (GGUF), the output may not be the file or a folder that contains it (or contains the symlink to it); a new
+  folder next to the file is fine. This holds with and without `overwrite`.
+- An existing output folder is used as is only when empty. `overwrite` replaces nothing else than a previous
+  conversion output (a folder whose config.json has a DAR `model_type`); anything else is refused.
+- The new folder is written and verified in a staging folder next to the output, and only then renamed into place;
+  a replaced output is moved aside first and removed last. Signals are held back while folders are swapped or
+  cleaned up, and any error (or interrupt) removes what this run created.
+- Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process; a later run removes
+  those of runs that are no longer alive (a SIGKILL leaves them behind) and never touches a folder without it.
+"""
+
+import contextlib
+import json
 import os
+import re
 import shutil
+import signal
+import socket
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# The model_types of a previous conversion output, the only non-empty folders that `overwrite` replaces.
+DAR_MODEL_TYPES: tuple[str, ...] = ("dar", "dar_moe")
+# A file inside each staging (`.partial`) and retired (`.old`) folder this package creates: who created it.
+STAGING_MARKER = ".dar-convert-run.json"
+STAGING_SUFFIX, RETIRED_SUFFIX = ".partial", ".old"
+# Signals that must not cut a swap or a clean-up in half (the CLI turns SIGTERM and SIGHUP into exceptions too).
+HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM} | ({signal.SIGHUP} if hasattr(signal, "SIGHUP") else set())
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """The absolute path with every symlink and `..` resolved (as far as the path exists)."""
+    return Path(os.path.realpath(os.fspath(path)))
 
 
 def check_output_folder(output: str | os.PathLike, overwrite: bool, source: object = None) -> Path:
-    """Refuse an existing non-empty output (unless overwrite), a file, or a folder that is or holds the source."""
-    output = Path(output).absolute()
-    if output.exists() and not output.is_dir():
-        raise FileExistsError(f"Output {output} exists and is not a folder.")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(f"Output folder {output} exists and is not empty; pass overwrite=True (--overwrite).")
-    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():  # a GGUF file's neighbours are no source
-        source_folder = Path(source).absolute()
-        if output == source_folder or source_folder in output.parents:
-            raise ValueError(
-                f"Output folder {output} is or lies inside the source folder {source_folder}; the source is never modified."
+    """The resolved output folder, after refusing one that is, contains or lies inside the source (always), a path
+    that is not a folder, and a non-empty folder unless `overwrite` and it is a previous conversion output.
+
+    `source`: the source folder or file (a path); anything else (an in-memory model) has no files to protect."""
+    given = os.fspath(output)
+    output = resolve_path(given)
+    shown = f"{given} (resolved: {output})" if str(output) != given else given
+    if isinstance(source, (str, os.PathLike)):
+        _refuse_source_overlap(output, shown, source)
+    if os.path.lexists(output) and not output.is_dir():
+        raise FileExistsError(f"Output {shown} exists and is not a folder; choose a new or empty folder.")
+    blocking = _nearest_existing(output)
+    if not blocking.is_dir():
+        raise NotADirectoryError(f"Output {shown} lies under {blocking}, which is not a folder.")
+    if output.is_dir() and any(output.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"Output folder {shown} exists and is not empty; choose a new or empty folder, or pass --overwrite "
+                "(overwrite=True) to replace a previous conversion output."
+            )
+        if not is_conversion_output(output):
+            raise FileExistsError(
+                f"Output folder {shown} is not empty and is not a previous conversion output (no config.json with "
+                f"model_type {' or '.join(map(repr, DAR_MODEL_TYPES))}); --overwrite replaces only those. Choose a new "
+                "or empty folder, or move this one away yourself."
             )
     return output
+
+
+def is_conversion_output(folder: Path) -> bool:
+    """True for a folder whose config.json is a DAR kind (what a conversion writes)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in DAR_MODEL_TYPES
+
+
+def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike) -> None:
+    source_path = resolve_path(source)
+    if not os.path.exists(source_path):
+        return  # nothing to protect; the source's own check names the missing path
+    for protected, is_folder, what in _protected_paths(Path(source), source_path):
+        relation = None
+        if _same(output, protected):
+            relation = "is"
+        elif is_folder and _inside(output, protected):
+            relation = "lies inside"
+        elif _inside(protected, output):
+            relation = "contains"
+        if relation:
+            suggestion = source_path.with_name((source_path.name if source_path.is_dir() else source_path.stem) + "-dar")
+            raise ValueError(
+                f"Output {shown} {relation} {what} {protected}; the source is never modified, with or without "
+                f"--overwrite. Choose an output folder outside it, e.g. {suggestion}."
+            )
+
+
+def _protected_paths(given: Path, source: Path) -> Iterator[tuple[Path, bool, str]]:
+    """(path, is a folder, description) of what the output must keep clear of: the source, the targets of the
+    symlinks it reads (the top level of a source folder), and the symlink itself for a symlinked source file."""
+    if source.is_dir():
+        yield source, True, "the source folder"
+        with os.scandir(source) as entries:
+            for entry in entries:
+                if entry.is_symlink() and os.path.exists(entry.path):
+                    target = resolve_path(entry.path)
+                    yield target, target.is_dir(), f"the target of the source's symlink {entry.name},"
+    else:
+        yield source, False, "the source file"
+    if given.is_symlink():  # the source was named through a symlink: keep that too
+        yield resolve_path(given.absolute().parent) / given.name, False, "the symlink to the source"
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _same(first: Path, second: Path) -> bool:
+    identity = _identity(first)
+    return first == second or (identity is not None and identity == _identity(second))
+
+
+def _inside(inner: Path, outer: Path) -> bool:
+    """True if `inner` is strictly inside the folder `outer` (by name, or by identity of an existing ancestor)."""
+    if outer in inner.parents:
+        return True
+    outer_identity = _identity(outer)
+    if outer_identity is None:
+        return False
+    existing = inner if _identity(inner) is not None else _nearest_existing(inner)
+    ancestors = [existing] if existing != inner else []
+    ancestors += list(existing.parents)
+    return any(_identity(ancestor) == outer_identity for ancestor in ancestors)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing.
+
+
+class OutputWriteError(OSError):
+    """An OS error while writing the output folder (permission, read-only mount, no space, ...), as one line that
+    names the output; `errno` is the original error's."""
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP back until the block ends, so that a folder swap or a clean-up runs to its
+    end; a signal that arrived meanwhile is raised again afterwards. (A Python handler runs in the main thread whatever
+    thread the signal reached, so the handlers are swapped rather than the thread's signal mask.) Only the main thread
+    can do this; elsewhere it holds nothing. SIGKILL cannot be held: the marker lets the next run clean up after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {}
+    for signum in HELD_SIGNALS:
+        handler = signal.getsignal(signum)
+        if handler is not None and handler != signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])
+
+
+def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bool, source: object = None) -> None:
+    """Run `write(folder)` on a staging folder next to `output`, then move it into place (all or nothing).
+
+    The output is checked (`check_output_folder`) before anything is created and again just before the swap; an
+    existing output (empty, or a previous conversion with `overwrite`) is moved aside only once the new folder is
+    complete, then removed. On any error or interrupt, the staging folder and the parent folders this call created
+    are removed and the error propagates; an OS error is re-raised as one `OSError` line that names the output."""
+    output = check_output_folder(output, overwrite, source)
+    created: list[Path] = []
+    staging = None
+    try:
+        remove_stale_runs(output.parent)
+        with signals_held():
+            created = _make_parents(output.parent)
+            staging = _marked_folder(output, STAGING_SUFFIX)
+        write(staging)
+        _apply_umask(staging)
+        check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
+        with signals_held():
+            _move_into_place(staging, output)
+            staging = None
+    except KeyboardInterrupt as interrupt:  # a signal held during the swap arrives after it: the output is complete
+        interrupt.output_written = staging is None
+        raise
+    except OSError as error:
+        if error.errno is None:  # one of this module's own refusals, already one line
+            raise
+        raise _write_error(output, error.errno, _describe(error)) from error
+    except Exception as error:  # Rust writers (tokenizers) report an OS error as a bare Exception "... (os error N)"
+        os_error = re.search(r"\(os error (\d+)\)", str(error))
+        if os_error is None or type(error) is not Exception:
+            raise
+        raise _write_error(output, int(os_error.group(1)), str(error)) from error
+    finally:
+        with signals_held():
+            if staging is not None and os.path.lexists(staging):
+                shutil.rmtree(staging, ignore_errors=True)
+            for folder in reversed(created):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if still empty
+
+
+def _write_error(output: Path, errno: int, description: str) -> OutputWriteError:
+    error = OutputWriteError(f"Could not write {output}: {description}; nothing was written.")
+    error.errno = errno
+    return error
+
+
+def _describe(error: OSError) -> str:
+    text = error.strerror or str(error)
+    if error.filename is not None:
+        text += f" ({error.filename}" + (f" -> {error.filename2}" if error.filename2 is not None else "") + ")"
+    return text
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """mkdir -p `folder`; returns the folders it created, outermost first."""
+    missing = []
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        path.mkdir()
+    return list(reversed(missing))
+
+
+def _marked_folder(output: Path, suffix: str) -> Path:
+    """A new hidden folder next to `output` holding the marker of this run (call with signals held)."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=suffix, dir=output.parent))
+    marker = {"pid": os.getpid(), "host": socket.gethostname(), "output": str(output)}
+    (folder / STAGING_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+    return folder
+
+
+def _move_into_place(staging: Path, output: Path) -> None:
+    """Rename the complete staging folder to `output`; an existing output is moved into a marked retired folder
+    first (moved back if the rename fails) and removed after. Call with signals held."""
+    (staging / STAGING_MARKER).unlink()
+    if not os.path.lexists(output):
+        os.replace(staging, output)
+        return
+    retired = _marked_folder(output, RETIRED_SUFFIX)
+    try:
+        os.replace(output, retired / output.name)
+    except OSError:
+        shutil.rmtree(retired, ignore_errors=True)
+        raise
+    try:
+        os.replace(staging, output)
+    except OSError:
+        os.replace(retired / output.name, output)
+        shutil.rmtree(retired, ignore_errors=True)
+        raise
+    try:
+        _remove_marked(retired)
+    except OSError as error:  # the new output is in place; say what is left rather than fail
+        logger.warning(f"Wrote {output}, but the previous output moved to {retired} could not be removed "
+                       f"({_describe(error)}); remove it yourself.")
+
+
+def remove_stale_runs(parent: Path) -> list[Path]:
+    """Remove the staging and retired folders in `parent` that runs no longer alive left behind (recognised by their
+    marker; nothing else is touched), naming each on the log. A retired folder whose output is missing (a run killed
+    between its two renames) holds the only copy of that output: it is named, not removed. Returns what was removed."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for entry in sorted(parent.iterdir()):
+        if not (entry.name.startswith(".") and entry.name.endswith((STAGING_SUFFIX, RETIRED_SUFFIX))):
+            continue
+        marker = _read_marker(entry)
+        if marker is None:
+            continue
+        pid, host, output = marker.get("pid"), marker.get("host"), Path(str(marker.get("output", "")))
+        if host != socket.gethostname() or _alive(pid):
+            logger.warning(f"{entry} belongs to a conversion that may still be running (process {pid} on {host}); "
+                           "left alone.")
+            continue
+        kept = entry / output.name
+        if entry.name.endswith(RETIRED_SUFFIX) and os.path.lexists(kept) and not os.path.lexists(output):
+            logger.warning(f"{kept} is the previous {output}, moved aside by a conversion that was killed (process "
+                           f"{pid}); left alone: move it back or remove it yourself.")
+            continue
+        logger.warning(f"Removing {entry}, left behind by an earlier conversion (process {pid}, no longer running).")
+        try:
+            with signals_held():
+                _remove_marked(entry)
+        except OSError as error:
+            logger.warning(f"Could not remove {entry} ({_describe(error)}); remove it yourself.")
+            continue
+        removed.append(entry)
+    return removed
+
+
+def _remove_marked(folder: Path) -> None:
+    """Remove a marked folder, its marker last: a folder that cannot be removed whole stays recognisable."""
+    for entry in folder.iterdir():
+        if entry.name != STAGING_MARKER:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    shutil.rmtree(folder)
+
+
+def _read_marker(folder: Path) -> dict | None:
+    try:
+        marker = json.loads((folder / STAGING_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unknown: treat as alive, touch nothing
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _apply_umask(folder: Path) -> None:
@@ -32,23 +359,3 @@ def _apply_umask(folder: Path) -> None:
     os.chmod(folder, 0o777 & ~umask)
     for path in folder.rglob("*"):
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bool) -> None:
-    """Run `write(folder)` on a temporary folder next to `output`, then rename it into place (all or nothing)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
-    try:
-        write(staging)
-        _apply_umask(staging)
-        check_output_folder(output, overwrite)  # the output may have appeared while we worked
-        if output.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".old", dir=output.parent))
-            os.replace(output, retired / output.name)
-            os.replace(staging, output)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, output)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)

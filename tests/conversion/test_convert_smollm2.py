@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dar_transformers import DARForCausalLM
-from dar_transformers.convert import chat_input_ids, load_source, upcycle
+from dar_transformers.conversion import chat_input_ids, load_source, upcycle
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,7 @@ import torch
 
 from transformers import AutoModelForCausalLM
 
-from dar_transformers.convert import load_source
-from dar_transformers.moe_upcycling import convert_to_dar_moe, upcycle_to_dar_moe
+from dar_transformers.conversion import convert_to_dar_moe, load_source, upcycle_to_dar_moe
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""The public entry points (`dar convert` calls `upcycle` / `upcycle_to_dar_moe`): each runs the pipeline once,
+downwards: read the source's config and check its family (`sources`, `families`), build the target config
+(`targets`), open the source's tensors, plan every target tensor (`plan`), write the folder in a staging folder
+(`write`), verify what was written (`verify`), add the card (`card`) and move the folder into place (`output`).
+"""
+
+import dataclasses
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.utils import logging
+
+from ..modeling_dar_moe import DARMoeForCausalLM
+from .card import chat_answers, render_model_card
+from .families import source_family
+from .options import ConversionOptions
+from .output import check_output_folder, write_repo_folder
+from .checkpoints import StateDictCheckpoint
+from .plan import cast_model, check_finite, logging_level_error, plan_conversion, upcycle_model
+from .report import VerificationReport
+from .sources import Source, display_name, load_source_config, open_source, source_storage_dtype
+from .targets import TargetKind, dar_moe_target_kind
+from .verify import build_prompts, raise_unless_passed, set_experts_for, verify_conversion, verify_written
+from .write import write_converted_folder
+
+logger = logging.get_logger(__name__)
+
+
+@dataclasses.dataclass
+class ConversionResult:
+    """`model`: the converted model, in memory only for an in-memory conversion (no output folder); a written
+    conversion is loaded from `output` (`convert()` does so). `config`: the target config either way."""
+
+    model: PreTrainedModel | None
+    tokenizer: object | None
+    report: VerificationReport | None
+    source: Source
+    output: Path | None
+    config: PreTrainedConfig | None = None
+
+
+def conversion_options(options: ConversionOptions | None, keywords: Mapping[str, object]) -> ConversionOptions:
+    """`options` updated by `upcycle`'s keyword arguments: option names set options, the others are config fields."""
+    option_keywords, fields = ConversionOptions.split(keywords)
+    if options is None:
+        return ConversionOptions(**option_keywords, fields=fields)
+    return dataclasses.replace(options, **option_keywords, fields={**options.fields, **fields})
+
+
+def upcycle(
+    source: PreTrainedModel | str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    options: ConversionOptions | None = None,
+    *,
+    tokenizer=None,
+    **keywords,
+) -> ConversionResult:
+    """Convert, verify and (if `output` is given) write; returns the verification report, the source and, for an
+    in-memory conversion, the model.
+
+    A path source (HF folder, GGUF file), or an in-memory model with an `output`, converts as a file operation: the
+    folder is written to a temporary folder next to `output`, verified layer by layer against the source, and moved
+    into place only if it passes. `options` (a `ConversionOptions`) or its fields as keywords (`dtype`, `tolerance`,
+    `verify_dtype`, `full_greedy`, `prompts`, `max_new_tokens`, `max_shard_size`, `base_model`, `overwrite`,
+    `progress`, `kind`); any other keyword is a config field of the target kind (for DAR: `dar_block_size`,
+    `dar_routing`, `dar_num_streams`, ...). Raises before writing anything if an input is bad or the verification
+    fails.
+    """
+    options = conversion_options(options, keywords)
+    target = options.target
+    if output is not None:
+        output = check_output_folder(output, options.overwrite, source)
+        if not options.verify:
+            raise ValueError("verify=False cannot write an output folder: only verified conversions are written.")
+    in_memory = isinstance(source, PreTrainedModel)
+    source_config = source.config if in_memory else load_source_config(source)
+    branch_family = source_family(source_config)
+    if in_memory and output is None:
+        return _upcycle_in_memory(source, tokenizer, options)
+    # Validate the target config before opening any weight.
+    target.build_config(source_config, branch_family, options.storage_dtype or torch.float32, options.fields)
+
+    loaded = open_source(source, source_config, tokenizer)
+    if in_memory:
+        loaded.model = source
+    try:
+        storage_dtype = options.storage_dtype or source_storage_dtype(loaded.checkpoint)
+        config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
+        plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
+                                           loaded.checkpoint.description)
+        check_finite(loaded.checkpoint, loaded.checkpoint.description)
+        check_dtype = options.verification_dtype(storage_dtype)
+        prompt_ids = build_prompts(loaded.tokenizer, source_config.vocab_size, options.prompts) if options.verify else []
+        outcome = {}
+
+        def write(folder: Path) -> None:
+            write_converted_folder(folder, target, config, plans, new_names, loaded, options.max_shard_bytes,
+                                   options.progress)
+            if not options.verify:
+                return
+            report = verify_written(loaded, target, folder, prompt_ids, check_dtype, options)
+            outcome["report"] = report
+            raise_unless_passed(report, storage_dtype)
+            answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
+            card = render_model_card(config, report, loaded, base_model=options.base_model, kind=target.description,
+                                     answers=answers)
+            (folder / "README.md").write_text(card, encoding="utf-8")
+
+        if output is not None:
+            write_repo_folder(output, write, options.overwrite, source)
+            logger.info(f"Wrote the converted model to {output}")
+        else:  # a check only: written to a temporary folder, verified, removed
+            with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:
+                write(Path(scratch))
+    finally:
+        loaded.checkpoint.close()
+    loaded.model = None
+    return ConversionResult(model=None, tokenizer=loaded.tokenizer, report=outcome.get("report"), source=loaded,
+                            output=output, config=config)
+
+
+def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOptions) -> ConversionResult:
+    """An in-memory model, nothing written: `upcycle_model`, then both models side by side in the check dtype."""
+    storage_dtype = options.storage_dtype or source.dtype
+    target = options.target
+    target.build_config(source.config, source_family(source.config), storage_dtype, options.fields)
+    check_finite(StateDictCheckpoint(source.state_dict()), "the in-memory model")
+    model = upcycle_model(source, target, storage_dtype, **options.fields)
+    report = None
+    if options.verify:
+        check_dtype = options.verification_dtype(storage_dtype)
+        source_model, target_model = cast_model(source, check_dtype), cast_model(model, check_dtype)
+        set_experts_for(source_model, check_dtype)
+        set_experts_for(target_model, check_dtype)
+        prompt_ids = build_prompts(tokenizer, source.config.vocab_size, options.prompts)
+        max_new_tokens = 0 if options.full_greedy is False else options.max_new_tokens
+        report = verify_conversion(source_model, target_model, prompt_ids, options.tolerance, max_new_tokens,
+                                   options.progress)
+        report.storage_dtype = str(storage_dtype).removeprefix("torch.")
+        raise_unless_passed(report, storage_dtype)
+    name = display_name(source.config.name_or_path or type(source).__name__)
+    loaded = Source(source, tokenizer, name, "in-memory model", source.config)
+    return ConversionResult(model=model, tokenizer=tokenizer, report=report, source=loaded, output=None,
+                            config=model.config)
+
+
+def convert(
+    source: PreTrainedModel | str | os.PathLike, output: str | os.PathLike | None = None, **keywords
+) -> PreTrainedModel:
+    """Upcycle `source` (a model, an HF folder or a .gguf file) into DAR, verified; write it to `output` if given.
+    Returns the converted model (a written one loaded from `output` with `dtype="auto"`).
+
+    Keyword arguments: the DAR fields (`dar_block_size=8`, `dar_routing="dar"`, `dar_num_streams=2`, ...), the
+    options of `upcycle` (`dtype`, `tolerance`, `overwrite`, `max_shard_size`, `base_model`, ...) or `options=`,
+    and `tokenizer`.
+
+    ```python
+    >>> from dar_transformers.conversion import convert
+    >>> dar = convert("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-dar", dar_block_size=8)
+    ```
+    """
+    if output is None and not isinstance(source, PreTrainedModel):
+        with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:
+            return convert(source, Path(scratch) / "dar", **keywords)
+    result = upcycle(source, output, **keywords)
+    if result.model is not None:
+        return result.model
+    with logging_level_error():
+        return AutoModelForCausalLM.from_pretrained(result.output, dtype="auto", trust_remote_code=False).eval()
+
+
+def _moe_target(expert_noise: float, seed: int) -> TargetKind | str:
+    return dar_moe_target_kind(expert_noise, seed) if expert_noise else "dar_moe"
+
+
+def upcycle_to_dar_moe(
+    source: PreTrainedModel | str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    *,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    expert_noise: float = 0.0,
+    seed: int = 0,
+    **keywords,
+) -> ConversionResult:
+    """`dar convert --experts E --top-k k [--expert-noise X]`: convert, verify and write, as the dense converter.
+
+    A dense source is sparse-upcycled (E and k required); an MoE source (Mixtral, Qwen2-MoE, Qwen3-MoE) keeps its
+    experts and routing. `keywords` are those of `upcycle` (dtype, tolerance, tokenizer, DAR fields, ...). With
+    `expert_noise > 0` the result is deliberately not exact: unless a tolerance is given, the verification only
+    reports the differences (a relaxed check, recorded in the model card) instead of refusing.
+
+    ```python
+    >>> from dar_transformers.conversion import upcycle_to_dar_moe
+    >>> result = upcycle_to_dar_moe("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-dar-moe", num_experts=4, top_k=2)
+    ```
+    """
+    kind = _moe_target(expert_noise, seed)
+    if expert_noise and keywords.get("tolerance") is None:
+        keywords["tolerance"] = math.inf
+    return upcycle(source, output, kind=kind, num_experts=num_experts, num_experts_per_tok=top_k, **keywords)
+
+
+def convert_to_dar_moe(
+    source: PreTrainedModel,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    expert_noise: float = 0.0,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    **dar_fields,
+) -> DARMoeForCausalLM:
+    """An in-memory source -> DAR-MoE, unverified: sparse upcycling (dense source) or an MoE source as is.
+
+    Raises if any source tensor would be dropped or any target parameter other than the new ones (DAR residual
+    modules; routers when upcycling) would stay unloaded. For a verified, written conversion use `upcycle_to_dar_moe`.
+    """
+    fields = dict(num_experts=num_experts, num_experts_per_tok=top_k, **dar_fields)
+    return upcycle_model(source, _moe_target(expert_noise, seed), dtype, **fields)
+
+
+__all__ = ["ConversionResult", "convert", "convert_to_dar_moe", "upcycle", "upcycle_to_dar_moe"]

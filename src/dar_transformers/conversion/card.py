@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""The README.md (model card) of a converted repo: base model, DAR settings, verification numbers, how to load."""
+
+import math
+
+import transformers
+
+from .. import __version__
+
+CARD_TEMPLATE = """---
+{front_matter}
+---
+
+# {title}
+
+{source_sentence} converted into **{kind}** (DAR; Yu, Li, Liu et al., arXiv 2607.18730) with
+[dar-transformers](https://pypi.org/project/dar-transformers/) {package_version}.
+
+DAR replaces the residual add around every attention and MLP branch with two residual streams and a
+softmax attention over depth with reciprocal cross-stream addressing. The new parameters (depth queries,
+key norms, read and write gates, transport) are initialised so that every depth read is the standard residual
+sum: **at conversion the model computes the source model's function**, verified below. Training (fine-tuning
+or continued pre-training) is what lets the depth attention depart from the plain residual stream.
+
+## DAR settings
+
+| setting | value |
+|---|---|
+{settings}
+
+## Verification
+
+Source and DAR model run side by side on the same prompts: the largest absolute difference of the logits over
+every position of every prompt, whether both models pick the same next token (teacher-forced top-1) wherever the
+source's top-1/top-2 margin exceeds twice the tolerance, and, when both models fit in memory, whether their greedy
+continuations are identical token for token. The line under the table says which of these ran, in which dtype.
+
+{verification}
+{chat_check}
+## How to load
+
+With the package installed (`pip install dar-transformers`), importing it registers the `dar` model type:
+
+```python
+import dar_transformers  # noqa: F401  (registers model_type "dar")
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{repo}")
+tokenizer = AutoTokenizer.from_pretrained("{repo}")
+```
+
+Without the package, the modelling code shipped in this repo (`configuration_dar.py`, `modeling_dar.py`) is used:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)  # the config's code; the tokenizer has none
+```
+
+Requires `transformers>={transformers_version},<5.24` and torch. Chat:
+
+```python
+messages = [{{"role": "user", "content": "What is the capital of France?"}}]
+input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+print(tokenizer.decode(model.generate(input_ids, max_new_tokens=48)[0, input_ids.shape[1]:]))
+```
+
+or from the command line: `dar generate <this folder> --prompt "What is the capital of France?"`.
+"""
+
+
+def _settings_rows(config) -> list[tuple[str, str]]:
+    num_branches = config.dar_num_branches
+    num_blocks = math.ceil(num_branches / config.dar_block_size)
+    variant = "Full DAR" if config.dar_block_size == 1 else f"Block DAR, {num_blocks} blocks"
+    rows = [
+        ("block size K (branches; 2 per layer)", f"{config.dar_block_size} of {num_branches} ({variant})"),
+        ("streams", str(config.dar_num_streams)),
+        ("routing", config.dar_routing),
+        ("write mode", config.dar_write_mode),
+        ("write-gate spread delta", f"{config.dar_gate_delta:g}"),
+        ("initial transport rho", f"{config.dar_rho_init:g}"),
+        ("partial block as a source / count scaling", f"{config.dar_include_partial} / {config.dar_count_scaling}"),
+        ("branch family (HF attention / MLP modules)", config.dar_branch_family),
+        ("weights dtype", str(config.dtype).removeprefix("torch.")),
+        ("tied input/output embeddings", str(config.tie_word_embeddings)),
+    ]
+    if hasattr(config, "num_experts"):  # DAR-MoE
+        rows.append(("experts E (sparse layers)", f"{config.num_experts} ({len(config.moe_layer_indices)} of "
+                                                  f"{config.num_hidden_layers} layers)"))
+        rows.append(("experts per token (top-k)", str(config.num_experts_per_tok)))
+    return rows
+
+
+def chat_answers(report, tokenizer, eos_token_ids) -> tuple[str, str] | None:
+    """The source's and the converted model's greedy answers to the verification chat prompt, cut at end-of-turn."""
+    chat = [check for check in report.checks if check.name.startswith("chat:")] if report and tokenizer else []
+    if not chat or chat[0].greedy_identical is None:  # no continuations ran (max new tokens 0, or not in memory)
+        return None
+    stops = set(eos_token_ids if isinstance(eos_token_ids, list) else [eos_token_ids]) - {None}
+
+    def decode(tokens: list[int]) -> str:
+        end = next((index for index, token in enumerate(tokens) if token in stops), len(tokens))
+        text = tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
+        return " ".join(text.split()).replace("|", "\\|")  # one Markdown table cell
+
+    return decode(chat[0].source_continuation), decode(chat[0].target_continuation)
+
+
+def render_model_card(
+    config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None
+) -> str:
+    """Markdown with YAML front matter; `base_model` (a Hub id) goes into the front matter when given.
+
+    `answers`: (source, converted) greedy answers to the chat prompt, shown side by side when given.
+    """
+    front_matter = ["library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0"]
+    if base_model:
+        front_matter.insert(0, f"base_model: {base_model}")
+    front_matter += ["tags:", "- dar", "- dual-attention-residuals", "- upcycled", "- custom_code"]
+    # Only names reach the card (a Hub id, or a file/folder name): never a path of the converting machine.
+    source_sentence = f"`{base_model}` ({source.location})" if base_model else f"`{source.name}` ({source.location})"
+    if report is None:
+        verification = "Not verified."
+    else:
+        verification = report.table()
+        if report.relaxed:
+            verification += (
+                f"\n\n**The tolerance was relaxed** to {report.tolerance:.1e} from the default "
+                f"{report.default_tolerance:.1e} for {report.dtype}, so this is an approximate, not an exact, conversion."
+            )
+    chat_check = ""
+    if answers is not None:
+        chat_check = (
+            '\nGreedy answers to the chat prompt "What is the capital of France?":\n\n| model | answer |\n|---|---|\n'
+            f"| source | {answers[0]} |\n| converted | {answers[1]} |\n"
+        )
+    return CARD_TEMPLATE.format(
+        chat_check=chat_check,
+        front_matter="\n".join(front_matter),
+        title=f"{base_model or source.name} + DAR",
+        source_sentence=source_sentence,
+        kind=kind,
+        package_version=__version__,
+        settings="\n".join(f"| {name} | {value} |" for name, value in _settings_rows(config)),
+        verification=verification,
+        repo="<this repo or folder>",
+        transformers_version=transformers.__version__,
+    )
+
+
+__all__ = ["chat_answers", "render_model_card"]

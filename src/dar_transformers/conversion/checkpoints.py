@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""The sources' tensors, read one at a time without building a model (DESIGN.md section 6).
+
+- `SafetensorsCheckpoint`: a folder of `*.safetensors` files read through their headers, each tensor (or rows of
+  it) with `os.pread` at its byte offsets. Nothing is memory-mapped, so a read costs its own bytes in RSS and no
+  shard stays resident (a mapped shard's touched pages count in RSS until it is closed: streaming-checkpoints.md 1).
+- `GGUFCheckpoint`: a GGUF file, each tensor read at its offset, dequantised and un-permuted by transformers' own GGUF
+  tensor processors (dense families; the MoE processors merge experts across tensors and go through transformers'
+  whole-file loader instead).
+- `StateDictCheckpoint`: an in-memory model's state dict behind the same interface.
+"""
+
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+    load_gguf_checkpoint,
+)
+
+from .keymaps import TensorInfo
+
+try:
+    import gguf  # the [gguf] extra: only GGUF sources need it
+except ImportError:
+    gguf = None
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def pread_exact(fd: int, length: int, offset: int) -> bytearray:
+    buffer = bytearray(length)
+    view, done = memoryview(buffer), 0
+    while done < length:
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count <= 0:
+            raise OSError(f"unexpected end of file reading {length} bytes at offset {offset}")
+        done += count
+    return buffer
+
+
+def _tensor_from_bytes(buffer: bytearray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    if len(buffer) == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+
+
+class Checkpoint:
+    """Tensors by name: `infos()` (shapes and dtypes, nothing read), `read(name, rows)` (dim-0 rows, or all)."""
+
+    description: str = "checkpoint"
+
+    def infos(self) -> dict[str, TensorInfo]:
+        raise NotImplementedError
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """Rows `indices` (any order, repeats allowed) of a 2-D tensor, e.g. embedding rows of a prompt."""
+        return self.read(name)[indices]
+
+    def byte_range(self, name: str) -> tuple[int, int, int] | None:
+        """(file descriptor, offset, length) of the tensor's bytes when they can be copied as they are."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """A folder's safetensors files (those of its index, or every `*.safetensors`), read through their headers."""
+
+    def __init__(self, folder: str | os.PathLike, files: Sequence[str] | None = None):
+        self.folder = Path(folder)
+        self.description = f"safetensors in {self.folder}"
+        if files is None:
+            index = self.folder / INDEX_NAME
+            if index.is_file():
+                try:
+                    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                except (json.JSONDecodeError, KeyError, TypeError) as error:
+                    raise ValueError(f"{index} is not a safetensors index ({error!r}).") from error
+            else:
+                files = sorted(path.name for path in self.folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"Source folder {self.folder} has no safetensors weights (model.safetensors or sharded "
+                "model-0000x-of-0000y.safetensors with model.safetensors.index.json)."
+            )
+        self._fds: list[int] = []
+        self._entries: dict[str, tuple[int, int, TensorInfo]] = {}  # name -> (fd, absolute offset, info)
+        try:
+            for file in files:
+                self._open(self.folder / file)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, path: Path) -> None:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} (listed in {self.folder / INDEX_NAME}) does not exist.")
+        fd = os.open(path, os.O_RDONLY)
+        self._fds.append(fd)
+        size = os.fstat(fd).st_size
+        try:
+            (header_size,) = struct.unpack("<Q", pread_exact(fd, 8, 0))
+            if not 2 <= header_size <= min(size - 8, 100 * 2**20):
+                raise ValueError(f"header size {header_size} does not fit a file of {size} bytes")
+            header = json.loads(pread_exact(fd, header_size, 8).decode("utf-8"))
+            data_start = 8 + header_size
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                if entry["dtype"] not in SAFETENSORS_DTYPES:
+                    raise ValueError(f"tensor {name!r} has dtype {entry['dtype']!r}")
+                info = TensorInfo(tuple(int(n) for n in entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
+                begin, end = (int(n) for n in entry["data_offsets"])
+                if end - begin != info.nbytes or data_start + end > size:
+                    raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit its shape or the file")
+                if name in self._entries:
+                    raise ValueError(f"tensor {name!r} appears in two files")
+                self._entries[name] = (fd, data_start + begin, info)
+        except (ValueError, KeyError, TypeError, OSError, UnicodeDecodeError, struct.error) as error:
+            raise ValueError(f"Could not load the weights in {self.folder}: {path.name} is not a valid safetensors "
+                             f"file ({error}).") from error
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {name: info for name, (_, _, info) in self._entries.items()}
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        fd, offset, info = self._entries[name]
+        if rows is None or not info.shape:
+            return _tensor_from_bytes(pread_exact(fd, info.nbytes, offset), info.dtype, info.shape)
+        start, stop, _ = rows.indices(info.shape[0])
+        row_bytes = info.nbytes // max(info.shape[0], 1)
+        buffer = pread_exact(fd, (stop - start) * row_bytes, offset + start * row_bytes)
+        return _tensor_from_bytes(buffer, info.dtype, (stop - start, *info.shape[1:]))
+
+    def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        unique, inverse = torch.unique(indices, return_inverse=True)
+        rows = torch.cat([self.read(name, slice(index, index + 1)) for index in unique.tolist()])
+        return rows[inverse]
+
+    def byte_range(self, name: str) -> tuple[int, int, int]:
+        fd, offset, info = self._entries[name]
+        return fd, offset, info.nbytes
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+class StateDictCheckpoint(Checkpoint):
+    """An in-memory state dict (tied duplicates dropped as `save_pretrained` drops them)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], description: str = "in-memory model"):
+        self.state_dict = dict(state_dict)
+        self.description = description
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in self.state_dict.items()}
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        tensor = self.state_dict[name].detach()
+        return tensor if rows is None else tensor[rows]
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A dense-family GGUF file, one tensor at a time: read at its offset, dequantised (float32), un-permuted by
+    transformers' tensor processor and named through `get_gguf_hf_weights_map` of a meta model of `config`.
+
+    The last tensor read stays dequantised, so reading a tensor in row chunks (casting, checking, the LM head in
+    vocabulary chunks) dequantises it once, not once per chunk; the memory is that one tensor in float32, which the
+    first chunk needs anyway (the q/k un-permutation mixes rows within a head)."""
+
+    def __init__(self, path: str | os.PathLike, config, meta_model: torch.nn.Module):
+        if gguf is None:
+            raise ImportError("Reading a GGUF file needs the `gguf` package: pip install 'dar-transformers[gguf]'.")
+        self.path = Path(path)
+        self.description = f"GGUF file {self.path}"
+        parsed = load_gguf_checkpoint(str(self.path))  # metadata only
+        architecture = parsed["config"].get("model_type")
+        self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+        key_map = get_gguf_hf_weights_map(meta_model, self.processor)
+        reader = gguf.GGUFReader(str(self.path))  # an np.memmap: only its header fields are touched here
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._tensors = {}
+        self._last: tuple[str, torch.Tensor] | None = None  # (name, the whole dequantised tensor)
+        self.dequantised = 0  # tensors dequantised so far (each once per run of reads)
+        for tensor in reader.tensors:
+            hf_name = key_map.get(tensor.name)
+            if hf_name is None:
+                continue
+            info = TensorInfo(tuple(int(n) for n in reversed(tensor.shape.tolist())), torch.float32)
+            self._tensors[hf_name] = (tensor.name, tensor.tensor_type, tensor.data.dtype, tensor.data.shape,
+                                      int(tensor.data_offset), int(tensor.n_bytes), info)
+        del reader
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {name: entry[-1] for name, entry in self._tensors.items()}
+
+    def _dequantised(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        self._last = None  # free the previous tensor before making the next
+        gguf_name, tensor_type, raw_dtype, raw_shape, offset, nbytes, info = self._tensors[name]
+        raw = np.frombuffer(pread_exact(self._fd, nbytes, offset), dtype=raw_dtype).reshape(raw_shape)
+        weights = gguf.dequantize(raw, tensor_type)
+        result = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping={}, parsed_parameters={})
+        tensor = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(info.shape)
+        self.dequantised += 1
+        self._last = (name, tensor)
+        return tensor
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        tensor = self._dequantised(name)
+        return tensor if rows is None else tensor[rows]
+
+    def close(self) -> None:
+        self._last = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+__all__ = ["Checkpoint", "GGUFCheckpoint", "SafetensorsCheckpoint", "StateDictCheckpoint"]

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""Which sources convert, and which of their config fields a target takes over (data; the first stop of a conversion).
+
+A source `model_type` converts when DAR composes its branches: the dense families are `DAR_BRANCH_FAMILIES`
+(`configuration_dar.py`, the one list of them), each its own branch family; the MoE families convert to DAR-MoE
+with the branches of their dense sibling. Everything else, a custom `model_type` with an `auto_map` included, is
+refused by name before transformers is asked to build or load anything (no custom code ever runs).
+
+The fields a target config copies from its source are `DARConfig`'s own Llama-part fields (`architecture_fields`),
+for DAR and DAR-MoE alike; DAR-MoE adds the MoE fields of `MOE_CONFIG_FIELDS`.
+"""
+
+import dataclasses
+
+from transformers import PreTrainedConfig
+
+from ..configuration_dar import DAR_BRANCH_FAMILIES, DARConfig
+
+# Source model_type -> DAR branch family (the HF attention/MLP classes DAR composes, `modeling_dar.DAR_BRANCH_MODULES`).
+SOURCE_FAMILIES: dict[str, str] = {family: family for family in DAR_BRANCH_FAMILIES}
+# MoE sources convert to kind "dar_moe" only, with the branches of their dense sibling.
+MOE_SOURCE_FAMILIES: dict[str, str] = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+ALL_SOURCE_FAMILIES: dict[str, str] = {**SOURCE_FAMILIES, **MOE_SOURCE_FAMILIES}
+# Families whose sliding window applies only through `use_sliding_window` / `layer_types` (refused below).
+LAYER_TYPED_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+# The MoE config fields of each MoE source: DARMoeConfig field -> source field (a name, or a fixed value).
+MOE_CONFIG_FIELDS: dict[str, dict[str, object]] = {
+    "mixtral": {
+        "num_experts": "num_local_experts",
+        "num_experts_per_tok": "num_experts_per_tok",
+        "moe_intermediate_size": "intermediate_size",
+        "norm_topk_prob": True,  # MixtralTopKRouter always renormalises the top-k weights
+        "router_aux_loss_coef": "router_aux_loss_coef",
+    },
+    "qwen2_moe": {
+        "num_experts": "num_experts",
+        "num_experts_per_tok": "num_experts_per_tok",
+        "moe_intermediate_size": "moe_intermediate_size",
+        "norm_topk_prob": "norm_topk_prob",
+        "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+        "decoder_sparse_step": "decoder_sparse_step",
+        "mlp_only_layers": "mlp_only_layers",
+        "router_aux_loss_coef": "router_aux_loss_coef",
+    },
+    "qwen3_moe": {
+        "num_experts": "num_experts",
+        "num_experts_per_tok": "num_experts_per_tok",
+        "moe_intermediate_size": "moe_intermediate_size",
+        "norm_topk_prob": "norm_topk_prob",
+        "decoder_sparse_step": "decoder_sparse_step",
+        "mlp_only_layers": "mlp_only_layers",
+        "router_aux_loss_coef": "router_aux_loss_coef",
+    },
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The source is not a causal LM of a family whose branches DAR reuses."""
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line: a validator's own message (field name, allowed values) when it wraps one."""
+    cause = error.__cause__ if type(error).__name__.startswith("StrictDataclass") and error.__cause__ else error
+    return " ".join(str(cause).split())
+
+
+def supported_families_sentence() -> str:
+    return (f"DAR converts model_type {sorted(SOURCE_FAMILIES)} (Llama, SmolLM, TinyLlama, Mistral, Qwen2, Qwen3) and, "
+            f"to DAR-MoE, {sorted(MOE_SOURCE_FAMILIES)}")
+
+
+def check_model_type(model_type: object, where: str) -> str:
+    """The branch family of a source `model_type` read from `where`, or a one-line error listing the supported ones."""
+    if model_type not in ALL_SOURCE_FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"Cannot convert model_type {model_type!r} ({where}): {supported_families_sentence()}; custom model code is "
+            "never run."
+        )
+    return ALL_SOURCE_FAMILIES[model_type]
+
+
+def source_family(config: PreTrainedConfig) -> str:
+    """The DAR branch family of a source config, or a clear error listing the supported ones."""
+    architectures = getattr(config, "architectures", None) or [type(config).__name__]
+    return check_model_type(config.model_type, ", ".join(architectures))
+
+
+def check_full_attention(source_config: PreTrainedConfig) -> None:
+    """Qwen sliding layers need per-layer masks that DAR does not build; refuse rather than drift."""
+    layer_types = source_config.to_dict().get("layer_types") or []
+    if "sliding_attention" in layer_types or getattr(source_config, "use_sliding_window", False):
+        raise UnsupportedArchitectureError(
+            f"The {source_config.model_type} source uses sliding-window attention layers (use_sliding_window=True, "
+            "layer_types has 'sliding_attention'); DAR converts only full-attention Qwen models."
+        )
+
+
+def architecture_fields() -> tuple[str, ...]:
+    """The fields a target config takes over from its source: DARConfig's own, less the generic and the DAR ones."""
+    generic = {field.name for field in dataclasses.fields(PreTrainedConfig)}
+    return tuple(
+        field.name
+        for field in dataclasses.fields(DARConfig)
+        if field.name not in generic and not field.name.startswith("dar_")
+    )
+
+
+def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
+    """The architecture fields of a source (those its config has, None included), checked for full attention."""
+    if source_config.model_type in LAYER_TYPED_FAMILIES:
+        check_full_attention(source_config)
+    values = source_config.to_dict()
+    fields = {name: values[name] for name in architecture_fields() if name in values}
+    if source_config.model_type in LAYER_TYPED_FAMILIES:
+        fields.pop("sliding_window", None)  # only active with use_sliding_window, refused above
+    return fields
+
+
+__all__ = [
+    "ALL_SOURCE_FAMILIES",
+    "MOE_CONFIG_FIELDS",
+    "MOE_SOURCE_FAMILIES",
+    "SOURCE_FAMILIES",
+    "UnsupportedArchitectureError",
+    "architecture_fields",
+    "check_model_type",
+    "one_line",
+    "source_architecture",
+    "source_family",
+]

@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""The plan of a conversion: every target tensor from the source's names and shapes (nothing read), checked against
+the target model built on the meta device, plus the new parameters with the values the model's own `_init_weights`
+gives them. `upcycle_model` runs the same plan in memory.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.utils import logging
+
+from .checkpoints import Checkpoint, StateDictCheckpoint
+from .families import source_family
+from .keymaps import TensorInfo, TensorPlan, check_keys
+from .targets import TargetKind, target_kind
+
+FINITE_CHECK_BYTES = 64 * 2**20  # rows of a source tensor checked for NaN/inf per read
+
+
+def meta_model(model_class: type[PreTrainedModel], config: PreTrainedConfig) -> PreTrainedModel:
+    """The model of `config` on the meta device (no memory; an 8B model builds in well under a second)."""
+    build = model_class._from_config if issubclass(model_class, PreTrainedModel) else model_class.from_config
+    with torch.device("meta"):
+        return build(config, attn_implementation="sdpa")
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) children first, as transformers' `initialize_weights` visits them."""
+    for child_name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}{child_name}.")
+    yield prefix.rstrip("."), module
+
+
+def new_parameter_values(
+    model_class: type[PreTrainedModel], config: PreTrainedConfig, names: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """The values the model's own `_init_weights` gives the parameters `names` (CPU, float32), exactly as
+    `from_pretrained` initialises missing keys: those tensors are materialised on a meta model, and `_init_weights`
+    runs over their modules and ancestors, children first. An initialiser that draws from the global random
+    generator (a fresh MoE router) draws from one seeded by the module's name, so every conversion path (streamed or
+    in memory) gives the same tensors."""
+    model = meta_model(model_class, config)
+    names = set(names)
+    owners = {name.rpartition(".")[0] for name in names}
+    involved = {".".join(owner.split(".")[:depth]) for owner in owners for depth in range(1, owner.count(".") + 2)}
+    with torch.random.fork_rng(devices=[]):
+        for module_name, module in _post_order(model):
+            if module_name not in involved or isinstance(module, PreTrainedModel):
+                continue
+            for parameter_name, parameter in list(module.named_parameters(recurse=False)):
+                if f"{module_name}.{parameter_name}" in names:
+                    empty = torch.empty(parameter.shape, dtype=torch.float32, device="cpu")
+                    setattr(module, parameter_name, nn.Parameter(empty, requires_grad=False))
+            torch.manual_seed(zlib.crc32(module_name.encode()))
+            model._init_weights(module)
+    return {name: model.get_parameter(name).detach() for name in sorted(names)}
+
+
+def plan_conversion(
+    target: TargetKind,
+    config: PreTrainedConfig,
+    source_infos: Mapping[str, TensorInfo],
+    dtype: torch.dtype,
+    description: str = "the source",
+) -> tuple[dict[str, TensorPlan], list[str]]:
+    """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`), the new
+    ones with their `_init_weights` values (float32; float64 in a float64 model). Returns (plans, new names).
+
+    Raises, naming `description`, when a target parameter is neither planned nor new, when a planned tensor has no
+    place in the target, or when a shape differs from the target config's."""
+    try:
+        shared = target.plan_tensors(source_infos, config)
+    except ValueError as error:
+        raise ValueError(f"{description}: {error}") from error
+    expected = meta_model(target.model_class, config).state_dict()
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        shared.pop("lm_head.weight", None)  # tied: as `save_pretrained`, the checkpoint holds the embedding only
+    missing = [name for name in expected if name not in shared]
+    unexpected = [name for name in shared if name not in expected]
+    try:
+        check_keys(missing, unexpected, target.new_parameters)
+    except ValueError as error:
+        raise ValueError(f"The weights in {description} do not match its config.json: {error}") from error
+    mismatched = {name: (plan.shape, tuple(expected[name].shape)) for name, plan in shared.items()
+                  if plan.shape != tuple(expected[name].shape)}
+    if mismatched:
+        raise ValueError(f"The weights in {description} do not match its config.json: shapes (found, expected) "
+                         f"{dict(list(mismatched.items())[:8])}.")
+    plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
+    new_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # DESIGN.md section 4: DAR stays fp32
+    for name, value in new_parameter_values(target.model_class, config, missing).items():
+        plans[name] = TensorPlan(tuple(value.shape), new_dtype, value=value)
+    ordered = {name: plans[name] for name in expected if name in plans}  # the model's own parameter order
+    return ordered, sorted(missing)
+
+
+
+def check_finite(checkpoint: Checkpoint, description: str = "the source") -> None:
+    """Refuse a source with a NaN or infinite weight, naming the tensor. Each floating tensor is read in row chunks
+    of about `FINITE_CHECK_BYTES`, so the check never holds more than one chunk (or one dequantised GGUF tensor)."""
+    for name, info in checkpoint.infos().items():
+        if not info.dtype.is_floating_point:
+            continue
+        rows = info.shape[0] if info.shape else 1
+        step = max(1, FINITE_CHECK_BYTES // max(1, info.nbytes // max(rows, 1)))
+        for start in range(0, rows, step):
+            chunk = checkpoint.read(name, slice(start, start + step) if info.shape else None)
+            if not torch.isfinite(chunk if chunk.dtype.itemsize > 1 else chunk.float()).all():
+                raise ValueError(
+                    f"{description}: tensor {name!r} holds NaN or infinite values (in rows {start}..{start + step - 1}); "
+                    "a broken source is not converted, nothing was written."
+                )
+
+
+def materialise(plan: TensorPlan, checkpoint: Checkpoint) -> torch.Tensor:
+    """The planned tensor in memory (its storage dtype)."""
+    if plan.value is not None:
+        return plan.value.to(plan.dtype)
+    if plan.transform is not None:
+        return plan.transform([checkpoint.read(part) for part in plan.parts]).to(plan.dtype).reshape(plan.shape)
+    if len(plan.parts) == 1:
+        return checkpoint.read(plan.parts[0]).to(plan.dtype).reshape(plan.shape)
+    return torch.cat([checkpoint.read(part).to(plan.dtype).reshape(-1) for part in plan.parts]).reshape(plan.shape)
+
+
+
+def upcycle_model(
+    source_model: PreTrainedModel, kind: str = "dar", dtype: torch.dtype | None = None, **fields
+) -> PreTrainedModel:
+    """Source model -> target model in memory, through the same plan as a streamed conversion (key map, new
+    parameters from `_init_weights`, nothing else missing), loaded as `from_pretrained` loads a checkpoint: DAR
+    parameters float32 in a half-precision model, buffers (rotary `inv_freq`) as the class builds them."""
+    target = target_kind(kind)
+    dtype = dtype or source_model.dtype
+    config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
+    checkpoint = StateDictCheckpoint(source_model.state_dict())
+    plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model")
+    # Cloned: the target never shares storage with the source (training one must not change the other).
+    state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
+    with logging_level_error():
+        model = target.model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+    model.config.name_or_path = ""
+    model.generation_config = copy.deepcopy(source_model.generation_config)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def logging_level_error():
+    """Silence transformers' loading report and progress bars for a load whose keys were already checked."""
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A copy of `model` whose parameters compute in `dtype` (the verification dtype); buffers are kept as they are,
+    as `from_pretrained` keeps rotary `inv_freq` in float32."""
+    if all(parameter.dtype == dtype for parameter in model.parameters()) and not model.training:
+        return model
+    copied = copy.deepcopy(model)
+    buffers = {name: buffer for name, buffer in copied.named_buffers()}
+    copied.to(dtype)
+    for name, buffer in buffers.items():
+        module_name, _, buffer_name = name.rpartition(".")
+        copied.get_submodule(module_name)._buffers[buffer_name] = buffer
+    return copied.eval()
+
+
+
+__all__ = ["cast_model", "check_finite", "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
+           "upcycle_model"]

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""The verdict of a verification: one `PromptCheck` per prompt, the `VerificationReport` with its table (printed by
+`dar convert`, shown in the model card), and the tolerances it is judged by."""
+
+import dataclasses
+import math
+
+import torch
+
+# Tolerances on max |logit difference| per verification (compute) dtype (DESIGN.md section 3: SmolLM2's logits reach
+# about 46, and its own fp32-vs-fp64 difference is about 6e-5). Weights stored in half precision are verified in
+# float32, at the float32 bar.
+DEFAULT_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-8,
+    torch.float32: 2e-4,
+    torch.bfloat16: 2e-4,
+    torch.float16: 2e-4,
+}
+
+
+class VerificationError(RuntimeError):
+    """The converted model does not reproduce the source within the tolerance; nothing was written."""
+
+    def __init__(self, message: str, report: "VerificationReport"):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclasses.dataclass
+class PromptCheck:
+    """One prompt run through source and converted model.
+
+    `top1_checked`: positions where the source's top-1/top-2 logit margin exceeds twice the tolerance (there no
+    difference within the tolerance can change the argmax); `top1_agreed`: those where both models' argmax agree
+    (teacher-forced greedy agreement). `greedy_identical` is None when full continuations did not run.
+    """
+
+    name: str
+    num_tokens: int
+    max_abs_logit: float
+    max_abs_logit_difference: float
+    top1_checked: int
+    top1_agreed: int
+    greedy_identical: bool | None
+    source_continuation: list[int]
+    target_continuation: list[int]
+
+    @classmethod
+    def of(cls, name, input_ids, max_abs_logit, max_abs_logit_difference, top1, source_tokens, target_tokens):
+        """One prompt's check from its figures; top1 = (checked, agreed); continuations None when not run."""
+        return cls(
+            name=name,
+            num_tokens=input_ids.shape[1],
+            max_abs_logit=max_abs_logit,
+            max_abs_logit_difference=max_abs_logit_difference,
+            top1_checked=top1[0],
+            top1_agreed=top1[1],
+            greedy_identical=None if source_tokens is None else source_tokens == target_tokens,
+            source_continuation=source_tokens or [],
+            target_continuation=target_tokens or [],
+        )
+
+
+@dataclasses.dataclass
+class VerificationReport:
+    dtype: str  # the dtype the check computed in
+    tolerance: float
+    default_tolerance: float
+    max_new_tokens: int  # 0 when full greedy continuations did not run
+    checks: list[PromptCheck]
+    method: str = "in memory"  # or "layer-streamed"
+    storage_dtype: str | None = None
+    first_nonfinite: str | None = None  # the first module whose output was NaN or infinite
+    greedy_skipped: str = "none asked for"  # why full greedy continuations did not run
+
+    @property
+    def relaxed(self) -> bool:
+        """True when a caller lowered the bar above the dtype's default tolerance."""
+        return self.tolerance > self.default_tolerance
+
+    @property
+    def max_abs_logit_difference(self) -> float:
+        """NaN when a difference is NaN (a Python max would skip it) or nothing was compared."""
+        differences = [check.max_abs_logit_difference for check in self.checks]
+        return math.nan if not differences or any(map(math.isnan, differences)) else max(differences)
+
+    @property
+    def nothing_compared(self) -> str | None:
+        """Why the verification compared nothing (no prompt, or no position whose next token is decided), or None.
+        A relaxed check compares logits only, so it needs prompts, not decided positions."""
+        if not self.checks or not sum(check.num_tokens for check in self.checks):
+            return "no prompt was run"
+        if not self.relaxed and not sum(check.top1_checked for check in self.checks):
+            return "no position's source top-1/top-2 margin exceeds 2 x tolerance, so no next token was compared"
+        return None
+
+    @property
+    def greedy_ran(self) -> bool:
+        return all(check.greedy_identical is not None for check in self.checks)
+
+    @property
+    def greedy_identical(self) -> bool:
+        """Full continuations identical where they ran, and teacher-forced top-1 agreement everywhere."""
+        return all(check.greedy_identical is not False and check.top1_agreed == check.top1_checked
+                   for check in self.checks)
+
+    @property
+    def passed(self) -> bool:
+        if self.first_nonfinite is not None or self.nothing_compared is not None:
+            return False
+        within = self.max_abs_logit_difference <= self.tolerance  # False for NaN
+        return within and (self.greedy_identical or self.relaxed)
+
+    def checks_run(self) -> str:
+        """One sentence saying which checks ran (for the table and the model card)."""
+        computed = f"computed in {self.dtype}" + (
+            f" from {self.storage_dtype} weights" if self.storage_dtype and self.storage_dtype != self.dtype else ""
+        )
+        checked = sum(check.top1_checked for check in self.checks)
+        total = sum(check.num_tokens for check in self.checks)
+        greedy = (f"full greedy continuations of {self.max_new_tokens} tokens per prompt" if self.greedy_ran
+                  else f"no full greedy continuations ({self.greedy_skipped})")
+        return (f"Checks run ({self.method}, {computed}): max abs logit difference at every position; teacher-forced "
+                f"top-1 agreement at the {checked} of {total} positions whose source top-1/top-2 margin exceeds "
+                f"2 x tolerance; {greedy}.")
+
+    def table(self) -> str:
+        """A Markdown table: one row per prompt, then the verdict and the checks that ran."""
+        lines = [
+            "| prompt | tokens | max abs logit | max abs logit difference | top-1 agreement (teacher-forced) "
+            "| greedy continuation identical |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for check in self.checks:
+            greedy = ("not run" if check.greedy_identical is None
+                      else f"{'yes' if check.greedy_identical else 'NO'} ({self.max_new_tokens} tokens)")
+            lines.append(
+                f"| {check.name} | {check.num_tokens} | {check.max_abs_logit:.2f} | "
+                f"{check.max_abs_logit_difference:.3e} | {check.top1_agreed}/{check.top1_checked} | {greedy} |"
+            )
+        verdict = "PASSED" if self.passed else "FAILED"
+        bar = f"tolerance {self.tolerance:.1e} in {self.dtype}"
+        if self.relaxed:
+            bar += f" (RELAXED from the default {self.default_tolerance:.1e}; greedy mismatches only reported)"
+        lines.append("")
+        if self.first_nonfinite is not None:
+            lines.append(f"FAILED: non-finite values (NaN or inf) first appear in the output of {self.first_nonfinite}.")
+        elif self.nothing_compared is not None:
+            lines.append(f"FAILED: nothing was compared ({self.nothing_compared}).")
+        else:
+            lines.append(f"{verdict}: max abs logit difference {self.max_abs_logit_difference:.3e}, {bar}.")
+        lines.append(self.checks_run())
+        return "\n".join(lines)
+
+
+__all__ = ["DEFAULT_TOLERANCES", "PromptCheck", "VerificationError", "VerificationReport"]

@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""Sources: an HF folder (safetensors), a GGUF file, or an in-memory model, opened for reading tensor by tensor
+(`open_source`), with their config, tokenizer and generation config. The config is read, and its family checked,
+before any weight (`load_source_config`); `load_source` loads a whole model instead (examples, fine-tuning).
+"""
+
+import copy
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig, PreTrainedModel
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from .checkpoints import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint
+from .families import check_model_type, one_line, source_family
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
+MOE_GGUF_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+@dataclasses.dataclass
+class Source:
+    """A source: where it came from (`name`, `location`: never an absolute path, they go into the model card), its
+    config, tokenizer and generation config, and either its tensors (`checkpoint`, read one at a time) or a loaded
+    model (`model`, eval mode, never modified)."""
+
+    model: PreTrainedModel | None
+    tokenizer: object | None
+    name: str
+    location: str  # "in-memory model", "HF folder <name>" or "GGUF file <file name>"
+    config: PreTrainedConfig | None = None
+    checkpoint: Checkpoint | None = None
+    generation_config: GenerationConfig | None = None
+
+
+
+def display_name(name_or_path: str) -> str:
+    """A source's name for cards and configs: a Hub id as is, a local path by its last component only."""
+    if os.path.isabs(name_or_path) or os.path.exists(name_or_path):
+        return Path(name_or_path).name
+    return name_or_path
+
+
+def _gguf_location(path: Path) -> tuple[str, str]:
+    return str(path.parent), path.name
+
+
+def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
+    """The config of a folder or GGUF source, read before any weight so that bad inputs fail fast."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Source {path} does not exist (expected an HF model folder or a .gguf file).")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"Source file {path} is not a .gguf file; pass an HF model folder or a GGUF file.")
+        folder, gguf_file = _gguf_location(path)
+        try:
+            return AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
+        except Exception as error:  # gguf-py raises whatever a truncated or foreign file trips over
+            raise ValueError(f"Could not read the GGUF metadata of {path}: {one_line(error)}") from error
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"Source folder {path} has no config.json; it is not a Hugging Face model folder.")
+    try:
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"Could not read {config_file}: {one_line(error)}") from error
+    if not isinstance(fields, dict):
+        raise ValueError(f"Could not read {config_file}: it holds a JSON {type(fields).__name__}, not an object.")
+    # Before any Auto call: a custom model_type (with an auto_map to code in the folder) never reaches transformers.
+    check_model_type(fields.get("model_type"), str(config_file))
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as error:  # transformers' validators raise StrictDataclass*, ValueError, TypeError, KeyError
+        raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
+
+
+def _load_tokenizer(folder: Path, gguf_file: str | None = None):
+    if gguf_file is None and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"Source folder {folder} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)}); the output repo needs "
+            "one. Copy the tokenizer files into the folder, or convert an in-memory model with tokenizer=..."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
+    except Exception as error:  # tokenizer backends raise many types; name the file either way
+        raise ValueError(
+            f"Could not load the tokenizer of {folder / (gguf_file or '')} without running code from the source "
+            f"(the converter never does): {one_line(error)}"
+        ) from error
+
+
+def _load_folder_model(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
+    weight_files = sorted(folder.glob("*.safetensors"))
+    if not weight_files:
+        raise FileNotFoundError(
+            f"Source folder {folder} has no safetensors weights (model.safetensors or sharded "
+            "model-0000x-of-0000y.safetensors with model.safetensors.index.json)."
+        )
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, output_loading_info=True, trust_remote_code=False
+        )
+    except Exception as error:  # safetensors, JSON and shape errors alike: the file set is unusable
+        raise ValueError(f"Could not load the weights in {folder}: {error}") from error
+    problems = {name: info[name] for name in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(name)}
+    if problems:
+        raise ValueError(f"The weights in {folder} do not match its config.json: {problems}.")
+    return model
+
+
+def plain_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    """A GGUF-read config without its quantization setting (a model built with it refuses `save_pretrained`)."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """Dequantise through transformers' GGUF loader, then move the weights into a plain model.
+
+    A model loaded with `gguf_file=` keeps its quantization setting and refuses `save_pretrained`; the plain model
+    built from the same config without it computes identical logits.
+    """
+    folder, gguf_file = _gguf_location(path)
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
+        )
+    except Exception as error:
+        raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
+    plain = AutoModelForCausalLM.from_config(plain_config(quantized.config), dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict(), strict=True)
+    plain.generation_config = copy.deepcopy(quantized.generation_config)
+    return plain.to(dtype)
+
+
+def load_source(
+    source: PreTrainedModel | str | os.PathLike,
+    dtype: torch.dtype,
+    tokenizer=None,
+    need_tokenizer: bool = True,
+    source_config: PreTrainedConfig | None = None,
+) -> Source:
+    """Load (or wrap) the whole source model in `dtype`, e.g. to fine-tune or chat with it. An in-memory model is
+    copied if it must change dtype, never modified. The converter itself streams (`open_source`).
+
+    `source_config` is the already-read config of a path source (reading GGUF metadata takes seconds).
+    """
+    if isinstance(source, PreTrainedModel):
+        source_family(source.config)
+        if tokenizer is None and need_tokenizer:
+            raise ValueError(
+                "tokenizer is required to write an output folder from an in-memory model (the repo ships one)."
+            )
+        # Verification needs eval mode in `dtype`; a model in another state is copied, never switched.
+        model = source if source.dtype == dtype and not source.training else copy.deepcopy(source).to(dtype)
+        name = display_name(source.config.name_or_path or type(source).__name__)
+        return Source(model.eval(), tokenizer, name, "in-memory model", config=source.config)
+    path = Path(source)
+    source_config = source_config or load_source_config(path)
+    source_family(source_config)
+    if path.is_file():
+        folder, gguf_file = _gguf_location(path)
+        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file)
+        model = _load_gguf_model(path, dtype).eval()
+        return Source(model, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config=model.config)
+    loaded_tokenizer = tokenizer or (_load_tokenizer(path) if need_tokenizer else None)
+    model = _load_folder_model(path, dtype).eval()
+    return Source(model, loaded_tokenizer, path.name, f"HF folder {path.name}", config=model.config)
+
+
+
+def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreTrainedConfig, tokenizer=None) -> Source:
+    """The source's tensors, opened for reading one at a time (nothing is loaded), its tokenizer and generation config.
+
+    An HF folder is read through its safetensors headers; a dense GGUF file tensor by tensor through transformers'
+    GGUF tensor processors; an MoE GGUF file (whose processors merge experts across tensors) through transformers'
+    whole-file loader, which holds every dequantised tensor in memory; an in-memory model through its state dict.
+    """
+    if isinstance(source, PreTrainedModel):
+        if tokenizer is None:
+            raise ValueError(
+                "tokenizer is required to write an output folder from an in-memory model (the repo ships one)."
+            )
+        name = display_name(source.config.name_or_path or type(source).__name__)
+        state = {key: tensor for key, tensor in source.state_dict().items()
+                 if not (key == "lm_head.weight" and source.config.tie_word_embeddings)}
+        return Source(None, tokenizer, name, "in-memory model", source.config, StateDictCheckpoint(state),
+                      copy.deepcopy(source.generation_config))
+    path = Path(source)
+    if path.is_file():
+        folder, gguf_file = _gguf_location(path)
+        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file)
+        config = plain_config(source_config)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        try:
+            if config.model_type in MOE_GGUF_ARCHITECTURES:
+                tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta)["tensors"]
+                checkpoint = StateDictCheckpoint(tensors, f"GGUF file {path}")
+            else:
+                checkpoint = GGUFCheckpoint(path, config, meta)
+        except Exception as error:
+            raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
+        return Source(None, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config, checkpoint,
+                      GenerationConfig.from_model_config(config))
+    loaded_tokenizer = tokenizer or _load_tokenizer(path)
+    checkpoint = SafetensorsCheckpoint(path)
+    if (path / "generation_config.json").is_file():
+        try:
+            generation_config = GenerationConfig.from_pretrained(path)
+        except Exception as error:  # a malformed generation_config.json: name it on one line
+            raise ValueError(f"Invalid {path / 'generation_config.json'}: {one_line(error)}") from error
+    else:
+        generation_config = GenerationConfig.from_model_config(source_config)
+    return Source(None, loaded_tokenizer, path.name, f"HF folder {path.name}", source_config, checkpoint,
+                  generation_config)
+
+
+def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The source's own dtype ("auto"): the floating dtype that holds most of its bytes."""
+    totals: dict[torch.dtype, int] = {}
+    for info in checkpoint.infos().values():
+        if info.dtype.is_floating_point:
+            totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
+    return max(totals, key=totals.get) if totals else torch.float32
+
+
+__all__ = ["Source", "display_name", "load_source", "load_source_config", "open_source", "source_storage_dtype"]

@@ -1,0 +1,346 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""What a conversion produces: the target kinds, each saying how its config is built from the source's, how each of
+its tensors is made from source tensors (from names and shapes alone), and which parameters it adds.
+
+- **"dar"** (dense DAR): every shared tensor is its source tensor under the same name (`keymaps.DAR_KEY_MAP`); DAR
+  adds its residual modules (`keymaps.DAR_NEW_PARAMETERS`).
+- **"dar_moe"** (DAR-MoE, DESIGN.md sections 3 and 4), from two kinds of source:
+  - *sparse upcycling* (Komatsuzaki et al., arXiv 2212.05055) of a dense Llama-family model: every expert of every
+    sparse layer is a copy of that layer's dense MLP, the router is fresh (a new parameter), everything else is
+    copied. Exact: whichever k experts the router picks, they all compute MLP(x), and with `norm_topk_prob=True` their
+    weights sum to 1, so the block returns MLP(x). `expert_noise > 0` (Drop-Upcycling, arXiv 2502.19261)
+    re-initialises that share of each expert's hidden units so that experts specialise: **no longer exact**.
+  - *MoE sources* (Mixtral, Qwen2-MoE, Qwen3-MoE): the MoE weights keep their names, per-expert tensors are fused
+    into HF's 3-D layout, the MoE config fields are copied (`families.MOE_CONFIG_FIELDS`): exact like dense DAR.
+
+Both kinds take the source's architecture fields from `families.source_architecture` (one list, for both).
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.utils import logging
+
+from ..configuration_dar import DARConfig
+from ..configuration_dar_moe import DARMoeConfig
+from ..modeling_dar import DARForCausalLM
+from ..modeling_dar_moe import DARMoeForCausalLM
+from .families import (
+    ALL_SOURCE_FAMILIES,
+    MOE_CONFIG_FIELDS,
+    MOE_SOURCE_FAMILIES,
+    SOURCE_FAMILIES,
+    UnsupportedArchitectureError,
+    source_architecture,
+)
+from .keymaps import (
+    DAR_NEW_PARAMETERS,
+    MOE_ROUTER_PARAMETERS,
+    TensorInfo,
+    TensorPlan,
+    is_ignored_source_key,
+    map_keys,
+    per_expert_groups,
+)
+
+logger = logging.get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetKind:
+    """A model kind a source converts into.
+
+    `build_config(source_config, branch_family, dtype, fields)` returns the target config (validating `fields`, the
+    kind's keyword arguments, e.g. `dar_block_size`); `plan_tensors(source_infos, target_config)` says how each
+    shared target tensor is made from source tensors (`TensorPlan`: a concatenation of whole source tensors, or a
+    transform of them), from names and shapes alone; `new_parameters` are regexes of the target parameters the
+    source has no counterpart for, which get their `_init_weights` value.
+    """
+
+    model_class: type[PreTrainedModel]
+    build_config: Callable[[PreTrainedConfig, str, torch.dtype, Mapping[str, object]], PreTrainedConfig]
+    plan_tensors: Callable[[Mapping[str, TensorInfo], PreTrainedConfig], dict[str, TensorPlan]]
+    new_parameters: tuple[str, ...]
+    description: str
+    exact: bool = True  # False: the target deliberately differs from the source (Drop-Upcycling)
+
+
+def _option_fields(config_class: type[DARConfig]) -> frozenset[str]:
+    """The DAR options a conversion may set (the architecture fields come from the source)."""
+    return frozenset(field.name for field in dataclasses.fields(config_class)
+                     if field.name.startswith("dar_") and field.name != "dar_branch_family")
+
+
+DAR_OPTION_FIELDS = _option_fields(DARConfig)
+DAR_MOE_OPTION_FIELDS = _option_fields(DARMoeConfig) | {"router_aux_loss_coef", "output_router_logits"}
+
+
+def _check_fields(fields: Mapping[str, object], allowed: frozenset[str], kind: str) -> None:
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise TypeError(f"Unknown {kind} field(s) {unknown}; allowed: {sorted(allowed)}.")
+
+
+def validated_config(config_class: type[DARConfig], fields: Mapping[str, object]) -> DARConfig:
+    """`config_class(**fields)`, its validator's message (field name, allowed values) as a one-line ValueError."""
+    try:
+        return config_class(**fields)
+    except StrictDataclassError as error:
+        raise ValueError(" ".join(str(error.__cause__ or error).split())) from error
+
+
+def _finish(config: DARConfig, dtype: torch.dtype, architecture: str) -> DARConfig:
+    config.dtype = dtype
+    config.architectures = [architecture]
+    return config
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dense DAR.
+
+
+def build_dar_config(
+    source_config: PreTrainedConfig, branch_family: str, dtype: torch.dtype, fields: Mapping[str, object]
+) -> DARConfig:
+    """The DAR config of a source: its architecture fields, the DAR fields from `fields` (validated)."""
+    _check_fields(fields, DAR_OPTION_FIELDS, "DAR")
+    if source_config.model_type not in SOURCE_FAMILIES:  # an MoE family: DAR-MoE converts it
+        raise UnsupportedArchitectureError(
+            f"Kind 'dar' converts dense {sorted(SOURCE_FAMILIES)} models; model_type {source_config.model_type!r} "
+            f"needs another kind (available: {sorted(TARGET_KINDS)})."
+        )
+    architecture = source_architecture(source_config)
+    config = validated_config(DARConfig, {**architecture, **fields, "dar_branch_family": branch_family})
+    return _finish(config, dtype, "DARForCausalLM")
+
+
+def plan_dar_tensors(source_infos: Mapping[str, TensorInfo], config: PreTrainedConfig) -> dict[str, TensorPlan]:
+    """Kind "dar": every shared tensor is its source tensor under the same name."""
+    return {
+        target: TensorPlan(source_infos[source].shape, source_infos[source].dtype, (source,))
+        for target, source in map_keys(source_infos).items()
+    }
+
+
+DAR_TARGET = TargetKind(
+    model_class=DARForCausalLM,
+    build_config=build_dar_config,
+    plan_tensors=plan_dar_tensors,
+    new_parameters=DAR_NEW_PARAMETERS,
+    description="Dual Attention Residuals (dense)",
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# DAR-MoE.
+
+
+def dar_moe_config_from_source(
+    source_config: PreTrainedConfig, num_experts: int | None = None, top_k: int | None = None, **dar_fields
+) -> DARMoeConfig:
+    """The DAR-MoE config of a source: its architecture fields, its MoE fields (MoE source) or E and k (upcycling).
+
+    `dar_fields` sets any other DARMoeConfig option (e.g. `dar_block_size`); exactness holds for every DAR setting
+    that DESIGN.md section 3 calls exact.
+    """
+    _check_fields(dar_fields, DAR_MOE_OPTION_FIELDS, "DAR-MoE")
+    model_type = source_config.model_type
+    if model_type not in ALL_SOURCE_FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"Cannot convert model_type {model_type!r} to DAR-MoE: the source must be one of "
+            f"{sorted(SOURCE_FAMILIES) + sorted(MOE_SOURCE_FAMILIES)}."
+        )
+    fields = source_architecture(source_config)
+    fields["dar_branch_family"] = ALL_SOURCE_FAMILIES[model_type]
+    if model_type == "qwen2_moe" and not source_config.qkv_bias:
+        # Qwen2's attention always has q/k/v biases; without them it is Llama's attention (o_proj has none in both).
+        fields.update(dar_branch_family="llama", attention_bias=False)
+    if model_type in MOE_SOURCE_FAMILIES:
+        for name, source_value in MOE_CONFIG_FIELDS[model_type].items():
+            fields[name] = getattr(source_config, source_value) if isinstance(source_value, str) else source_value
+        for name, requested in (("num_experts", num_experts), ("num_experts_per_tok", top_k)):
+            if requested is not None and requested != fields[name]:
+                raise ValueError(
+                    f"{name}={requested} differs from the {model_type} source's {fields[name]}: an MoE source keeps "
+                    "its experts and routing (leave experts/top_k unset)."
+                )
+        if getattr(source_config, "router_jitter_noise", 0.0):
+            logger.warning("The source's router_jitter_noise (training only) is dropped: DAR-MoE routers have none.")
+    else:
+        if num_experts is None or top_k is None:
+            raise ValueError(
+                f"Upcycling a dense {model_type} model needs num_experts and top_k (got {num_experts!r}, {top_k!r})."
+            )
+        if getattr(source_config, "mlp_bias", False):
+            raise ValueError("Sparse upcycling needs a bias-free MLP (mlp_bias=False): HF experts have no biases.")
+        fields.update(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=source_config.intermediate_size,
+            norm_topk_prob=True,  # the top-k weights of identical experts must sum to 1 (DESIGN.md section 3)
+            shared_expert_intermediate_size=0,
+        )
+    return validated_config(DARMoeConfig, {**fields, **dar_fields})
+
+
+def build_dar_moe_config(
+    source_config: PreTrainedConfig, branch_family: str, dtype: torch.dtype, fields: Mapping[str, object]
+) -> DARMoeConfig:
+    """`TargetKind.build_config` of "dar_moe": `fields` holds num_experts, num_experts_per_tok and DAR options."""
+    fields = dict(fields)
+    config = dar_moe_config_from_source(
+        source_config, fields.pop("num_experts", None), fields.pop("num_experts_per_tok", None), **fields
+    )
+    if dtype == torch.float64:
+        # transformers' grouped_mm experts kernel takes float32/bf16/fp16 only; batched_mm is its float64-capable peer.
+        config._experts_implementation = "batched_mm"
+    return _finish(config, dtype, "DARMoeForCausalLM")
+
+
+def drop_upcycled_experts(
+    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, num_experts: int, expert_noise: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's dense MLP copied into E experts: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I].
+
+    `expert_noise` r in [0, 1]: Drop-Upcycling, each expert re-draws a random fraction r of its hidden units (rows of
+    gate and up, columns of down) from a normal with the dense matrix's mean and std, from a generator seeded by
+    `seed` (one per layer). r > 0 is not exact.
+    """
+    hidden_units = gate.shape[0]
+    gate_up_proj = torch.cat([gate, up]).expand(num_experts, -1, -1).clone()  # [E, 2I, D]
+    down_proj = down.expand(num_experts, -1, -1).clone()  # [E, D, I]
+    if expert_noise > 0.0:
+        generator = torch.Generator().manual_seed(seed)
+        num_dropped = round(expert_noise * hidden_units)
+        for expert in range(num_experts):
+            dropped = torch.randperm(hidden_units, generator=generator)[:num_dropped]  # [r * I]
+            for rows, dense in ((dropped, gate), (dropped + hidden_units, up)):
+                noise = torch.randn(num_dropped, dense.shape[1], generator=generator, dtype=dense.dtype)
+                gate_up_proj[expert, rows] = dense.mean() + dense.std() * noise  # [r * I, D]
+            noise = torch.randn(down.shape[0], num_dropped, generator=generator, dtype=down.dtype)
+            down_proj[expert][:, dropped] = down.mean() + down.std() * noise  # [D, r * I]
+    return gate_up_proj, down_proj
+
+
+def check_expert_noise(expert_noise: float) -> None:
+    if not (isinstance(expert_noise, (int, float)) and 0.0 <= expert_noise <= 1.0):
+        raise ValueError(
+            f"expert_noise must be a fraction in [0, 1] (share of each expert's hidden units re-initialised, "
+            f"Drop-Upcycling), got {expert_noise!r}."
+        )
+
+
+def plan_dar_moe_tensors(
+    source_infos: Mapping[str, TensorInfo], config: DARMoeConfig, expert_noise: float = 0.0, seed: int = 0
+) -> dict[str, TensorPlan]:
+    """`TargetKind.plan_tensors` of "dar_moe", from names and shapes only.
+
+    MoE source: per-expert tensors become the fused 3-D experts as byte concatenations (expert by expert, gate rows
+    then up rows), Mixtral's `block_sparse_moe` becomes `mlp`, everything else keeps its name. Dense source: every
+    sparse layer's `mlp.{gate,up,down}_proj` becomes E copies (`experts.gate_up_proj` = (gate, up) x E,
+    `experts.down_proj` = down x E); with `expert_noise` a Drop-Upcycling transform of the three (per-layer seed).
+    """
+    check_expert_noise(expert_noise)
+    names = [name for name in source_infos if not is_ignored_source_key(name)]
+    groups, others = per_expert_groups(names)
+    moe_source = bool(groups) or any(".experts." in name or ".block_sparse_moe." in name for name in names)
+    if moe_source and expert_noise:
+        raise ValueError("expert_noise applies to sparse upcycling of a dense model only, not to an MoE source.")
+    plans = {
+        name.replace(".block_sparse_moe.", ".mlp."): TensorPlan(source_infos[name].shape, source_infos[name].dtype, (name,))
+        for name in others
+    }
+    for prefix, parts in groups.items():
+        indices = sorted(parts["down"])
+        gate, up, down = (source_infos[parts[part][0]] for part in ("gate", "up", "down"))
+        plans[f"{prefix}mlp.experts.gate_up_proj"] = TensorPlan(
+            (len(indices), gate.shape[0] + up.shape[0], *gate.shape[1:]), gate.dtype,
+            tuple(name for index in indices for name in (parts["gate"][index], parts["up"][index])),
+        )
+        plans[f"{prefix}mlp.experts.down_proj"] = TensorPlan(
+            (len(indices), *down.shape), down.dtype, tuple(parts["down"][index] for index in indices)
+        )
+    if moe_source:
+        return plans
+    num_experts = config.num_experts
+    for layer_idx in config.moe_layer_indices:
+        prefix = f"model.layers.{layer_idx}.mlp."
+        dense = [plans.pop(f"{prefix}{name}.weight", None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(plan is None for plan in dense):
+            raise ValueError(f"The dense MLP of layer {layer_idx} ({prefix}gate_proj/up_proj/down_proj) is missing.")
+        (gate_name,), (up_name,), (down_name,) = (plan.parts for plan in dense)
+        gate_up_shape = (num_experts, dense[0].shape[0] + dense[1].shape[0], dense[0].shape[1])
+        down_shape = (num_experts, *dense[2].shape)
+        if expert_noise:
+            layer_seed = seed * 1_000_003 + layer_idx
+
+            def noisy(which: int, layer_seed: int = layer_seed):
+                return lambda tensors: drop_upcycled_experts(*tensors, num_experts, expert_noise, layer_seed)[which]
+
+            parts = (gate_name, up_name, down_name)
+            plans[f"{prefix}experts.gate_up_proj"] = TensorPlan(gate_up_shape, dense[0].dtype, parts, noisy(0))
+            plans[f"{prefix}experts.down_proj"] = TensorPlan(down_shape, dense[2].dtype, parts, noisy(1))
+        else:
+            plans[f"{prefix}experts.gate_up_proj"] = TensorPlan(
+                gate_up_shape, dense[0].dtype, (gate_name, up_name) * num_experts
+            )
+            plans[f"{prefix}experts.down_proj"] = TensorPlan(down_shape, dense[2].dtype, (down_name,) * num_experts)
+    return plans
+
+
+def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
+    """The DAR-MoE target; `expert_noise > 0` is Drop-Upcycling (not exact: its verification only reports)."""
+    check_expert_noise(expert_noise)
+    if expert_noise:
+        logger.warning(
+            f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
+            "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
+        )
+    return TargetKind(
+        model_class=DARMoeForCausalLM,
+        build_config=build_dar_moe_config,
+        plan_tensors=lambda source_infos, config: plan_dar_moe_tensors(source_infos, config, expert_noise, seed),
+        # The routers are new when upcycling a dense model; an MoE source supplies them, so they are never missing.
+        new_parameters=(*DAR_NEW_PARAMETERS, *MOE_ROUTER_PARAMETERS),
+        description="DAR-MoE (Dual Attention Residuals, sparse mixture of experts)"
+        + (f", Drop-Upcycling expert_noise={expert_noise} (not exact)" if expert_noise else ""),
+        exact=not expert_noise,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The kinds by name (`dar convert --kind`).
+
+TARGET_KINDS: dict[str, TargetKind] = {"dar": DAR_TARGET, "dar_moe": dar_moe_target_kind()}
+
+
+def register_target_kind(name: str, kind: TargetKind) -> None:
+    """Make `upcycle(..., kind=name)` (and `dar convert --kind name`) available; idempotent."""
+    TARGET_KINDS[name] = kind
+
+
+def target_kind(kind: str | TargetKind) -> TargetKind:
+    if isinstance(kind, TargetKind):
+        return kind
+    if kind not in TARGET_KINDS:
+        raise ValueError(f"kind must be one of {sorted(TARGET_KINDS)}, got {kind!r}.")
+    return TARGET_KINDS[kind]
+
+
+__all__ = [
+    "DAR_TARGET",
+    "TARGET_KINDS",
+    "TargetKind",
+    "build_dar_config",
+    "dar_moe_config_from_source",
+    "dar_moe_target_kind",
+    "drop_upcycled_experts",
+    "plan_dar_moe_tensors",
+    "plan_dar_tensors",
+    "register_target_kind",
+    "target_kind",
+]

@@ -1,0 +1,378 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""Verification: source and converted model side by side on the same prompts (DESIGN.md sections 3 and 6).
+
+Per prompt: the max |logit difference| over every position, teacher-forced top-1 agreement wherever the source's
+top-1/top-2 margin exceeds twice the tolerance, and, when both models fit in memory, full greedy continuations.
+A written conversion is verified from the files written (`verify_written`, layer-streamed: `streamed.py`); an
+in-memory one with both models in memory (`verify_conversion`).
+"""
+
+import contextlib
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging
+
+from .checkpoints import SafetensorsCheckpoint
+from .keymaps import to_model_layout
+from .options import ConversionOptions
+from .plan import cast_model, logging_level_error, meta_model
+from .report import DEFAULT_TOLERANCES, PromptCheck, VerificationError, VerificationReport
+from .sources import Source, plain_config
+from .streamed import StreamedModel, all_finite, streamed_logit_statistics
+from .targets import TargetKind
+
+logger = logging.get_logger(__name__)
+
+# Full greedy continuations need both models in memory: run them by default when both, in the verification dtype,
+# take at most this many bytes (SmolLM2-135M in float32: 1.1 GB; TinyLlama-1.1B: 8.8 GB, checked teacher-forced only).
+FULL_GREEDY_MAX_BYTES = 3 * 2**30
+# Verification prompts: long enough (>= 64 tokens for common tokenizers) to cross several DAR blocks of positions.
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "The history of the printing press begins long before Gutenberg. Woodblock printing spread across East Asia "
+    "for centuries, and movable type made of clay and later of metal appeared in China and Korea. When the press "
+    "reached Europe in the fifteenth century, it changed how books were made, how ideas travelled and who could read. "
+    "Within fifty years, printers in more than two hundred cities had produced",
+    "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n    numbers = [0, 1]\n"
+    "    while len(numbers) < n:\n        numbers.append(numbers[-1] + numbers[-2])\n    return numbers[:n]\n\n\n"
+    "def is_prime(k: int) -> bool:\n    if k < 2:\n        return False\n    for d in range(2, int(k ** 0.5) + 1):\n",
+    "Photosynthesis is the process by which green plants, algae and some bacteria turn light into chemical energy. "
+    "Inside the chloroplasts, chlorophyll absorbs mostly blue and red light. Water molecules are split, oxygen is "
+    "released, and the energy is stored in sugars that the plant uses to grow. Without it, there would be almost no "
+    "oxygen in the air we breathe. In short, the overall reaction is",
+    "Dear hiring committee, I am writing to apply for the position of research engineer in your machine learning "
+    "team. Over the last five years I have trained language models, built data pipelines for text in eleven "
+    "languages and maintained the evaluation tooling that our group uses every day. I enjoy careful measurement "
+    "as much as building new things. What excites me most about",
+    "Recipe for a simple tomato soup for four people: two tablespoons of olive oil, one onion, two cloves of garlic, "
+    "one kilogram of ripe tomatoes, half a litre of vegetable stock, salt, pepper and a handful of fresh basil. "
+    "First, chop the onion and the garlic finely, and cut the tomatoes into rough quarters. Then heat the oil in a "
+    "large pot and",
+)
+CHAT_PROMPT = "What is the capital of France?"
+
+
+def top1_agreement(source_logits: torch.Tensor, target_logits: torch.Tensor, tolerance: float) -> tuple[int, int]:
+    """(positions checked, positions agreeing): argmax agreement where the source's top-1/top-2 margin > 2 tol."""
+    top2 = source_logits.topk(2, dim=-1)  # values, indices [..., 2]
+    decided = (top2.values[..., 0] - top2.values[..., 1]) > 2 * tolerance
+    agreed = decided & (target_logits.argmax(-1) == top2.indices[..., 0])
+    return int(decided.sum()), int(agreed.sum())
+def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """(name, input_ids [1, T]) pairs: the texts, plus a chat prompt when the tokenizer has a chat template.
+
+    Without a tokenizer, four seeded random prompts of 64 tokens stand in.
+    """
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        return [(f"random-{index}", torch.randint(0, vocab_size, (1, 64), generator=generator)) for index in range(4)]
+    prompts = []
+    for index, text in enumerate(DEFAULT_PROMPTS if texts is None else texts):
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        prompts.append((f"text-{index}", ids))
+    if tokenizer.chat_template is not None:
+        prompts.append(("chat: " + CHAT_PROMPT, chat_input_ids(tokenizer, CHAT_PROMPT)))
+    return prompts
+
+
+def chat_input_ids(tokenizer, message: str) -> torch.Tensor:
+    """The chat template applied to one user message, ready for generation: input_ids [1, T]."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
+class TokenProgress(BaseStreamer):
+    """A generation streamer that only advances a progress bar, one step per generated token."""
+
+    def __init__(self, total: int, description: str, enabled: bool):
+        self.bar = logging.tqdm(total=total, desc=description, unit="token", disable=not enabled, leave=False)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:  # the first call carries the prompt
+            self.bar.update()
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.bar.close()
+
+
+@torch.no_grad()
+def greedy_continuations(
+    model: PreTrainedModel,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    pad_token_id: int = 0,
+    description: str = "Greedy decoding",
+    progress: bool = False,
+) -> list[list[int]]:
+    """Exactly `max_new_tokens` greedy tokens per prompt, all prompts in one left-padded batch.
+
+    End-of-sequence does not stop generation, so every one of the tokens is compared.
+    """
+    length = max(ids.shape[1] for ids in prompts)
+    input_ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)  # [N, T]
+    attention_mask = torch.zeros_like(input_ids)  # [N, T]
+    for row, ids in enumerate(prompts):
+        input_ids[row, length - ids.shape[1] :] = ids[0]
+        attention_mask[row, length - ids.shape[1] :] = 1
+    output = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=pad_token_id,
+        streamer=TokenProgress(max_new_tokens, description, progress),
+    )
+    return output[:, length:].tolist()
+
+
+def rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@contextlib.contextmanager
+def norms_in_input_dtype(*models: PreTrainedModel):
+    """HF's RMSNorm modules (Llama, Mistral, Qwen, their MoE variants) round through float32 even in a float64 model,
+    on both sides of a comparison, so a 1e-16 reassociation can flip one float32 rounding and show up as ~1e-5 in
+    the logits. For the float64 verification every RMSNorm instance of `models` computes in its input dtype
+    instead (an instance attribute, removed on exit); the formula is HF's own."""
+    patched = [
+        module for model in models for module in model.modules()
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+        and "forward" not in vars(module)
+    ]
+    for module in patched:
+        module.forward = rms_norm_in_input_dtype.__get__(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+@torch.no_grad()
+def verify_conversion(
+    source_model: PreTrainedModel,
+    target_model: PreTrainedModel,
+    prompts: Sequence[tuple[str, torch.Tensor]],
+    tolerance: float | None = None,
+    max_new_tokens: int = 64,
+    progress: bool = True,
+) -> VerificationReport:
+    """Run two in-memory models side by side: max |logit difference| over all positions, teacher-forced top-1
+    agreement, greedy continuations (`max_new_tokens=0` skips them). The caller picks the models' dtype.
+
+    In float64 both models' RMSNorms compute in float64 (`norms_in_input_dtype`), so that the comparison measures
+    the conversion, not HF's float32 rounding inside the norm."""
+    dtype = target_model.dtype
+    with norms_in_input_dtype(source_model, target_model) if dtype == torch.float64 else contextlib.nullcontext():
+        return _verify_conversion(source_model, target_model, prompts, tolerance, max_new_tokens, progress)
+
+
+def _verify_conversion(
+    source_model, target_model, prompts, tolerance, max_new_tokens, progress
+) -> VerificationReport:
+    dtype = target_model.dtype
+    default_tolerance = DEFAULT_TOLERANCES[dtype]
+    tolerance = default_tolerance if tolerance is None else tolerance
+    steps = logging.tqdm(total=len(prompts) + 2, desc="Verifying (source vs DAR)", disable=not progress)
+    logit_pairs, first_nonfinite = [], None
+    for name, input_ids in prompts:
+        pair = source_model(input_ids).logits.double(), target_model(input_ids).logits.double()  # [1, T, V] each
+        for role, model, logits in zip(("source", "converted"), (source_model, target_model), pair):
+            if first_nonfinite is None and not torch.isfinite(logits).all():
+                first_nonfinite = f"{role} {first_nonfinite_module(model, input_ids)}"
+        logit_pairs.append(pair)
+        steps.update()
+    continuations = [[None] * len(prompts), [None] * len(prompts)]
+    if max_new_tokens > 0:
+        for side, (role, model) in enumerate((("source", source_model), ("converted", target_model))):
+            description = f"Greedy decoding, {role} model ({len(prompts)} prompts)"
+            continuations[side] = greedy_continuations(
+                model, [ids for _, ids in prompts], max_new_tokens, 0, description, progress
+            )
+            steps.update()
+    steps.close()
+    checks = []
+    for (name, input_ids), (source_logits, target_logits), source_tokens, target_tokens in zip(
+        prompts, logit_pairs, *continuations
+    ):
+        checks.append(
+            PromptCheck.of(
+                name, input_ids, source_logits.abs().max().item(), (target_logits - source_logits).abs().max().item(),
+                top1_agreement(source_logits, target_logits, tolerance), source_tokens, target_tokens,
+            )
+        )
+    return VerificationReport(
+        dtype=str(dtype).removeprefix("torch."),
+        tolerance=tolerance,
+        default_tolerance=default_tolerance,
+        max_new_tokens=max_new_tokens,
+        checks=checks,
+        first_nonfinite=first_nonfinite,
+    )
+
+
+@torch.no_grad()
+def first_nonfinite_module(model: PreTrainedModel, input_ids: torch.Tensor) -> str:
+    """The first module of `model`'s backbone (embedding, decoder layer, final readout or norm) whose output holds
+    a NaN or infinity on `input_ids`, in forward order; "LM head" when only the logits do."""
+    found = []
+
+    def watch(name: str):
+        def hook(module, args, output) -> None:
+            if not all_finite(output):
+                found.append(name)
+        return hook
+
+    watched = [(name, module) for name, module in model.model.named_modules()
+               if name in ("embed_tokens", "final_readout", "norm") or re.fullmatch(r"layers\.\d+", name)]
+    hooks = [module.register_forward_hook(watch(name)) for name, module in watched]
+    try:
+        model(input_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return f"model.{found[0]}" if found else "LM head"
+
+
+def _load_full_source(source: Source, dtype: torch.dtype) -> PreTrainedModel:
+    if source.model is not None:
+        return cast_model(source.model, dtype)
+    with logging_level_error():
+        model = AutoModelForCausalLM.from_config(plain_config(source.config), dtype=dtype, attn_implementation="sdpa")
+    state = to_model_layout({name: source.checkpoint.read(name).to(dtype) for name in source.checkpoint.infos()})
+    result = model.load_state_dict(state, strict=False)
+    tied = ["lm_head.weight"] if source.config.tie_word_embeddings else []
+    if result.unexpected_keys or set(result.missing_keys) - set(tied):
+        raise ValueError(f"{source.location}: the weights do not load into {type(model).__name__}: {result}.")
+    return model.eval()
+
+
+def set_experts_for(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """transformers' grouped_mm experts kernel takes float32/bf16/fp16 only; batched_mm is its float64-capable peer."""
+    if dtype == torch.float64 and any(type(module).__name__.endswith("Experts") for module in model.modules()):
+        model.set_experts_implementation("batched_mm")
+
+
+@torch.no_grad()
+def verify_written(
+    source: Source,
+    target: TargetKind,
+    folder: Path,
+    prompts: Sequence[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    options: ConversionOptions = ConversionOptions(),
+) -> VerificationReport:
+    """Verify the conversion written in `folder` against the source: layer-streamed logits in `dtype` (max |logit
+    difference|, teacher-forced top-1 agreement), and full greedy continuations of both models (the written one
+    loaded by `from_pretrained`) when `options.full_greedy`, or by default when both fit in `FULL_GREEDY_MAX_BYTES`.
+
+    In float64 both models' RMSNorms compute in float64 (`norms_in_input_dtype`), as in `verify_conversion`."""
+    default_tolerance = DEFAULT_TOLERANCES[dtype]
+    tolerance = default_tolerance if options.tolerance is None else options.tolerance
+    full_greedy, max_new_tokens = options.full_greedy, options.max_new_tokens
+    written = SafetensorsCheckpoint(folder)
+    try:
+        target_config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        source_meta = meta_model(AutoModelForCausalLM, plain_config(source.config))
+        target_meta = meta_model(target.model_class, target_config)
+        for model in (source_meta, target_meta):
+            set_experts_for(model, dtype)
+        float64 = dtype == torch.float64
+        with norms_in_input_dtype(source_meta, target_meta) if float64 else contextlib.nullcontext():
+            comparison = streamed_logit_statistics(
+                StreamedModel(source_meta, source.checkpoint, to_model_layout),
+                StreamedModel(target_meta, written),
+                [ids for _, ids in prompts],
+                dtype,
+                options.progress,
+            )
+        greedy_skipped = ("none asked for: max new tokens 0" if max_new_tokens == 0
+                          else "turned off (--full-greedy off)" if full_greedy is False
+                          else "both models do not fit in memory together")
+        if full_greedy is None:
+            sizes = [info.nbytes // info.dtype.itemsize * dtype.itemsize
+                     for checkpoint in (source.checkpoint, written) for info in checkpoint.infos().values()]
+            full_greedy = sum(sizes) <= FULL_GREEDY_MAX_BYTES
+        continuations = [[None] * len(prompts)] * 2
+        if full_greedy and max_new_tokens > 0:
+            continuations = _full_greedy(source, folder, prompts, dtype, max_new_tokens, options.progress)
+    finally:
+        written.close()
+    checks = []
+    for (name, input_ids), stats, source_tokens, target_tokens in zip(prompts, comparison.statistics, *continuations):
+        checks.append(
+            PromptCheck.of(
+                name, input_ids, stats.max_abs_logit, stats.max_abs_logit_difference, stats.top1_agreement(tolerance),
+                source_tokens, target_tokens,
+            )
+        )
+    return VerificationReport(
+        dtype=str(dtype).removeprefix("torch."),
+        tolerance=tolerance,
+        default_tolerance=default_tolerance,
+        max_new_tokens=max_new_tokens if full_greedy else 0,
+        checks=checks,
+        method="layer-streamed",
+        storage_dtype=str(target_config.dtype).removeprefix("torch."),
+        first_nonfinite=comparison.first_nonfinite,
+        greedy_skipped=greedy_skipped,
+    )
+
+
+def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> list[list[list[int]]]:
+    """Greedy continuations of the source and of the written folder loaded by `from_pretrained`, in `dtype`."""
+    source_model = _load_full_source(source, dtype)
+    with logging_level_error():
+        target_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).eval()
+    set_experts_for(source_model, dtype)
+    set_experts_for(target_model, dtype)
+    continuations = []
+    with norms_in_input_dtype(source_model, target_model) if dtype == torch.float64 else contextlib.nullcontext():
+        for role, model in (("source", source_model), ("converted", target_model)):
+            description = f"Greedy decoding, {role} model ({len(prompts)} prompts)"
+            continuations.append(
+                greedy_continuations(model, [ids for _, ids in prompts], max_new_tokens, 0, description, progress)
+            )
+    return continuations
+
+
+def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype) -> None:
+    if report.relaxed:
+        logger.warning(
+            f"Verification tolerance relaxed to {report.tolerance:.1e} (default {report.default_tolerance:.1e} "
+            f"in {report.dtype}); greedy mismatches are reported, not refused. The model card says so."
+        )
+    if report.passed:
+        return
+    hint = ""
+    if storage_dtype in (torch.bfloat16, torch.float16) and not report.relaxed:
+        hint = (
+            f"\nThe weights were rounded to {str(storage_dtype).removeprefix('torch.')}, which moves the logits beyond "
+            "the bar; pass a larger tolerance (--tolerance) to accept a lower bar, which the model card records."
+        )
+    raise VerificationError(
+        f"The converted model does not reproduce the source; nothing was written.\n{report.table()}{hint}", report
+    )
+
+
+
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "build_prompts",
+    "chat_input_ids",
+    "greedy_continuations",
+    "norms_in_input_dtype",
+    "raise_unless_passed",
+    "verify_conversion",
+    "verify_written",
+]

@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""Writing a planned conversion as a repo folder (without its card): safetensors shards and their index, the config
+with `auto_map` and the remote-code files, the generation config and the tokenizer.
+
+A tensor whose bytes are those of its sources is copied by the kernel (`os.copy_file_range`); others are cast in row
+chunks, so no more than one tensor (a transformed one) or one chunk is in memory at a time.
+"""
+
+import copy
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from transformers.dynamic_module_utils import custom_object_save
+from transformers.utils import logging
+
+from .checkpoints import INDEX_NAME, SAFETENSORS_NAMES, Checkpoint, pread_exact
+from .keymaps import TensorInfo, TensorPlan
+from .plan import materialise, meta_model
+from .sources import Source
+
+logger = logging.get_logger(__name__)
+
+CHUNK_BYTES = 64 * 2**20  # rows cast and written per step when a tensor is not copied byte for byte
+
+
+def _copy_bytes(source_fd: int, offset: int, length: int, target) -> None:
+    target.flush()
+    target_fd = target.fileno()
+    done = 0
+    try:
+        while done < length:
+            count = os.copy_file_range(source_fd, target_fd, length - done, offset + done)
+            if count == 0:
+                raise OSError("copy_file_range copied nothing")
+            done += count
+        target.seek(0, os.SEEK_END)
+    except OSError:  # another file system, or a kernel without it: copy through user space in chunks
+        target.seek(0, os.SEEK_END)
+        while done < length:
+            step = min(CHUNK_BYTES, length - done)
+            target.write(pread_exact(source_fd, step, offset + done))
+            done += step
+
+
+def _write_tensor(plan: TensorPlan, checkpoint: Checkpoint, infos: Mapping[str, TensorInfo], target) -> None:
+    if plan.value is None and plan.transform is None:
+        ranges = [checkpoint.byte_range(part) for part in plan.parts]
+        if all(r is not None for r in ranges) and all(infos[p].dtype == plan.dtype for p in plan.parts):
+            for source_fd, offset, length in ranges:
+                _copy_bytes(source_fd, offset, length, target)
+            return
+        for part in plan.parts:  # cast in row chunks: one chunk in memory at a time
+            info = infos[part]
+            rows = info.shape[0] if info.shape else 1
+            step = max(1, CHUNK_BYTES // max(1, info.nbytes // max(rows, 1) * 2))
+            for start in range(0, rows, step):
+                chunk = checkpoint.read(part, slice(start, start + step) if info.shape else None)
+                target.write(memoryview(chunk.to(plan.dtype).contiguous().view(torch.uint8).numpy()))
+        return
+    tensor = materialise(plan, checkpoint).contiguous()
+    target.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _shard(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Greedy, in order, as `save_pretrained` shards: a tensor larger than the limit gets a shard of its own."""
+    shards, current, current_size = [], [], 0
+    for name, size in sizes:
+        if current and current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_checkpoint(
+    folder: Path,
+    plans: Mapping[str, TensorPlan],
+    checkpoint: Checkpoint,
+    max_shard_size: int,
+    own_shards: Sequence[str] = (),
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Write `plans` as safetensors shards `model-0000i-of-0000n.safetensors` and the index; the names in
+    `own_shards` (DAR's new parameters) go into shard(s) of their own at the end. Returns the index."""
+    own = set(own_shards)
+    shared = _shard(((name, plan.nbytes) for name, plan in plans.items() if name not in own), max_shard_size)
+    new = _shard(((name, plans[name].nbytes) for name in own_shards), max_shard_size)
+    shards = shared + new
+    infos = checkpoint.infos()  # once: a checkpoint builds this table of every tensor anew on each call
+    weight_map, total = {}, 0
+    for number, names in enumerate(shards, start=1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {}, 0
+        for name in names:
+            plan = plans[name]
+            header[name] = {"dtype": SAFETENSORS_NAMES[plan.dtype], "shape": list(plan.shape),
+                            "data_offsets": [offset, offset + plan.nbytes]}
+            offset += plan.nbytes
+            weight_map[name] = file_name
+        total += offset
+        header["__metadata__"] = {"format": "pt"}
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        encoded += b" " * (-len(encoded) % 8)
+        with open(folder / file_name, "wb") as target:
+            target.write(struct.pack("<Q", len(encoded)))
+            target.write(encoded)
+            for name in names:
+                if progress is not None:
+                    progress(name)
+                _write_tensor(plans[name], checkpoint, infos, target)
+            if target.tell() != 8 + len(encoded) + offset:
+                raise RuntimeError(f"{file_name}: wrote {target.tell()} bytes, planned {8 + len(encoded) + offset}")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def write_converted_folder(folder, target, config, plans, new_names, source: Source, max_shard_bytes, progress):
+    """The repo folder without its card: weights (shared shards, then DAR's own), config with `auto_map` and the
+    remote-code files, generation config, tokenizer."""
+    bar = logging.tqdm(total=len(plans), desc="Writing tensors", unit="tensor", disable=not progress)
+    write_checkpoint(folder, plans, source.checkpoint, max_shard_bytes, own_shards=new_names,
+                     progress=lambda name: bar.update())
+    bar.close()
+    config = copy.deepcopy(config)
+    config.name_or_path = ""
+    custom_object_save(meta_model(target.model_class, config), folder, config=config)
+    config.save_pretrained(folder)
+    source.generation_config.save_pretrained(folder)
+    write_tokenizer(folder, source.tokenizer)
+
+
+def write_tokenizer(folder: Path, tokenizer) -> None:
+    """The tokenizer files, self-contained: an `auto_map` to tokenizer code is dropped (the converter loads and saves
+    the tokenizer with transformers' own classes, and never copies or runs a source's code), and so are the loading
+    flags `save_pretrained` leaves behind."""
+    tokenizer.save_pretrained(folder)
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return
+    fields = json.loads(config_file.read_text(encoding="utf-8"))
+    auto_map = fields.pop("auto_map", None)
+    for flag in ("is_local", "local_files_only"):
+        fields.pop(flag, None)
+    if auto_map:
+        logger.warning(
+            f"The source tokenizer's auto_map {auto_map} points to code that is not copied (the converter never ships "
+            f"or runs a source's code): dropped from tokenizer_config.json; the tokenizer loads as "
+            f"{fields.get('tokenizer_class') or type(tokenizer).__name__}."
+        )
+    config_file.write_text(json.dumps(fields, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+__all__ = ["write_checkpoint", "write_converted_folder", "write_tokenizer"]

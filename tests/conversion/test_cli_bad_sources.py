@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dar convert` on broken and untrusted sources, run as a user runs it: a fresh process with stdin closed (no step
+may wait on a prompt), a tiny Llama source with a tokenizer, the source's bytes hashed before and after.
+
+A broken source (a NaN weight, an invalid config) is one line on stderr and exit 1 with nothing written; a custom
+model type is refused before transformers sees it; code in the source (an `auto_map` of the config or of the
+tokenizer) never runs and never reaches the output; the model card's snippets run as written, without prompts.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conftest import REPO, save_source, tree_digest
+
+EVIL_CODE = """
+import pathlib
+pathlib.Path(__file__).with_name("EVIL_CODE_RAN").write_text("the converter ran code from the source")
+from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel, PreTrainedTokenizerFast as EvilTokenizer
+"""
+PROMPT = "[y/N]"  # transformers' "Do you wish to run the custom code?" prompt
+
+
+def run_dar(*args, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m dar_transformers.cli ARGS` in a fresh process with stdin closed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "dar_transformers.cli", *map(str, args)], cwd=cwd, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_refused_in_one_line(completed: subprocess.CompletedProcess, *patterns: str) -> None:
+    """Exit 1, no traceback, no prompt, and the last stderr line is the error, matching every pattern."""
+    assert completed.returncode == 1, completed.stderr[-3000:]
+    assert "Traceback" not in completed.stderr and PROMPT not in completed.stdout + completed.stderr
+    error = completed.stderr.strip().splitlines()[-1]
+    assert error.startswith("dar convert: error: "), completed.stderr[-3000:]
+    for pattern in patterns:
+        assert re.search(pattern, error), (pattern, error)
+
+
+def edit_json(path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):
+    source = save_source(tmp_path / "source")
+    state = load_file(source / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    before = tree_digest(source)
+    completed = run_dar("convert", source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(completed, r"'model\.layers\.1\.mlp\.up_proj\.weight' holds NaN or infinite values")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # nothing written, nothing staged
+    assert tree_digest(source) == before
+
+
+@pytest.mark.parametrize("fields, patterns", [
+    ({"num_attention_heads": 5, "num_key_value_heads": 5},
+     [r"config\.json", r"hidden size \(32\) is not a multiple of the number of attention heads \(5\)"]),
+    ({"rms_norm_eps": "abc"}, [r"config\.json", r"'rms_norm_eps' expected float, got str"]),
+])
+def test_an_invalid_source_config_is_one_line_naming_the_file_and_the_field(tmp_path, fields, patterns):
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", **fields)
+    before = tree_digest(source)
+    assert_refused_in_one_line(run_dar("convert", source, tmp_path / "out", cwd=tmp_path), *patterns)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    assert tree_digest(source) == before
+
+
+def test_a_custom_model_type_is_refused_before_any_code_runs(tmp_path):
+    source = save_source(tmp_path / "source")
+    (source / "evil.py").write_text(EVIL_CODE)
+    edit_json(source / "config.json", model_type="evil_llama",
+              auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
+    before = tree_digest(source)
+    completed = run_dar("convert", source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(completed, r"model_type 'evil_llama'", r"\['llama', 'mistral', 'qwen2', 'qwen3'\]")
+    assert not (source / "EVIL_CODE_RAN").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    assert tree_digest(source) == before
+
+
+@pytest.fixture(scope="module")
+def converted_with_auto_maps(tmp_path_factory):
+    """A Llama source whose config and tokenizer both carry an `auto_map` to code in the folder, converted by the
+    CLI: the code must never run, and the output must not point to it."""
+    root = tmp_path_factory.mktemp("auto-maps")
+    source = save_source(root / "source")
+    (source / "evil.py").write_text(EVIL_CODE)
+    (source / "tokenization_evil.py").write_text(EVIL_CODE)
+    edit_json(source / "config.json", auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
+    edit_json(source / "tokenizer_config.json", auto_map={"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]})
+    before = tree_digest(source)
+    completed = run_dar("convert", source, root / "out", "--max-new-tokens", "4", "--tolerance", "1e-5", cwd=root)
+    return root, source, before, completed
+
+
+def test_code_in_the_source_never_runs_and_never_reaches_the_output(converted_with_auto_maps):
+    root, source, before, completed = converted_with_auto_maps
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "PASSED" in completed.stdout and PROMPT not in completed.stdout + completed.stderr
+    assert not (source / "EVIL_CODE_RAN").exists()
+    assert tree_digest(source) == before
+    out = root / "out"
+    assert not list(out.glob("*evil*"))
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "auto_map" not in tokenizer_config  # self-contained: no pointer to code that is not there
+    assert re.search(r"tokenization_evil\.EvilTokenizer.*dropped from tokenizer_config\.json", completed.stderr)
+    config = json.loads((out / "config.json").read_text())
+    assert set(config["auto_map"].values()) <= {f"{module}.{name}" for module in ("configuration_dar", "modeling_dar")
+                                                for name in ("DARConfig", "DARModel", "DARForCausalLM",
+                                                             "DARForSequenceClassification", "DARForQuestionAnswering",
+                                                             "DARForTokenClassification")}
+
+
+def card_snippets(card: str) -> dict[str, str]:
+    """The card's Python blocks by the sentence that introduces them."""
+    blocks = re.findall(r"([^\n]*)\n\n```python\n(.*?)```", card, flags=re.S)
+    return {intro: code for intro, code in blocks}
+
+
+def test_the_cards_snippets_run_as_written_without_the_package_and_without_prompts(converted_with_auto_maps):
+    root, _, _, completed = converted_with_auto_maps
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = root / "out"
+    snippets = card_snippets((out / "README.md").read_text())
+    (without,) = [code for intro, code in snippets.items() if intro.startswith("Without the package")]
+    (chat,) = [code for intro, code in snippets.items() if "Chat:" in intro]
+    # The snippets name the repo "<this repo or folder>"; everything else runs as written.
+    script = textwrap.dedent(f"""
+        import importlib.util, os, sys
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p) != {str(REPO / "src")!r} and p not in ("", ".")]
+        assert importlib.util.find_spec("dar_transformers") is None, "the package must not be importable here"
+    """) + (without + chat).replace("<this repo or folder>", str(out))
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    ran = subprocess.run([sys.executable, "-I", "-c", script], cwd=root, env=env, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert PROMPT not in ran.stdout + ran.stderr
+    assert ran.stdout.strip()  # the chat answer was printed
+
+
+def test_the_dar_moe_kind_exists_in_a_fresh_process_and_its_card_shows_experts_and_top_k(tmp_path):
+    source = save_source(tmp_path / "source")
+    before = tree_digest(source)
+    script = textwrap.dedent(f"""
+        import dar_transformers.convert as convert_module
+        assert "dar_moe" in convert_module.TARGET_KINDS, sorted(convert_module.TARGET_KINDS)
+        convert_module.convert({str(source)!r}, {str(tmp_path / "moe")!r}, kind="dar_moe", num_experts=3,
+                               num_experts_per_tok=2, max_new_tokens=4, tolerance=1e-5, progress=False)
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["model_type"] == "dar_moe"
+    card = (tmp_path / "moe" / "README.md").read_text()
+    assert "| experts E (sparse layers) | 3 (3 of 3 layers) |" in card
+    assert "| experts per token (top-k) | 2 |" in card
+    assert tree_digest(source) == before

@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dar convert` and `dar generate` as a user runs them, and the demo's tiny mode."""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+from transformers import AutoModelForCausalLM
+
+from dar_transformers.cli import main as cli_main
+from dar_transformers.conversion import chat_input_ids
+
+from conftest import REPO, make_tokenizer, save_source
+
+
+def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
+    (script,) = entry_points(group="console_scripts", name="dar")
+    assert script.load() is cli_main
+    source = save_source(tmp_path / "source", family="llama")
+    out = tmp_path / "out"
+    code = cli_main(["convert", str(source), str(out), "--block-size", "1", "--max-new-tokens", "8", "--tolerance", "1e-5"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "PASSED" in printed and "chat: What is the capital of France?" in printed
+    assert json.loads((out / "config.json").read_text())["dar_block_size"] == 1
+
+    assert cli_main(["convert", str(source), str(out)]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
+
+    assert cli_main(["generate", str(out), "--max-new-tokens", "6"]) == 0
+    streamed = capsys.readouterr().out
+    tokenizer = make_tokenizer()
+    dar = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = chat_input_ids(tokenizer, "What is the capital of France?")
+    expected = tokenizer.decode(dar.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:], skip_special_tokens=True)
+    assert streamed.strip() == expected.strip()
+
+
+def test_demo_runs_in_its_tiny_mode(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--tiny", "--output", str(tmp_path / "demo")],
+        env=env, capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "PASSED" in completed.stdout and "identical answers: True" in completed.stdout

@@ -1,0 +1,290 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dense conversion end to end (CPU, tiny models): Llama/Mistral/Qwen2/Qwen3 folders, GGUF files and in-memory
+models convert exactly, the written folder is a complete repo equal to the in-memory conversion bit for bit, loads
+with remote code without the package and under offloading, and no path of the converting machine reaches it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from dar_transformers import DARForCausalLM
+from dar_transformers.conversion import convert, upcycle, upcycle_model
+from dar_transformers.conversion.verify import norms_in_input_dtype
+
+from conftest import (
+    FAST,
+    IDS,
+    REPO,
+    VOCAB,
+    assert_equals_in_memory,
+    assert_same_state,
+    logits,
+    make_source,
+    make_tokenizer,
+    max_logit_difference,
+    save_source,
+    tree_digest,
+    write_tiny_gguf,
+)
+
+
+def dar_parameter_names_of(folder: Path) -> set[str]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return {name for name in index["weight_map"] if "_residual." in name or "final_readout" in name}
+
+
+@pytest.fixture(scope="module")
+def converted_llama(tmp_path_factory):
+    """A tied tiny Llama folder converted with all default verification prompts (text and chat)."""
+    root = tmp_path_factory.mktemp("tied")
+    source = save_source(root / "source")
+    before = tree_digest(source)
+    result = upcycle(source, root / "out", dar_block_size=2, tolerance=1e-5, progress=False)
+    return root, source, before, result
+
+
+def test_tied_llama_folder_converts_exactly_and_writes_a_complete_repo(converted_llama):
+    root, source, before, result = converted_llama
+    report = result.report
+    assert report.passed and report.greedy_identical
+    assert report.max_abs_logit_difference <= 1e-5
+    assert max(check.max_abs_logit for check in report.checks) > 2  # the bar is tight relative to the logits
+    assert [check.name for check in report.checks][-1].startswith("chat:")  # the chat template was exercised
+    assert all(check.num_tokens >= 64 for check in report.checks[:-1])
+
+    out = root / "out"
+    names = {p.name for p in out.iterdir()}
+    expected = {"config.json", "configuration_dar.py", "modeling_dar.py", "model.safetensors.index.json",
+                "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "generation_config.json",
+                "tokenizer.json", "tokenizer_config.json", "README.md"}
+    assert expected <= names, names
+    assert not [p for p in root.iterdir() if p.name.startswith(".out.")]  # no staging folder left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's owner-only mode
+    assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in out.iterdir())
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dar.DARForCausalLM"
+    assert config["model_type"] == "dar" and config["dar_block_size"] == 2 and config["tie_word_embeddings"] is True
+    template = (out / "chat_template.jinja").read_text() if "chat_template.jinja" in names else ""
+    assert "<|im_start|>" in template + (out / "tokenizer_config.json").read_text()
+    card = (out / "README.md").read_text()
+    assert f"{report.max_abs_logit_difference:.3e}" in card and "PASSED" in card
+    assert "trust_remote_code=True" in card and "Block DAR, 3 blocks" in card
+    answers = [line for line in card.splitlines() if line.startswith(("| source |", "| converted |"))]
+    assert len(answers) == 2 and answers[0].split("|")[2] == answers[1].split("|")[2]  # the same chat answer
+    assert tree_digest(source) == before  # the source is never modified
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    dar_shard = {file for name, file in index["weight_map"].items() if "_residual." in name or "final_readout" in name}
+    assert dar_shard == {"model-00002-of-00002.safetensors"}  # DAR's new parameters: a shard of their own
+    assert set(load_file(out / "model-00002-of-00002.safetensors")) == dar_parameter_names_of(out)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(reloaded, DARForCausalLM)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    source_model = LlamaForCausalLM.from_pretrained(source).eval()
+    in_memory = upcycle_model(source_model, dar_block_size=2)  # the in-memory conversion: the same tensors, bit for bit
+    assert_same_state(reloaded, in_memory)
+    assert torch.equal(logits(reloaded, ids), logits(in_memory, ids))
+    assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5
+
+
+def test_converted_folder_loads_with_remote_code_where_the_package_is_not_importable(converted_llama, tmp_path):
+    root, _, _, result = converted_llama
+    model = AutoModelForCausalLM.from_pretrained(root / "out").eval()
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    torch.save(ids, tmp_path / "ids.pt")
+    script = textwrap.dedent(
+        f"""
+        import importlib.util, os, sys
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p) != {str(REPO / "src")!r} and p not in ("", ".")]
+        assert importlib.util.find_spec("dar_transformers") is None, "the package must not be importable here"
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(root / "out")!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        assert "dar_transformers" not in sys.modules
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
+        """
+    )
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    completed = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    remote_logits = torch.load(tmp_path / "logits.pt")
+    assert torch.equal(remote_logits, logits(model, ids))
+
+
+def test_untied_sharded_llama_folder_converts_to_a_sharded_exact_repo(tmp_path):
+    source = save_source(tmp_path / "source", tied=False, shard="40KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    result = upcycle(source, tmp_path / "out", dar_block_size=3, tolerance=1e-5, max_shard_size="40KB", **FAST)
+    assert result.report.max_abs_logit_difference <= 1e-5 and result.report.greedy_identical
+    out = tmp_path / "out"
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 1
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not reloaded.config.tie_word_embeddings
+    assert not torch.equal(reloaded.lm_head.weight, reloaded.model.embed_tokens.weight)
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    source_model = LlamaForCausalLM.from_pretrained(source).eval()
+    assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5
+
+
+def test_gguf_file_converts_exactly_with_its_tokenizer_and_chat_template(tmp_path):
+    source_model, tokenizer = make_source("llama", tied=True), make_tokenizer()
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", source_model, tokenizer)
+    before = tree_digest(tmp_path / "gguf")
+    result = upcycle(gguf_path, tmp_path / "out", dar_block_size=2, tolerance=1e-5, **FAST)
+    assert result.report.passed and result.report.checks[-1].name.startswith("chat:")
+    out = tmp_path / "out"
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5  # against the HF original
+    written = AutoTokenizer.from_pretrained(out)
+    text = "The capital of France is Paris. Hello"
+    assert written(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert written.chat_template == tokenizer.chat_template
+    assert tree_digest(tmp_path / "gguf") == before
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_family_converts_exactly_with_its_own_branch_modules(family, tied):
+    source = make_source(family, tied).train()  # a model in training mode is copied, not switched to eval
+    before = {name: tensor.clone() for name, tensor in source.state_dict().items()}
+    result = upcycle(source, dar_block_size=2, tolerance=1e-5, max_new_tokens=12, progress=False)
+    report = result.report
+    assert report.max_abs_logit_difference <= 1e-5, report.table()
+    assert report.greedy_identical and max(check.max_abs_logit for check in report.checks) > 2
+    dar = result.model
+    source_attention = type(source.model.layers[0].self_attn)
+    assert type(dar.model.layers[0].self_attn) is source_attention and dar.config.dar_branch_family == family
+    family_keys = {"qwen2": "self_attn.q_proj.bias", "qwen3": "self_attn.q_norm.weight"}
+    if family in family_keys:  # the family's own parameters arrived
+        key = f"model.layers.1.{family_keys[family]}"
+        assert torch.equal(dar.state_dict()[key], source.state_dict()[key])
+    if family == "mistral":
+        assert dar.config.sliding_window == 5  # prompts are 64 tokens: the window matters and is kept
+    assert all(torch.equal(before[name], tensor) for name, tensor in source.state_dict().items())
+    assert source.training
+
+
+def test_float64_conversion_meets_the_1e_8_default_and_leaves_the_source_in_float32():
+    source = make_source("llama", tied=False)
+    result = upcycle(source, dtype="float64", dar_block_size=1, max_new_tokens=12, progress=False)
+    assert result.model.dtype == torch.float64 and source.dtype == torch.float32
+    assert result.report.tolerance == 1e-8 and result.report.max_abs_logit_difference <= 1e-8
+    assert result.report.greedy_identical
+
+
+def test_convert_returns_a_dar_model_with_the_keyword_fields():
+    dar = convert(make_source(), dar_block_size=1, dar_routing="crossv", dar_gate_delta=0.5, tolerance=1e-5,
+                  max_new_tokens=4, progress=False)
+    assert isinstance(dar, DARForCausalLM)
+    assert (dar.config.dar_block_size, dar.config.dar_routing, dar.config.dar_gate_delta) == (1, "crossv", 0.5)
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("mistral", True), ("qwen2", False), ("qwen3", True)])
+def test_streamed_conversion_equals_the_in_memory_one_and_the_source(tmp_path, family, tied):
+    source = save_source(tmp_path / "source", family=family, tied=tied, shard="30KB")
+    result = upcycle(source, tmp_path / "out", dar_block_size=2, tolerance=1e-5, max_shard_size="30KB", **FAST)
+    report = result.report
+    assert report.passed and report.method == "layer-streamed" and report.greedy_ran
+    assert report.max_abs_logit_difference <= 1e-5 and max(c.max_abs_logit for c in report.checks) > 2
+    assert all(check.top1_checked > 0 and check.top1_agreed == check.top1_checked for check in report.checks)
+    source_model = AutoModelForCausalLM.from_pretrained(source).eval()
+    assert_equals_in_memory(tmp_path / "out", upcycle_model(source_model, dar_block_size=2))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert max_logit_difference(reloaded, source_model, IDS) <= 1e-5
+
+
+def test_float64_streamed_conversion_meets_1e_8(tmp_path):
+    source = save_source(tmp_path / "source", family="qwen3", tied=False)
+    result = upcycle(source, tmp_path / "out", dtype="float64", dar_block_size=1, **FAST)
+    assert result.report.dtype == "float64" and result.report.tolerance == 1e-8
+    assert result.report.max_abs_logit_difference <= 1e-8 and result.report.passed
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto").eval()
+    assert reloaded.dtype == torch.float64
+    source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float64).eval()
+    with norms_in_input_dtype(reloaded, source_model):
+        assert max_logit_difference(reloaded, source_model, IDS) <= 1e-8
+
+
+def save_bf16_source(folder: Path, family: str = "llama") -> Path:
+    model = make_source(family, tied=False).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_bf16_source_verifies_at_the_float32_bar_and_stays_bf16(tmp_path):
+    source = save_bf16_source(tmp_path / "source")
+    result = upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)  # dtype "auto", no tolerance
+    report = result.report
+    assert report.passed and not report.relaxed and report.tolerance == 2e-4 and report.dtype == "float32"
+    assert report.storage_dtype == "bfloat16" and "from bfloat16 weights" in report.table()
+    assert report.max_abs_logit_difference <= 2e-4
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+    written_bytes = sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors"))
+    assert written_bytes < 1.2 * source_bytes  # bf16 stays bf16 (plus the small float32 DAR shard)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert reloaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert reloaded.model.layers[0].attn_residual.write_gate.logit.dtype == torch.float32
+
+
+OFFLOADED_HEAD = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.final_readout": "cpu", "model.norm": "disk",
+                  "model.rotary_emb": "cpu", "lm_head": "disk"}
+
+
+OFFLOADED_LAYERS = {**OFFLOADED_HEAD, "model.layers": "disk"}
+
+
+@pytest.mark.parametrize("device_map,implementation", [
+    ("auto", "fast"),  # max_memory fits everything here: a plain CPU placement through accelerate
+    (OFFLOADED_HEAD, "fast"),
+    # Whole decoder layers on disk: accelerate loads a module's weights only around its own forward; the fast
+    # backend derives gates and queries outside those forwards and onloads them itself (`_onloaded`).
+    (OFFLOADED_LAYERS, "fast"),
+    (OFFLOADED_LAYERS, "reference"),
+])
+def test_offloaded_loading_generates_the_tokens_of_a_plain_load(tmp_path, device_map, implementation):
+    source = save_source(tmp_path / "source", tied=False)
+    upcycle(source, tmp_path / "out", dar_block_size=2, tolerance=1e-5, **FAST)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dar_implementation=implementation, device_map=device_map, max_memory={"cpu": "10MB"},
+        offload_folder=tmp_path / "offload",
+    ).eval()
+    if device_map != "auto":
+        assert "disk" in set(offloaded.hf_device_map.values())  # part of the model really lives on disk
+    ids = IDS[:1, :10]
+    kwargs = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert torch.equal(plain.generate(ids, **kwargs), offloaded.generate(ids, **kwargs))
+
+
+def test_no_absolute_path_of_the_converting_machine_reaches_the_written_folder(tmp_path):
+    source = save_source(tmp_path / "source")
+    (tmp_path / "gguf").mkdir()
+    gguf = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama"), make_tokenizer())
+    for name, origin in (("from-folder", source), ("from-gguf", gguf)):
+        upcycle(origin, tmp_path / name, dar_block_size=2, tolerance=1e-5, **FAST)
+        for path in (tmp_path / name).iterdir():
+            if path.suffix in (".json", ".md", ".jinja", ".py"):
+                text = path.read_text()
+                assert str(tmp_path) not in text and str(Path.home()) + "/" not in text, path.name
+        card = (tmp_path / name / "README.md").read_text()
+        assert (origin.name if origin.is_dir() else origin.name) in card

@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Conversion to DAR-MoE (CPU, tiny models): sparse upcycling of dense models and Mixtral/Qwen-MoE checkpoints
+convert exactly (1e-5 in float32, 1e-8 in float64), negative controls drift, Drop-Upcycling says it is not exact,
+and the streamed, written conversion equals the in-memory one."""
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from dar_transformers import DARMoeForCausalLM
+from dar_transformers.cli import main as cli_main
+from dar_transformers.conversion import convert_to_dar_moe, upcycle_to_dar_moe, verify_conversion
+
+from conftest import (
+    FAST,
+    IDS,
+    INIT,
+    SHAPE,
+    TINY_LLAMA_FIELDS,
+    VOCAB,
+    assert_equals_in_memory,
+    dense_llama,
+    make_source,
+    make_tokenizer,
+    max_logit_difference,
+    random_input_ids,
+    spread_weights,
+    word_tokenizer,
+)
+
+
+def tiny_moe_source(kind: str):
+    torch.manual_seed(0)
+    shape = {**SHAPE, "vocab_size": VOCAB, "num_experts_per_tok": 2}
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=4, moe_intermediate_size=24, head_dim=16,
+                                                   norm_topk_prob=True))
+    return spread_weights(model)
+
+
+@pytest.mark.parametrize("kind", ["dense_to_moe", "mixtral", "qwen3_moe"])
+def test_streamed_moe_conversion_equals_the_in_memory_one(tmp_path, kind):
+    if kind == "dense_to_moe":
+        model, options = make_source("llama", tied=False), dict(num_experts=4, top_k=2)
+    else:
+        model, options = tiny_moe_source(kind), {}
+    model.save_pretrained(tmp_path / "source", max_shard_size="40KB")  # Mixtral: per-expert tensors on disk
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    result = upcycle_to_dar_moe(tmp_path / "source", tmp_path / "out", dar_block_size=2, tolerance=1e-5, **options,
+                                **FAST)
+    assert result.report.passed and result.report.max_abs_logit_difference <= 1e-5
+    in_memory = convert_to_dar_moe(model, **options, dar_block_size=2)
+    assert_equals_in_memory(tmp_path / "out", in_memory)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(reloaded) is DARMoeForCausalLM
+    assert max_logit_difference(reloaded, model, IDS) <= 1e-5
+
+
+def test_sparse_upcycling_of_a_dense_llama_is_exact():
+    llama = dense_llama()
+    moe = convert_to_dar_moe(llama, num_experts=4, top_k=2)
+    dense_mlp = llama.model.layers[1].mlp
+    experts = moe.model.layers[1].mlp.experts
+    for expert in range(4):  # every expert is the dense MLP, gate rows then up rows
+        gate_up = torch.cat([dense_mlp.gate_proj.weight, dense_mlp.up_proj.weight])
+        assert torch.equal(experts.gate_up_proj[expert], gate_up)
+        assert torch.equal(experts.down_proj[expert], dense_mlp.down_proj.weight)
+    input_ids = random_input_ids(length=10)
+    report = verify_conversion(llama, moe, [("random", input_ids[:1])], max_new_tokens=8, progress=False)
+    assert report.max_abs_logit_difference <= 1e-5 and report.greedy_identical
+    with torch.no_grad():
+        assert llama(input_ids).logits.abs().max() > 1.0
+        router_logits = moe(input_ids, output_router_logits=True).router_logits
+    assert all(logits.std() > 0.1 for logits in router_logits)  # a random router: the routing is not degenerate
+
+    llama64 = dense_llama().double()
+    moe64 = convert_to_dar_moe(llama64, num_experts=4, top_k=2)
+    assert moe64.dtype == torch.float64 and moe64.config._experts_implementation == "batched_mm"
+    assert max_logit_difference(llama64, moe64, input_ids) <= 1e-8
+
+
+def test_sparse_upcycling_composes_with_full_dar_and_other_families():
+    input_ids = random_input_ids(length=10)
+    llama = dense_llama()
+    assert max_logit_difference(llama, convert_to_dar_moe(llama, num_experts=3, top_k=3, dar_block_size=1), input_ids) <= 1e-5
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**TINY_LLAMA_FIELDS, **INIT, head_dim=8)).eval()
+    assert max_logit_difference(qwen3, convert_to_dar_moe(qwen3, num_experts=4, top_k=1), input_ids) <= 1e-5
+
+
+def test_upcycling_negative_controls_drift():
+    """The checks can fail: unnormalised top-k weights and Drop-Upcycling noise both change the function."""
+    llama = dense_llama()
+    input_ids = random_input_ids(length=10)
+    unnormalised = convert_to_dar_moe(llama, num_experts=4, top_k=2)
+    unnormalised.config.norm_topk_prob = False
+    for layer in unnormalised.model.layers:
+        layer.mlp.gate.norm_topk_prob = False  # output becomes (p_1 + p_2) MLP(x)
+    assert max_logit_difference(llama, unnormalised, input_ids) > 1e-2
+
+
+def test_expert_noise_breaks_symmetry_and_says_it_is_not_exact(caplog):
+    llama = dense_llama()
+    with caplog.at_level("WARNING"):
+        noisy = convert_to_dar_moe(llama, num_experts=4, top_k=2, expert_noise=0.25, seed=3)
+    assert "NOT function-preserving" in caplog.text
+    experts = noisy.model.layers[0].mlp.experts.gate_up_proj.detach()
+    dense = torch.cat([llama.model.layers[0].mlp.gate_proj.weight, llama.model.layers[0].mlp.up_proj.weight])
+    changed_rows = (experts != dense).any(-1)  # [E, 2I]
+    assert changed_rows.sum(-1).tolist() == [2 * 16] * 4  # 25% of the 64 hidden units, in gate and up rows
+    assert not torch.equal(changed_rows[0], changed_rows[1])  # different units per expert: symmetry broken
+    assert max_logit_difference(llama, noisy, random_input_ids(length=10)) > 1e-3
+    again = convert_to_dar_moe(llama, num_experts=4, top_k=2, expert_noise=0.25, seed=3)
+    assert torch.equal(again.model.layers[0].mlp.experts.gate_up_proj, noisy.model.layers[0].mlp.experts.gate_up_proj)
+
+
+@pytest.mark.parametrize(
+    "source_kind",
+    ["mixtral", "mixtral_sliding", "qwen3_moe", "qwen3_moe_unnormalised_dense_first", "qwen2_moe_shared_expert"],
+)
+def test_moe_checkpoints_convert_exactly(source_kind):
+    torch.manual_seed(0)
+    moe = dict(num_experts_per_tok=2, **TINY_LLAMA_FIELDS, **INIT)
+    source = {
+        "mixtral": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=4, **moe)),
+        "mixtral_sliding": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=4, sliding_window=4, **moe)),
+        "qwen3_moe": lambda: Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, head_dim=8, norm_topk_prob=True, **moe)
+        ),
+        "qwen3_moe_unnormalised_dense_first": lambda: Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, head_dim=8, mlp_only_layers=[0], **moe)
+        ),
+        "qwen2_moe_shared_expert": lambda: Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=40, **moe)
+        ),
+    }[source_kind]().eval()
+    converted = convert_to_dar_moe(source)
+    config = converted.config
+    assert config.num_experts == 4 and config.num_experts_per_tok == 2
+    assert config.norm_topk_prob == getattr(source.config, "norm_topk_prob", True)  # Mixtral always renormalises
+    input_ids = random_input_ids(length=12)
+    report = verify_conversion(source, converted, [("random", input_ids[:1])], max_new_tokens=8, progress=False)
+    assert report.max_abs_logit_difference <= 1e-5 and report.greedy_identical, report.table()
+    assert max_logit_difference(source, converted, input_ids) <= 1e-5  # the whole batch too
+    # The routers, experts (and shared expert) are the source's: identical router logits in every sparse layer.
+    with torch.no_grad():
+        source_routers = source(input_ids, output_router_logits=True).router_logits
+        target_routers = converted(input_ids, output_router_logits=True).router_logits
+    assert len(source_routers) == len(target_routers) == len(config.moe_layer_indices)
+    for source_logits, target_logits in zip(source_routers, target_routers):
+        assert torch.allclose(source_logits, target_logits, atol=1e-5)
+    # Negative control: a different router in one layer changes the function.
+    with torch.no_grad():
+        converted.model.layers[config.moe_layer_indices[0]].mlp.gate.weight.mul_(-1.0)
+    assert max_logit_difference(source, converted, input_ids) > 1e-3
+
+
+PROMPTS = [" ".join(f"w{3 + (7 * index) % 90}" for index in range(24)), "w5 w9 w11 w60 w61 w62 w3 w4"]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("float64", 1e-8)])
+def test_upcycle_to_dar_moe_verifies_and_writes_a_loadable_repo(tmp_path, dtype, tolerance):
+    llama = dense_llama()
+    result = upcycle_to_dar_moe(
+        llama, tmp_path / "moe", tokenizer=word_tokenizer(), num_experts=4, top_k=2, dtype=dtype, prompts=PROMPTS,
+        max_new_tokens=8, progress=False, dar_block_size=2,
+    )
+    assert result.report.passed and result.report.greedy_identical
+    assert result.report.max_abs_logit_difference <= tolerance
+    assert result.report.method == "layer-streamed" and result.report.dtype == dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).eval()
+    assert reloaded.config._experts_implementation == "grouped_mm"  # the fast experts path
+    assert type(reloaded) is DARMoeForCausalLM and reloaded.config.num_experts == 4
+    assert reloaded.config.dar_block_size == 2 and reloaded.config.architectures == ["DARMoeForCausalLM"]
+    assert max_logit_difference(llama, reloaded, random_input_ids(length=10)) <= 1e-5
+    assert "DAR-MoE" in (tmp_path / "moe" / "README.md").read_text()
+
+
+def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
+    # The converter's default prompts are about 350 tokens of this BPE tokenizer, each a decided next token (a word
+    # tokenizer would map them all to <unk>, and a check that compares nothing does not pass).
+    llama = dense_llama(max_position_embeddings=512, vocab_size=VOCAB)
+    llama.save_pretrained(tmp_path / "llama")
+    make_tokenizer().save_pretrained(tmp_path / "llama")
+    code = cli_main(
+        ["convert", str(tmp_path / "llama"), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2",
+         "--max-new-tokens", "8", "--block-size", "1"]
+    )
+    output = capsys.readouterr().out
+    assert code == 0 and "PASSED" in output
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    assert type(reloaded) is DARMoeForCausalLM and reloaded.config.num_experts_per_tok == 2
+    assert reloaded.config.dar_block_size == 1
+    assert max_logit_difference(llama, reloaded, random_input_ids(length=10)) <= 1e-5
+    card = (tmp_path / "moe" / "README.md").read_text()
+    assert "| experts E (sparse layers) | 4 (2 of 2 layers) |" in card and "| experts per token (top-k) | 2 |" in card
+
+    # Drop-Upcycling: written, but the check says plainly that it is relaxed and the logits differ.
+    code = cli_main(
+        ["convert", str(tmp_path / "llama"), str(tmp_path / "noisy"), "--experts", "4", "--top-k", "2",
+         "--expert-noise", "0.25", "--max-new-tokens", "8"]
+    )
+    output = capsys.readouterr().out
+    assert code == 0 and "RELAXED" in output
+    noisy = AutoModelForCausalLM.from_pretrained(tmp_path / "noisy").eval()
+    assert max_logit_difference(llama, noisy, random_input_ids(length=10)) > 1e-3
+
+    # Bad input: a clear error naming the field, nothing written.
+    code = cli_main(["convert", str(tmp_path / "llama"), str(tmp_path / "bad"), "--experts", "2", "--top-k", "3"])
+    assert code == 1 and "num_experts_per_tok must be an integer in [1, num_experts=2]" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):
+    torch.manual_seed(0)
+    fields = {**TINY_LLAMA_FIELDS, **INIT, "max_position_embeddings": 512, "vocab_size": VOCAB}
+    mixtral = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **fields)).eval()
+    mixtral.save_pretrained(tmp_path / "mixtral")  # per-expert tensors on disk
+    make_tokenizer().save_pretrained(tmp_path / "mixtral")
+    code = cli_main(
+        ["convert", str(tmp_path / "mixtral"), str(tmp_path / "moe"), "--kind", "dar_moe", "--max-new-tokens", "8"]
+    )
+    assert code == 0 and "PASSED" in capsys.readouterr().out
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    assert max_logit_difference(mixtral, reloaded, random_input_ids(length=10)) <= 1e-5

@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Planning (CPU): the new parameters get exactly the values of the model's own `_init_weights`, and options are
+validated before any work."""
+
+import pytest
+import torch
+
+from dar_transformers import DARConfig, DARForCausalLM
+from dar_transformers.conversion import DAR_NEW_PARAMETERS, new_parameter_values, upcycle
+
+from conftest import SHAPE, VOCAB
+
+
+@pytest.mark.parametrize("fields", [dict(dar_block_size=2), dict(dar_block_size=1, dar_num_streams=1),
+                                    dict(dar_block_size=4, dar_write_mode="split", dar_gate_delta=0.3)])
+def test_new_parameter_values_are_what_init_weights_gives(fields):
+    """One source of truth: the streamed values equal a freshly built DARForCausalLM's, bit for bit."""
+    config = DARConfig(**SHAPE, vocab_size=VOCAB, **fields)
+    torch.manual_seed(123)
+    built = DARForCausalLM(config).state_dict()
+    names = [name for name in built if any(__import__("re").fullmatch(p, name) for p in DAR_NEW_PARAMETERS)]
+    assert names and len(names) == len(set(names))
+    values = new_parameter_values(DARForCausalLM, config, names)
+    for name in names:
+        assert values[name].dtype == torch.float32 and torch.equal(values[name], built[name]), name
+
+
+@pytest.mark.parametrize("tolerance", [0, -1e-5, 0.0])
+def test_a_tolerance_that_is_not_positive_is_refused_before_any_work(tmp_path, tolerance):
+    with pytest.raises(ValueError, match="tolerance must be a positive number"):
+        upcycle(tmp_path / "does-not-exist", tmp_path / "out", tolerance=tolerance)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Verification (CPU, tiny models): what is verified is what is written, and verdicts fail when they must: a
+wrong DAR init, an inexact setting, greedy or top-1 disagreement, rounding beyond the bar (unless relaxed)."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from dar_transformers import DARForCausalLM
+from dar_transformers.conversion import (
+    VerificationError,
+    VerificationReport,
+    api as conversion_api,
+    plan as conversion_plan,
+    upcycle,
+    upcycle_model,
+)
+from dar_transformers.conversion.checkpoints import SafetensorsCheckpoint
+from dar_transformers.conversion.plan import meta_model
+from dar_transformers.conversion.report import PromptCheck
+from dar_transformers.conversion.streamed import StreamedModel, streamed_hidden_states, streamed_logits, token_budget_groups
+
+from conftest import FAST, IDS, assert_nothing_written, make_source, make_tokenizer, save_bf16_source, save_source
+
+
+def test_streamed_verification_catches_a_wrong_dar_init_and_writes_nothing(tmp_path, monkeypatch):
+    source = save_source(tmp_path / "source")
+    right = conversion_plan.new_parameter_values
+
+    def wrong(model_class, config, names):  # negative control: the read gates off their exact init alpha = 1/2
+        values = right(model_class, config, names)
+        return {name: value + 0.3 if name.endswith("read_gate.logit") else value for name, value in values.items()}
+
+    monkeypatch.setattr(conversion_plan, "new_parameter_values", wrong)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(VerificationError, match="nothing was written") as caught:
+        upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)
+    assert caught.value.report.max_abs_logit_difference > 1e-3
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_the_model_verified_is_the_model_written(tmp_path):
+    """The streamed check reads the written folder: its DAR logits are those of `from_pretrained(out)` in float32,
+    whose rotary `inv_freq` and other buffers are what `from_pretrained(out, dtype="auto")` builds (float32)."""
+    source = save_bf16_source(tmp_path / "source")
+    upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)
+    out = tmp_path / "out"
+    source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    reloaded32 = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reloaded_auto = AutoModelForCausalLM.from_pretrained(out, dtype="auto").eval()
+    for (name, buffer32), (_, buffer_auto) in zip(reloaded32.named_buffers(), reloaded_auto.named_buffers()):
+        assert buffer_auto.dtype == buffer32.dtype == torch.float32 and torch.equal(buffer_auto, buffer32), name
+    written = SafetensorsCheckpoint(out)
+    sources = SafetensorsCheckpoint(source)
+    streamed_source, streamed_target = streamed_logits(
+        StreamedModel(meta_model(LlamaForCausalLM, source_model.config), sources),
+        StreamedModel(meta_model(DARForCausalLM, reloaded32.config), written),
+        [IDS[:1]], torch.float32,
+    )
+    with torch.no_grad():
+        assert torch.allclose(streamed_target[0], reloaded32(IDS[:1]).logits, atol=1e-6, rtol=0)
+        assert torch.allclose(streamed_source[0], source_model(IDS[:1]).logits, atol=1e-6, rtol=0)
+    # The in-memory path builds the model as from_pretrained does: no bf16 rotary frequencies (the old bug).
+    in_memory = upcycle_model(make_source("llama").to(torch.bfloat16), dar_block_size=2)
+    assert in_memory.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def report_with(max_difference: float, greedy: bool | None, agreed: int = 5) -> VerificationReport:
+    check = PromptCheck("p", 5, 3.0, max_difference, 5, agreed, greedy, [1, 2], [1, 2] if greedy else [1, 3])
+    return VerificationReport("float32", 2e-4, 2e-4, 2, [check])
+
+
+def test_logits_within_tolerance_but_different_greedy_tokens_do_not_pass_and_write_nothing(tmp_path, monkeypatch):
+    assert report_with(1e-6, True).passed
+    assert not report_with(1e-6, False).passed  # greedy continuations differ
+    assert not report_with(1e-6, None, agreed=4).passed  # a teacher-forced top-1 disagreement
+    assert not report_with(1e-3, True).passed
+    source = save_source(tmp_path / "source")
+    monkeypatch.setattr(conversion_api, "verify_written", lambda *args, **kwargs: report_with(1e-6, False))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(VerificationError, match="nothing was written"):
+        upcycle(source, tmp_path / "out", **FAST)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_conversion_that_is_not_exact_is_refused_and_nothing_written(tmp_path):
+    source = save_source(tmp_path / "source")
+    before = {p.name for p in tmp_path.iterdir()}
+    # Without the partial block as a source the reduction fails (DESIGN.md section 3 negative control).
+    with pytest.raises(VerificationError, match="nothing was written") as caught:
+        upcycle(source, tmp_path / "out", dar_block_size=2, dar_include_partial=False, tolerance=1e-5, **FAST)
+    assert caught.value.report.max_abs_logit_difference > 1e-2
+    assert_nothing_written(tmp_path, before)
+
+
+def test_bfloat16_needs_an_explicit_lower_bar_which_the_card_records(tmp_path):
+    source = save_source(tmp_path / "source")
+    with pytest.raises(VerificationError, match="--tolerance"):
+        upcycle(source, tmp_path / "out", dtype="bfloat16", **FAST)
+    assert not (tmp_path / "out").exists()
+    result = upcycle(source, tmp_path / "out", dtype="bfloat16", tolerance=10.0, **FAST)
+    assert result.report.relaxed
+    assert "RELAXED" in (tmp_path / "out" / "README.md").read_text()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert reloaded.model.layers[0].attn_residual.write_gate.logit.dtype == torch.float32
+
+
+def test_float64_verification_runs_hf_norms_in_float64_and_restores_them():
+    """HF's RMSNorm rounds through float32 even in float64; the float64 verification lifts that on both models, for
+    its duration only."""
+    from conftest import tiny_llama
+
+    from dar_transformers.convert import norms_in_input_dtype
+
+    llama = tiny_llama(dtype=torch.float64)
+    norm = llama.model.norm
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, llama.config.hidden_size, dtype=torch.float64, generator=generator)
+    exact = norm.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    assert (norm(hidden) - exact).abs().max() > 1e-12  # HF's own: float32 inside
+    with norms_in_input_dtype(llama):
+        torch.testing.assert_close(norm(hidden), exact, rtol=1e-15, atol=1e-15)
+        assert all("forward" in vars(layer.input_layernorm) for layer in llama.model.layers)
+    assert not any("forward" in vars(module) for module in llama.modules())
+    assert (norm(hidden) - exact).abs().max() > 1e-12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A check that compared nothing, or compared NaNs, does not pass.
+
+
+def test_a_verification_that_compared_nothing_is_not_passed():
+    empty = VerificationReport("float32", 2e-4, 2e-4, 0, [])
+    assert not empty.passed and "FAILED: nothing was compared (no prompt was run)" in empty.table()
+    undecided = VerificationReport("float32", 2e-4, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.0, 0, 0, None, [], [])])
+    assert not undecided.passed and "no next token was compared" in undecided.table()
+    # A relaxed check compares logits only (Drop-Upcycling): it needs prompts, not decided positions.
+    relaxed = VerificationReport("float32", math.inf, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.5, 0, 0, None, [], [])])
+    assert relaxed.passed
+    nan = VerificationReport("float32", 2e-4, 2e-4, 0, [PromptCheck("p", 5, 3.0, math.nan, 5, 5, None, [], [])])
+    assert not nan.passed and math.isnan(nan.max_abs_logit_difference)
+
+
+def overflowing_source(folder):
+    """A source whose weights are finite but whose layer 1 overflows: its MLP output is ~1e38 * 64 = inf."""
+    model = make_source("llama", tied=False)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.fill_(1e38)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_non_finite_outputs_fail_the_streamed_check_naming_the_first_layer(tmp_path):
+    source = tmp_path / "source"
+    overflowing_source(source)
+    make_tokenizer().save_pretrained(source)
+    with pytest.raises(VerificationError, match="nothing was written") as caught:
+        upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)
+    report = caught.value.report
+    assert report.first_nonfinite == "source model.layers.1" and not report.passed
+    assert "non-finite values (NaN or inf) first appear in the output of source model.layers.1" in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_outputs_fail_the_in_memory_check_naming_the_first_layer(tmp_path):
+    source = overflowing_source(tmp_path / "source")
+    with pytest.raises(VerificationError) as caught:
+        upcycle(source, dar_block_size=2, prompts=None, max_new_tokens=0, progress=False)
+    assert caught.value.report.first_nonfinite == "source model.layers.1"
+
+
+def test_the_streamed_forward_gives_each_prompt_its_unpadded_output_in_any_batching(tmp_path):
+    """Right padding never reaches a real position (causal attention): one batch, groups, or one prompt at a time
+    give the same hidden states, and the same as the reloaded model's own forward on the unpadded prompt."""
+    source = save_source(tmp_path / "source")
+    upcycle(source, tmp_path / "out", dar_block_size=2, tolerance=1e-5, **FAST)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    side = StreamedModel(meta_model(DARForCausalLM, reloaded.config), SafetensorsCheckpoint(tmp_path / "out"))
+    prompts = [IDS[:1, :24], IDS[1:, :7], IDS[:1, 3:15]]
+    assert token_budget_groups([24, 7, 12], 30) == [[0], [1, 2]]
+    runs = [streamed_hidden_states(side, prompts, torch.float32, max_batch_tokens=budget)[0] for budget in (None, 30, 1)]
+    with torch.no_grad():
+        for index, ids in enumerate(prompts):
+            own = reloaded.model(ids).last_hidden_state
+            for run in runs:
+                assert run[index].shape == own.shape and torch.allclose(run[index], own, atol=1e-5, rtol=0)

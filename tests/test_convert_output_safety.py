@@ -1,0 +1,519 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dar convert` never destroys its source or misreports its output (issue 17 items 1, 3, 5, 6): the source/output
+relations (same, parent, child, sibling, through symlinks and `..`, with and without --overwrite), OS errors on the
+output, signals, stale staging folders and --max-new-tokens, each run through the CLI as a user would, with the
+source's bytes hashed before and after. A property test (hypothesis) draws the relations; a handful of subprocess
+cases replay the issue's reproductions."""
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from dar_transformers.cli import main as cli_main
+from dar_transformers.conversion import output as output_module
+from dar_transformers.conversion.output import STAGING_MARKER, check_output_folder
+
+# ---------------------------------------------------------------------------------------------------------------
+# A tiny Llama source with a tokenizer (1 layer, hidden 16): a conversion in-process takes a fraction of a second.
+
+
+def save_tiny_source(folder: Path) -> Path:
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["hello world"] * 3, trainer)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=272, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory) -> Path:
+    return save_tiny_source(tmp_path_factory.mktemp("tiny") / "source")
+
+
+def tree_state(root: Path, skip: Path | None = None) -> dict[str, str]:
+    """Every entry under `root` (symlinks not followed) -> its content hash, link target or "dir"; `skip` left out."""
+    state = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = Path(folder) / name
+            if skip is not None and (path == skip or skip in path.parents):
+                continue
+            key = str(path.relative_to(root))
+            if path.is_symlink():
+                state[key] = "-> " + os.readlink(path)
+            elif path.is_dir():
+                state[key] = "dir"
+            else:
+                state[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return state
+
+
+def source_bytes(source: Path) -> dict[str, str]:
+    """Every file of the source (what the converter reads, and more), symlinks followed."""
+    return {str(path.relative_to(source)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(source.rglob("*")) if path.is_file()}
+
+
+PROGRESS = re.compile(r"\|\s*\d+/\d+ \[|\d+%\|")
+
+
+def messages(stderr: str) -> list[str]:
+    """The lines a terminal shows on stderr, progress bars left out."""
+    visible = [line.split("\r")[-1] for line in stderr.split("\n")]
+    return [line for line in visible if line.strip() and not PROGRESS.search(line)]
+
+
+def dar_command() -> list[str]:
+    script = Path(sys.executable).with_name("dar")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "dar_transformers.cli"]
+
+
+def run_dar(*args, cwd: Path, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*dar_command(), *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, stdin=subprocess.DEVNULL, **popen)
+
+
+def run_in_process(*args, cwd: Path) -> tuple[int, str]:
+    """The CLI's `main` in this process (the same code path, without the interpreter start-up)."""
+    stderr = io.StringIO()
+    previous = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            code = cli_main(["convert", *map(str, args)])
+    finally:
+        os.chdir(previous)
+    return code, stderr.getvalue()
+
+
+def assert_complete_output(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert config["model_type"] == "dar"
+    assert all((folder / name).is_file() for name in set(index["weight_map"].values()))
+    assert {"README.md", "tokenizer.json", "modeling_dar.py"} <= {path.name for path in folder.iterdir()}
+    assert not (folder / STAGING_MARKER).exists()
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(path.name for path in parent.iterdir() if path.name.endswith((".partial", ".old")))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The issue's reproductions, as a user runs them.
+
+
+def _reproduction(tmp_path: Path, tiny_source: Path, case: str) -> tuple[Path, list[str]]:
+    if case == "output holds the source":  # 1: dar convert /x/proj/src /x/proj --overwrite
+        source = tmp_path / "proj" / "src"
+        shutil.copytree(tiny_source, source)
+        (tmp_path / "proj" / "sibling.txt").write_text("user data")
+        return source, [source, tmp_path / "proj", "--overwrite"]
+    if case == "output is the source, spelled with ..":  # 2: dar convert /y/src /y/x/../src --overwrite
+        source = tmp_path / "src"
+        shutil.copytree(tiny_source, source)
+        (tmp_path / "x").mkdir()
+        return source, [source, f"{tmp_path}/x/../src", "--overwrite"]
+    source = tmp_path / "src"  # 3: ln -s /z/src /z/link; dar convert /z/src /z/link/dar
+    shutil.copytree(tiny_source, source)
+    (tmp_path / "link").symlink_to(source)
+    return source, [source, tmp_path / "link" / "dar"]
+
+
+@pytest.mark.parametrize(
+    "case", ["output holds the source", "output is the source, spelled with ..", "output inside the source via a symlink"]
+)
+def test_cli_refuses_an_output_that_overlaps_the_source(tmp_path, tiny_source, case):
+    source, args = _reproduction(tmp_path, tiny_source, case)
+    before, source_before = tree_state(tmp_path), source_bytes(source)
+    completed = run_dar("convert", *args, cwd=tmp_path)
+    assert completed.returncode == 1, completed.stderr[-2000:]
+    (line,) = completed.stderr.strip().splitlines()
+    assert line.startswith("dar convert: error: Output ") and "the source is never modified" in line
+    assert tree_state(tmp_path) == before and source_bytes(source) == source_before
+
+
+@pytest.mark.parametrize("how", [pytest.param("subprocess", marks=pytest.mark.slow), "in process"])
+def test_cli_refuses_negative_max_new_tokens_in_one_line(tmp_path, tiny_source, how):
+    args = (tiny_source, tmp_path / "out", "--max-new-tokens", "-5")
+    if how == "subprocess":
+        completed = run_dar("convert", *args, cwd=tmp_path)
+        code, stderr = completed.returncode, completed.stderr
+    else:
+        code, stderr = run_in_process(*args, cwd=tmp_path)
+    assert code == 1
+    assert stderr.strip().splitlines() == [
+        "dar convert: error: --max-new-tokens must be 0 (no greedy continuations) or more, got -5."
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_max_new_tokens_zero_reports_no_continuations_truthfully(tmp_path, tiny_source):
+    code, stderr = run_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "no full greedy continuations (none asked for: max new tokens 0)" in card
+    assert "do not fit in memory" not in card and "Greedy answers to the chat prompt" not in card
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OS errors on the output: one line, exit code 1, nothing left behind.
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, options: str):
+    """A tmpfs at `where` (needs root and mount(8); the caller skips otherwise)."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}); the in-process ENOSPC test covers it")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and mount(8) for a tiny tmpfs")
+@pytest.mark.parametrize(  # out of space in the shards, the code files, the tokenizer (a Rust writer)
+    "size", ["8k", pytest.param("100k", marks=pytest.mark.slow), pytest.param("140k", marks=pytest.mark.slow)]
+)
+def test_cli_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_path, tiny_source, size):
+    with mounted_tmpfs(tmp_path / "tiny", f"size={size}") as disk:
+        completed = run_dar("convert", tiny_source, disk / "out", "--max-new-tokens", "0", cwd=tmp_path)
+        assert completed.returncode == 1, completed.stderr[-2000:]
+        (line,) = messages(completed.stderr)
+        assert line.startswith(f"dar convert: error: Could not write {disk / 'out'}: No space left on device")
+        assert line.endswith("nothing was written.")
+        assert list(disk.iterdir()) == []
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and mount(8) for a read-only tmpfs")
+def test_read_only_output_is_one_line_and_leaves_nothing(tmp_path, tiny_source):
+    with mounted_tmpfs(tmp_path / "ro", "size=1m,ro") as disk:
+        code, stderr = run_in_process(tiny_source, disk / "a" / "out", cwd=tmp_path)
+        assert code == 1
+        (line,) = messages(stderr)
+        assert f"Could not write {disk / 'a' / 'out'}: Read-only file system" in line
+        assert list(disk.iterdir()) == []
+
+
+def test_no_space_simulated_in_process_leaves_nothing(tmp_path, tiny_source, monkeypatch):
+    """Runs everywhere: ENOSPC raised (by a monkeypatch) once the staging folder is fully written."""
+
+    def full(folder):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model-00001-of-00002.safetensors"))
+
+    monkeypatch.setattr(output_module, "_apply_umask", full)
+    code, stderr = run_in_process(tiny_source, tmp_path / "new" / "deeper" / "out", cwd=tmp_path)
+    assert code == 1
+    (line,) = messages(stderr)
+    assert "Could not write" in line and "No space left on device" in line and "nothing was written" in line
+    assert list(tmp_path.iterdir()) == []  # the parent folders it created are gone too
+
+
+def test_immutable_previous_output_is_refused_at_the_swap_and_kept(tmp_path, tiny_source):
+    out = tmp_path / "out"
+    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    before = tree_state(tmp_path)
+    if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i needs root on a file system with attributes")
+    try:
+        code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    finally:
+        subprocess.run(["chattr", "-i", str(out)], check=True)
+    assert code == 1
+    (line,) = messages(stderr)
+    assert f"Could not write {out}: Operation not permitted" in line
+    assert tree_state(tmp_path) == before
+
+
+def test_a_previous_output_that_cannot_be_removed_is_named_until_it_can(tmp_path, tiny_source, caplog):
+    """An immutable file in the replaced output: the new output is in place (exit 0), the old one stays in its marked
+    folder, named by this run and by the next ones, which remove it once they can."""
+    out = tmp_path / "out"
+    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    if subprocess.run(["chattr", "+i", str(out / "config.json")], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i needs root on a file system with attributes")
+    try:
+        code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+        assert code == 0, stderr
+        assert_complete_output(out)
+        (retired,) = tmp_path.glob(".out.*.old")
+        assert (retired / STAGING_MARKER).is_file() and (retired / "out" / "config.json").is_file()
+        assert f"the previous output moved to {retired} could not be removed" in caplog.text
+        marker = json.loads((retired / STAGING_MARKER).read_text())
+        assert marker["pid"] == os.getpid()  # this process: alive, so the next run would leave it alone
+        finished = subprocess.Popen(["true"])
+        finished.wait()
+        (retired / STAGING_MARKER).write_text(json.dumps({**marker, "pid": finished.pid}))  # as if run elsewhere
+        assert run_in_process(tiny_source, tmp_path / "other", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+        assert f"Could not remove {retired}" in caplog.text and retired.is_dir()
+    finally:
+        for config in [out / "config.json", *tmp_path.glob(".out.*.old/out/config.json")]:
+            if config.exists():
+                subprocess.run(["chattr", "-i", str(config)], check=True)
+    assert run_in_process(tiny_source, tmp_path / "third", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other", "out", "third"]
+
+
+def test_output_under_a_file_or_in_sys_is_one_line(tmp_path, tiny_source):
+    (tmp_path / "file").write_text("x")
+    for output, expected in [(tmp_path / "file" / "out", "which is not a folder"),
+                             (tmp_path / "file", "exists and is not a folder")]:
+        code, stderr = run_in_process(tiny_source, output, cwd=tmp_path)
+        assert code == 1 and expected in stderr and len(stderr.strip().splitlines()) == 1
+    if Path("/sys/kernel").is_dir():
+        code, stderr = run_in_process(tiny_source, "/sys/dar-out", cwd=tmp_path)
+        assert code == 1
+        (line,) = messages(stderr)
+        assert line.startswith("dar convert: error: Could not write /sys/dar-out")
+    assert [path.name for path in tmp_path.iterdir()] == ["file"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signals and stale staging folders.
+
+
+def _start_and_signal(tmp_path: Path, source: Path, signum: int) -> tuple[subprocess.CompletedProcess, int]:
+    """Start a long conversion (many greedy tokens), send `signum` once its staging folder exists; -> (the finished
+    process, its pid)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [*dar_command(), "convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "1500"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".out.*.partial")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process.poll() is None, "the conversion ended before it could be interrupted"
+    time.sleep(0.2)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), process.pid
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
+def test_cli_cleans_up_on_sigterm_and_sighup_like_sigint(tmp_path, tiny_source, signum):
+    source = tmp_path / "source"
+    shutil.copytree(tiny_source, source)
+    source_before = source_bytes(source)
+    completed, _ = _start_and_signal(tmp_path, source, signum)
+    assert completed.returncode == 128 + signum, completed.stderr[-2000:]
+    assert messages(completed.stderr)[-1] == f"dar convert: interrupted by {signal.Signals(signum).name}; nothing was written."
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+    assert source_bytes(source) == source_before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signal_after_the_staging_folder_is_written_removes_it(tmp_path, tiny_source, monkeypatch, signum):
+    """In-process: the signal arrives when the staging folder is complete, just before the swap."""
+    apply_umask = output_module._apply_umask
+
+    def then_signal(folder):
+        apply_umask(folder)
+        os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(output_module, "_apply_umask", then_signal)
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    code, stderr = run_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 128 + signum
+    assert messages(stderr)[-1] == f"dar convert: interrupted by {signal.Signals(signum).name}; nothing was written."
+    assert list(tmp_path.iterdir()) == []
+    assert {number: signal.getsignal(number) for number in handlers} == handlers  # the CLI's handlers are gone
+
+
+def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp_path, tiny_source, caplog):
+    source = tmp_path / "source"
+    shutil.copytree(tiny_source, source)
+    killed, pid = _start_and_signal(tmp_path, source, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    (stale,) = tmp_path.glob(".out.*.partial")
+    assert json.loads((stale / STAGING_MARKER).read_text())["pid"] == pid
+    lookalike = tmp_path / ".out.notours.partial"  # no marker: not this package's, never removed
+    lookalike.mkdir()
+    (lookalike / "data").write_text("user data")
+    running = tmp_path / ".out.running.partial"  # a marker of a process that is alive (this one): left alone
+    running.mkdir()
+    (running / STAGING_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
+                                                      "output": str(tmp_path / "out")}))
+    code, stderr = run_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr
+    assert f"Removing {stale}, left behind by an earlier conversion (process {pid}, no longer running)." in caplog.text
+    assert f"{running} belongs to a conversion that may still be running" in caplog.text
+    assert not stale.exists() and (lookalike / "data").read_text() == "user data" and running.is_dir()
+    assert_complete_output(tmp_path / "out")
+
+
+def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tiny_source):
+    out = tmp_path / "out"
+    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    (out / "old-only.txt").write_text("from the previous conversion")
+    code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr
+    assert_complete_output(out)
+    assert not (out / "old-only.txt").exists() and leftovers(tmp_path) == []
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("user data")
+    (user / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, stderr = run_in_process(tiny_source, user, "--overwrite", cwd=tmp_path)
+    assert code == 1 and "is not a previous conversion output" in stderr and len(stderr.strip().splitlines()) == 1
+    assert (user / "notes.txt").read_text() == "user data"
+
+
+def test_a_gguf_source_is_its_file(tmp_path):
+    """For a file source, the output may be next to it but may not be the file, or a folder holding it or the
+    symlink through which it was named (checked before anything is read)."""
+    models_folder = tmp_path / "models"
+    models_folder.mkdir()
+    gguf = models_folder / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    (tmp_path / "cache").mkdir()
+    link = tmp_path / "cache" / "linked.gguf"
+    link.symlink_to(gguf)
+    (models_folder / "config.json").write_text(json.dumps({"model_type": "dar"}))  # looks like a conversion output
+    assert check_output_folder(models_folder / "tiny-dar", False, gguf) == models_folder / "tiny-dar"
+    for output, source in [(gguf, gguf), (models_folder, gguf), (tmp_path, gguf), (models_folder, link),
+                           (tmp_path / "cache", link), (tmp_path / "cache" / "linked.gguf", link)]:
+        with pytest.raises(ValueError, match=r"(is|contains) the (source file|symlink to the source)"):
+            check_output_folder(output, True, source)
+
+
+def test_a_symlink_in_the_source_protects_its_target(tmp_path, tiny_source):
+    """A source whose tokenizer is a symlink into another folder (as a Hub cache snapshot links into blobs/): that
+    folder is the source's too, even when it looks like a previous conversion output."""
+    previous = tmp_path / "previous"
+    assert run_in_process(tiny_source, previous, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    source = tmp_path / "source"
+    shutil.copytree(tiny_source, source)
+    (source / "tokenizer.json").unlink()
+    (source / "tokenizer.json").symlink_to(previous / "tokenizer.json")
+    before = tree_state(tmp_path)
+    code, stderr = run_in_process(source, previous, "--overwrite", cwd=tmp_path)
+    assert code == 1 and "contains the target of the source's symlink tokenizer.json" in stderr
+    assert tree_state(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The property: over source/output relations, either exit 1 with one line and nothing written, or a complete
+# output; the source's bytes never change.
+
+SOURCE_SPELLINGS = ["a/src", "link", "a/../a/src", "alink/src", "ABS/a/src"]
+OUTPUT_SPELLINGS = [
+    "a/src", "link", "a/src/.", "a/x/../src", "alink/src",  # the source itself
+    "a", "alink", ".", "a/src/..",  # folders holding it
+    "a/src/dar", "link/dar", "a/src/sub", "a/src/sub/dar",  # inside it
+    "a/dar", "alink/dar", "a/src/../dar", "link/../dar", "new/deeper/dar",  # new siblings
+    "a/empty", "a/prev", "alink/prev", "prevlink", "a/user", "a/file.txt",  # existing siblings
+]
+
+
+def build_layout(root: Path, tiny_source: Path, linked_tokenizer: bool) -> None:
+    """root/a/{src (with sub/), x/, empty/, prev (a previous conversion output), user (a user's folder), file.txt},
+    root/link -> a/src, root/alink -> a, root/prevlink -> a/prev; `linked_tokenizer`: src/tokenizer.json is a symlink into prev/."""
+    src = root / "a" / "src"
+    shutil.copytree(tiny_source, src)
+    (src / "sub").mkdir()
+    (src / "sub" / "notes.txt").write_text("kept with the source")
+    for name in ("x", "empty", "prev", "user"):
+        (root / "a" / name).mkdir()
+    (root / "a" / "prev" / "config.json").write_text(json.dumps({"model_type": "dar"}))
+    shutil.copy(src / "tokenizer.json", root / "a" / "prev" / "tokenizer.json")
+    (root / "a" / "user" / "thesis.txt").write_text("weeks of work")
+    (root / "a" / "file.txt").write_text("a file")
+    if linked_tokenizer:
+        (src / "tokenizer.json").unlink()
+        (src / "tokenizer.json").symlink_to("../prev/tokenizer.json")
+    (root / "link").symlink_to("a/src")
+    (root / "alink").symlink_to("a")
+    (root / "prevlink").symlink_to("a/prev")
+
+
+def expected_to_write(root: Path, source: str, output: str, overwrite: bool) -> bool:
+    """The rule, stated on resolved paths with plain string logic (the implementation compares identities)."""
+    source_path, output_path = os.path.realpath(root / source), os.path.realpath(root / output)
+    protected = [source_path] + [os.path.realpath(entry) for entry in Path(source_path).iterdir() if entry.is_symlink()]
+
+    def within(inner, outer):
+        return os.path.commonpath([inner, outer]) == outer
+
+    if any(within(output_path, path) or within(path, output_path) for path in protected):
+        return False
+    if not os.path.lexists(output_path):
+        return True
+    if not os.path.isdir(output_path):
+        return False
+    if not os.listdir(output_path):
+        return True
+    config = Path(output_path) / "config.json"
+    return overwrite and config.is_file() and json.loads(config.read_text()).get("model_type") in ("dar", "dar_moe")
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    source=st.sampled_from(SOURCE_SPELLINGS),
+    output=st.sampled_from(OUTPUT_SPELLINGS),
+    overwrite=st.booleans(),
+    absolute_output=st.booleans(),
+    linked_tokenizer=st.booleans(),
+)
+def test_property_the_source_is_never_touched(tmp_path_factory, tiny_source, source, output, overwrite,
+                                               absolute_output, linked_tokenizer):
+    root = tmp_path_factory.mktemp("relation")
+    build_layout(root, tiny_source, linked_tokenizer)
+    source = source.replace("ABS", str(root))
+    output_argument = f"{root}/{output}" if absolute_output else output
+    source_before = source_bytes(root / "a" / "src")
+    resolved_output = Path(os.path.realpath(root / output))
+    before = tree_state(root)
+    expected = expected_to_write(root, source, output, overwrite)
+    event("writes" if expected else "refused")
+
+    code, stderr = run_in_process(source, output_argument, *(["--overwrite"] if overwrite else []),
+                                  "--max-new-tokens", "0", cwd=root)
+
+    assert source_bytes(root / "a" / "src") == source_before
+    if code == 1:
+        assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("dar convert: error: "), stderr
+        assert tree_state(root) == before
+    else:
+        assert code == 0, stderr
+        assert_complete_output(resolved_output)
+        assert leftovers(resolved_output.parent) == []
+        assert tree_state(root, skip=resolved_output) == {
+            key: value for key, value in before.items()
+            if not (root / key == resolved_output or resolved_output in (root / key).parents)
+        } | {str(parent.relative_to(root)): "dir" for parent in resolved_output.parents if root in parent.parents}
+    assert code == (0 if expected else 1), (source, output, overwrite, stderr)
+    shutil.rmtree(root)
