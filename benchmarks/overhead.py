@@ -58,12 +58,15 @@ SHAPES = {
 
 
 def build_model(name: str, shape: dict) -> torch.nn.Module:
+    """Build "llama", "dar-block" or "dar-full", the DAR ones with an optional "@backend" (`dar_implementation`, e.g.
+    "dar-block@two_phase"; the default "fast" otherwise), so that both backends run side by side in one run."""
     torch.manual_seed(0)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**shape))
+    name, _, implementation = name.partition("@")
     num_branches = 2 * shape["num_hidden_layers"]
     block_size = 1 if name == "dar-full" else None  # None: about 8 blocks
-    config = DARConfig(**shape, dar_block_size=block_size)
+    config = DARConfig(**shape, dar_block_size=block_size, dar_implementation=implementation or "fast")
     assert config.dar_block_size <= num_branches
     return DARForCausalLM(config)
 
@@ -118,7 +121,8 @@ def time_decode(model, prompt, new_tokens: int) -> float:
 def saved_activation_bytes(model, batch) -> int:
     """Bytes of distinct storages autograd keeps for backward in one training forward (parameters excluded). DAR's
     two-phase backend chains its own saved-tensor hooks to this one, so what it keeps is counted and the partial
-    states it rebuilds in backward are not."""
+    states it rebuilds in backward are not; the fast backend's depth-major buffers, which its fused reads keep
+    outside the saved-tensor mechanism, are added, so that its count is complete too."""
     storages = {}
 
     def record(tensor):
@@ -127,9 +131,24 @@ def saved_activation_bytes(model, batch) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    backbone = getattr(model, "model", None)
+    initial_state = getattr(backbone, "initial_state", None)
+    if initial_state is not None:  # DAR: the flattened state starts with its backend, which may own buffers
+        def recording_initial_state(*args, **kwargs):
+            state = initial_state(*args, **kwargs)
+            for buffer in (getattr(state[0], "history_buffer", None), getattr(state[0], "inv_rms_buffer", None)):
+                if buffer is not None:
+                    record(buffer)
+            return state
+
+        backbone.initial_state = recording_initial_state
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
-        loss = model(input_ids=batch, labels=batch).loss
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+            loss = model(input_ids=batch, labels=batch).loss
+    finally:
+        if initial_state is not None:
+            del backbone.initial_state
     del loss
     return sum(size for pointer, size in storages.items() if pointer not in parameters)
 
@@ -221,7 +240,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of each measurement")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--models", default=None,
-                        help="comma-separated (default: llama,dar-block,dar-full; with --compile llama,dar-block, "
+                        help="comma-separated, a DAR model optionally with @backend, e.g. dar-block@two_phase (default: llama,dar-block,dar-full; with --compile llama,dar-block, "
                         "since compiling Full DAR at the SmolLM2 shape alone takes longer than the rest together "
                         "on 2 CPU cores: add it explicitly, or measure it at --shape small)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")

@@ -7,9 +7,10 @@ shapes compiles once; `Trainer(torch_compile=True)` gives the eager loss curve; 
 gives the eager greedy tokens. Most checks compile with `aot_eager` (dynamo + AOTAutograd, the stages where a side
 channel between autograd nodes goes missing); one per model kind compiles with inductor, as users run it.
 
-Eager and compiled forwards run the same backend (`config.dar_implementation`, two-phase reads by default; its
-custom autograd function holds no state outside its inputs and outputs, so dynamo traces it), and the exactness
-tests pin that backend to the reference equations; here float64 agreement is to 1e-10 relative.
+A compiled forward runs two-phase reads ("two_phase"; its custom autograd function holds no state outside its
+inputs and outputs, so dynamo traces it), also when the eager default "fast" is configured: the eager twin then runs
+the fused fast path, so these checks also compare the two backends. The exactness tests pin both to the reference
+equations; here float64 agreement is to 1e-10 relative.
 """
 
 import copy
@@ -225,3 +226,19 @@ def test_trainer_torch_compile_gives_the_eager_loss_curve(tmp_path):
         assert graphs >= 1 if compiled else graphs == 0  # the compiled run did go through dynamo
     assert len(curves[True]) == 6 and curves[True][-1] < curves[True][0]
     torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("configured,traced", [("fast", "two_phase"), ("two_phase", "two_phase"),
+                                               ("reference", "reference")])
+def test_a_traced_forward_takes_a_backend_that_compiles(monkeypatch, configured, traced):
+    """The fused fast path's shared gradient buffer is invisible to a compiler: while tracing, "fast" becomes
+    "two_phase"; eagerly every configured backend runs as configured."""
+    config = DARConfig(**TINY_LLAMA_FIELDS, dar_implementation=configured)
+    assert type(depth_backends.depth_backend(config)) is depth_backends.ALL_DEPTH_BACKENDS[configured]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert type(depth_backends.depth_backend(config)) is depth_backends.ALL_DEPTH_BACKENDS[traced]
+
+
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
+def test_compiled_two_phase_equals_eager_of_either_backend(implementation):
+    compiled_matches_eager(tiny(dar_block_size=2, dar_implementation=implementation), steps=1)

@@ -21,7 +21,7 @@ BAD_VALUES = {
     "rho_init_zero": ({"dar_rho_init": 0.0}, ["dar_rho_init", "between 0 and 1"]),
     "rho_init_one": ({"dar_rho_init": 1.0}, ["dar_rho_init", "between 0 and 1"]),
     "one_stream_with_dar_routing": ({"dar_num_streams": 1, "dar_routing": "dar"}, ["dar_routing", "['selfkv']"]),
-    "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'reference'"]),
+    "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'two_phase', 'reference'"]),
     "unknown_branch_family": ({"dar_branch_family": "gpt2"}, ["dar_branch_family", "'llama'"]),
     "negative_gate_delta": ({"dar_gate_delta": -1.0}, ["dar_gate_delta", ">= 0"]),
 }

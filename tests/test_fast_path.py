@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The two-phase backend's building blocks against plain autograd and a readable loop: phase 1 + phase 2 against the
-per-stream softmax over all sources (values and every gradient, float64, every routing, with and without the
-partial), gradcheck of the hand-written backward, its refusal of double backward, what it keeps for backward, the
-write's model-dtype branch output, and the inference memo of parameter-derived tensors."""
-
-import contextlib
+"""The fused eager fast path's ("fast", the eager default) building blocks against plain autograd and a readable loop: the fused depth read's hand-written
+backward (gradcheck in float64, every routing, with and without the partial), the fused transport + write, their refusal of double
+backward, and the inference memo of parameter-derived tensors."""
 
 import pytest
 import torch
@@ -12,12 +9,15 @@ import torch
 from dar_transformers import DARConfig, DARForCausalLM
 from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
 from dar_transformers.depth_backends import (
-    DepthState,
-    TwoPhaseDepthBackend,
+    DepthGradients,
+    _depth_read_forward,
+    _TransportWrite,
+    commit_entry,
+    depth_read,
+    cast_gated_write,
     inverse_rms,
-    phase_one,
     routed_queries,
-    two_phase_read,
+    transport_write,
 )
 
 ROUTINGS = {name: tuple(zip(*pairs)) for name, pairs in ROUTING_KEY_VALUE_STREAMS.items()}
@@ -37,6 +37,17 @@ def _read_inputs(num_streams, num_sources=4, with_partial=True, batch=2, tokens=
     return entries, partial, leaf(num_streams, hidden), leaf(num_streams)
 
 
+def _commit_all(entries, spare_slots=2):
+    """What the model does: commit the entries into a larger depth-major buffer (copies and inverse RMS; unused
+    slots NaN so that a read past the committed ones shows) -> (committed entries, buffers, shared gradients)."""
+    history_buffer = entries[0].new_full((len(entries) + spare_slots, *entries[0].shape), float("nan"))
+    inv_rms_buffer = history_buffer[..., 0].clone()
+    gradients = DepthGradients()
+    committed = [commit_entry(entry, history_buffer, inv_rms_buffer, slot, EPS, gradients)
+                 for slot, entry in enumerate(entries)]
+    return committed, history_buffer, inv_rms_buffer, gradients
+
+
 def _loop_read(query, gate, sources, key_streams, value_streams):
     """The read written out per target stream: x^j = sum_n softmax_n(q_j . k_n / rms(k_n)) V_n, u = sum_j gate_j x^j.
 
@@ -51,99 +62,87 @@ def _loop_read(query, gate, sources, key_streams, value_streams):
     return branch_input  # [B, T, D]
 
 
-def _two_phase(entries, partial, query, gate, key_streams, value_streams, other_queries=()):
-    """What the backend does: inverse RMS at each commit, phase 1 (planned together with `other_queries`, as a decoder
-    layer plans its attention and MLP reads) without autograd, phase 2 with the read's gradient."""
-    with torch.no_grad():
-        history_inv_rms = torch.stack([inverse_rms(entry, EPS) for entry in entries])  # [S, B, T, J]
-        routed_all = torch.cat([routed_queries(q, key_streams) for q in (query, *other_queries)], dim=1)
-        phase = phase_one(routed_all, torch.stack(entries), history_inv_rms, key_streams, value_streams)[0]
-    state = DepthState(None, partial, tuple(entries), history_inv_rms)
-    return two_phase_read(routed_queries(query, key_streams), gate, state, partial, phase, key_streams, value_streams,
-                          EPS)
+def _fast_read(entries, partial, query, gate, key_streams, value_streams):
+    committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
+    routed = routed_queries(query, key_streams)
+    return depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
+                      EPS, gradients)[0]
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_two_phase_read_gradcheck(routing, with_partial):
+def test_depth_read_gradcheck(routing, with_partial):
     key_streams, value_streams = ROUTINGS[routing]
     entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial)
     inputs = [query, gate, *entries] + ([partial] if with_partial else [])
 
-    def function(query, gate, *sources):
+    def function(query, gate, *sources):  # the model copies an entry into the buffer when it commits it
         entries, partial = (sources[:-1], sources[-1]) if with_partial else (sources, None)
-        return _two_phase(list(entries), partial, query, gate, key_streams, value_streams)[0]
+        return _fast_read(list(entries), partial, query, gate, key_streams, value_streams)
 
     assert torch.autograd.gradcheck(function, inputs, eps=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_two_phase_read_matches_the_loop(routing, with_partial):
-    """Values, depth weights and every gradient against the per-stream softmax over all N sources, float64 to
-    1e-12; phase 1 planned together with another read's query, as in a decoder layer."""
+def test_depth_read_matches_the_loop_and_plain_autograd(routing, with_partial):
+    """Values and gradients against the per-stream loop, and against autograd through the same fused math."""
     key_streams, value_streams = ROUTINGS[routing]
     entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial, seed=1)
-    other_query = torch.randn_like(query)
     inputs = [query, gate, *entries] + ([partial] if with_partial else [])
-    fast, weights = _two_phase(entries, partial, query, gate, key_streams, value_streams, (other_query,))
-    assert type(fast.grad_fn).__name__ == "_TwoPhaseReadBackward"
+    fast = _fast_read(entries, partial, query, gate, key_streams, value_streams)
+    assert fast.grad_fn is not None and type(fast.grad_fn).__name__ == "_DepthReadBackward"
     sources = torch.stack([*entries, partial] if with_partial else entries, dim=2)  # [B, T, N, J, D]
     loop = _loop_read(query, gate, sources, key_streams, value_streams)
+    history = torch.stack([*entries, partial] if with_partial else entries)  # [N, B, T, J, D]
+    plain, *_ = _depth_read_forward(
+        routed_queries(query, key_streams), gate, history, inverse_rms(history, EPS), key_streams,
+        value_streams,
+    )
     torch.testing.assert_close(fast, loop, rtol=1e-12, atol=1e-12)
-    assert weights.shape == (sources.shape[2], *fast.shape[:2], len(key_streams))  # [N, B, T, J]
-    torch.testing.assert_close(weights.sum(0), torch.ones_like(weights[0]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(plain, loop, rtol=1e-12, atol=1e-12)
     upstream = torch.randn_like(fast)
     fast_grads = torch.autograd.grad((fast * upstream).sum(), inputs)
-    for grad, reference in zip(fast_grads, torch.autograd.grad((loop * upstream).sum(), inputs)):
-        torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
+    for other in (loop, plain):
+        for grad, reference in zip(fast_grads, torch.autograd.grad((other * upstream).sum(), inputs)):
+            torch.testing.assert_close(grad, reference, rtol=1e-10, atol=1e-12)
 
 
-def test_negative_control_phase_one_must_see_the_entries():
-    """Phase 2 trusts phase 1: a phase 1 of other entries (a stale plan) must change the read."""
+def test_depth_read_negative_control_stale_buffer():
+    """The forward reads the buffer, not the entries: a buffer out of sync with the entries must show."""
     key_streams, value_streams = ROUTINGS["dar"]
     entries, partial, query, gate = _read_inputs(2, seed=2)
-    fresh = _two_phase(entries, partial, query, gate, key_streams, value_streams)[0]
-    stale_entries = [entries[0], *(entry + 1.0 for entry in entries[1:])]
-    with torch.no_grad():
-        history_inv_rms = torch.stack([inverse_rms(entry, EPS) for entry in stale_entries])
-        routed = routed_queries(query, key_streams)
-        stale_phase = phase_one(routed, torch.stack(stale_entries), history_inv_rms, key_streams, value_streams)[0]
-    state = DepthState(None, partial, tuple(entries), history_inv_rms)
-    stale = two_phase_read(routed, gate, state, partial, stale_phase, key_streams, value_streams, EPS)[0]
+    committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
+    history_buffer[1] += 1.0
+    routed = routed_queries(query, key_streams)
+    stale = depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
+                       EPS, gradients)[0]
+    fresh = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert (stale - fresh).abs().max() > 1e-2
 
 
-def test_two_phase_read_refuses_double_backward():
-    """The backward is hand-written: a second derivative must fail loudly, not come out wrong."""
-    key_streams, value_streams = ROUTINGS["dar"]
-    entries, partial, query, gate = _read_inputs(2, seed=4)
-    branch_input = _two_phase(entries, partial, query, gate, key_streams, value_streams)[0]
-    (grad_query,) = torch.autograd.grad(branch_input.pow(2).sum(), query, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
-        grad_query.sum().backward()
-
-
-def test_two_phase_read_saves_only_per_token_scalars():
-    """What backward keeps of a read (DESIGN.md section 7): the entries and the partial (alive anyway) and per-token
-    statistics; no stacked history, no Obar, nothing else entry-sized."""
+def test_depth_read_saves_only_per_token_scalars():
+    """Memory contract of #7: besides the inputs it already holds, the read saves nothing entry-sized."""
     key_streams, value_streams = ROUTINGS["dar"]
     entries, partial, query, gate = _read_inputs(2, num_sources=5, hidden=64, seed=3)
+    entry_numel = partial.numel()
     saved = []
+    committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
+    routed = routed_queries(query, key_streams).detach().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
-        _two_phase(entries, partial, query, gate, key_streams, value_streams)
-    kept_anyway = {id(tensor) for tensor in (*entries, partial)}
-    large = [tuple(tensor.shape) for tensor in saved if tensor.numel() >= partial.numel() and id(tensor) not in kept_anyway]
+        depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams, EPS,
+                   gradients)
+    large = [tuple(tensor.shape) for tensor in saved if tensor.numel() >= entry_numel and tensor is not partial]
     assert large == [], large
     per_token = [tensor for tensor in saved if tensor.dim() == 4 and tensor.shape[0] == len(entries) + 1]
-    assert len(per_token) == 1  # the softmax weights [N, B, T, J]; key dots are recomputed
+    assert len(per_token) == 2  # softmax weights and key dots, [N, B, T, J]
 
 
 def _perturbed_tiny_dar(block_size):
     torch.manual_seed(0)
     config = DARConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, dar_block_size=block_size,
+        vocab_size=64, dar_block_size=block_size, dar_implementation="fast",
     )
     model = DARForCausalLM(config).eval()
     with torch.no_grad():
@@ -151,36 +150,6 @@ def _perturbed_tiny_dar(block_size):
             if "_residual" in name or "final_readout" in name:
                 parameter.add_(0.3 * torch.randn_like(parameter))
     return model
-
-
-def test_write_keeps_the_branch_output_in_the_model_dtype():
-    """bf16 training: the write keeps y as the branch produced it (bf16) for backward, not a float32 copy, and the
-    partial once (the transport is one product with P)."""
-    model = _perturbed_tiny_dar(3).train()
-    residual = model.model.layers[0].mlp_residual  # branch 1: inside a block, so it transports the partial
-    backend = TwoPhaseDepthBackend(model.config)
-    generator = torch.Generator().manual_seed(6)
-    state = backend.start(torch.randn(2, 3, 2, 32, generator=generator))
-    partial = torch.randn(2, 3, 2, 32, generator=generator, requires_grad=True)
-    state = DepthState(backend, partial, state.history, state.history_inv_rms)
-    branch_output = torch.randn(2, 3, 32, generator=generator).bfloat16().requires_grad_()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
-        written = backend.write(residual, state, branch_output, commits=False).partial
-    assert written.dtype == torch.float32
-    storages = {tensor.untyped_storage().data_ptr(): tensor for tensor in saved}  # a tensor saved twice counts once
-    entry_sized = [(tensor.dtype, tuple(tensor.shape)) for tensor in storages.values()
-                   if tensor.numel() >= branch_output.numel()]
-    assert sorted(entry_sized, key=str) == sorted(
-        [(torch.bfloat16, (2, 3, 1, 32)), (torch.float32, tuple(partial.shape))], key=str
-    ), entry_sized
-    reference = model.model.layers[0].mlp_residual.write_gate(branch_output.float(), partial)
-    torch.testing.assert_close(written, reference, rtol=1e-6, atol=1e-6)
-    upstream = torch.randn_like(written)
-    fused = torch.autograd.grad((written * upstream).sum(), (partial, branch_output))
-    plain = torch.autograd.grad((reference * upstream).sum(), (partial, branch_output))
-    for grad, expected in zip(fused, plain):
-        torch.testing.assert_close(grad.float(), expected.float(), rtol=1e-2, atol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 3])
@@ -228,23 +197,67 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids)
     handle.remove()
-    entries, partial, _, _ = _read_inputs(2, hidden=32, seed=3)
+    entries, partial, query, gate = _read_inputs(2, seed=3)
     entries, partial = [entry.detach().float() for entry in entries], partial.detach().float()
-    backend = TwoPhaseDepthBackend(model.config)
-    history_inv_rms = torch.stack([inverse_rms(entry, model.config.rms_norm_eps) for entry in entries])
-    state = DepthState(backend, partial, tuple(entries), history_inv_rms)
-    residual = model.model.layers[1].mlp_residual
-    plain, _ = backend.read(residual, state, True)
+    query, gate = query.detach().float(), gate.detach().float()
+    key_streams, value_streams = ROUTINGS["dar"]
+    plain = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast, _ = backend.read(residual, state, True)
+        autocast = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert records == [torch.float32]
     assert autocast.dtype == torch.float32
     torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
 
 
+def test_transport_write_gradcheck_and_plain_autograd():
+    """The fused transport + write (its backward keeps P and y only) against gradcheck and autograd's own graph."""
+    generator = torch.Generator().manual_seed(5)
+    partial = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    rho = torch.tensor([0.8], dtype=torch.float64, requires_grad=True)
+    beta = torch.rand(2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    branch_output = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64)
+    for inputs in [(partial, rho, beta, branch_output), (None, None, beta, branch_output)]:  # inside / opening a block
+        differentiable = [tensor for tensor in inputs if tensor is not None]
+        assert torch.autograd.gradcheck(
+            lambda *args: _TransportWrite.apply(*inputs[: 4 - len(args)], *args), differentiable, eps=1e-6, atol=1e-8
+        )
+        fused = torch.autograd.grad((_TransportWrite.apply(*inputs) * upstream).sum(), differentiable)
+        plain = torch.autograd.grad((cast_gated_write(*inputs) * upstream).sum(), differentiable)
+        for grad, reference in zip(fused, plain):
+            torch.testing.assert_close(grad, reference, rtol=1e-12, atol=1e-12)
+    # A transport that forgot the swap (rho ignored) must not pass for this one.
+    written = branch_output.unsqueeze(-2)
+    assert (transport_write(partial, torch.ones_like(rho), beta, written)
+            - transport_write(partial, rho, beta, written)).abs().max() > 1e-2
+
+
+def test_transport_write_keeps_the_branch_output_in_the_model_dtype():
+    """bf16 training: backward keeps y as the branch produced it (bf16), not a float32 copy, and the gradients equal
+    those through a float32 y to float32 rounding (the cast is exact)."""
+    generator = torch.Generator().manual_seed(6)
+    partial = torch.randn(2, 3, 2, 8, generator=generator, requires_grad=True)
+    rho = torch.tensor([0.8], requires_grad=True)
+    beta = torch.rand(2, 8, generator=generator, requires_grad=True)
+    branch_output = torch.randn(2, 3, 8, generator=generator).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
+        written = _TransportWrite.apply(partial, rho, beta, branch_output)
+    assert written.dtype == torch.float32
+    assert [tensor.dtype for tensor in saved if tensor.shape == branch_output.shape] == [torch.bfloat16]
+    upstream = torch.randn(2, 3, 2, 8, generator=generator)
+    fused = torch.autograd.grad((written * upstream).sum(), (partial, rho, beta, branch_output))
+    plain = torch.autograd.grad((cast_gated_write(partial, rho, beta, branch_output) * upstream).sum(),
+                                (partial, rho, beta, branch_output))
+    for grad, reference in zip(fused, plain):
+        assert grad.dtype == reference.dtype
+        torch.testing.assert_close(grad, reference, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_a_second_backward_gives_the_same_gradients(block_size):
-    """retain_graph: a second backward through the same graph gives the first one's gradients, not twice them."""
+def test_shared_entry_gradients_start_clean_for_a_second_backward(block_size):
+    """The reads add the entries' gradients into one shared buffer that the commits empty: a second backward through
+    the same graph (retain_graph) must give the same gradients, not twice them."""
     model = _perturbed_tiny_dar(block_size).train()
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
     loss = model(ids, labels=ids).loss
@@ -258,71 +271,67 @@ def test_a_second_backward_gives_the_same_gradients(block_size):
 
 
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_training_with_a_frozen_embedding(block_size):
-    """As under LoRA: entry 0 needs no gradient; the reads still give every trainable parameter its gradient."""
+def test_second_backward_with_a_frozen_embedding(block_size):
+    """As under LoRA: with the embedding frozen, entry 0 has no commit node to empty its slot; a second backward
+    through the same graph must still give the first one's gradients."""
     model = _perturbed_tiny_dar(block_size).train()
     model.model.embed_tokens.weight.requires_grad_(False)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
-    model(ids, labels=ids).loss.backward()
-    assert model.model.embed_tokens.weight.grad is None
-    assert all(parameter.grad is not None for parameter in model.parameters() if parameter.requires_grad)
-    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
-
-
-def _saved_storages(model, ids):
-    """Distinct storages autograd keeps in one training forward: {data_ptr: tensor}."""
-    saved = {}
-
-    def record(tensor):
-        saved[tensor.untyped_storage().data_ptr()] = tensor
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
-        loss = model(ids, labels=ids).loss
-    return loss, saved
-
-
-@pytest.mark.parametrize("block_size", [2, 3, 4])
-def test_backward_keeps_no_float32_partial_state(block_size):
-    """DESIGN.md section 7: of the DAR state, backward keeps the committed entries only; the partial states of a block
-    are rebuilt from the branch outputs it keeps anyway. Gradients are those of keeping them (bit for bit), and the
-    enclosing saved-tensor hooks (here the recording) still see everything that is kept."""
-    model = _perturbed_tiny_dar(block_size).train()
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(8))
-    loss, saved = _saved_storages(model, ids)
-    state_sized = [tensor for tensor in saved.values() if tensor.shape == (2, 7, 2, 32) and tensor.dtype == torch.float32]
-    num_entries = 1 + -(-model.config.dar_num_branches // block_size)  # the embedding, then one per block
-    assert len(state_sized) == num_entries
-    loss.backward()
-    lean = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
-
+    loss = model(ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    first = {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.requires_grad}
     model.zero_grad(set_to_none=True)
-    original = TwoPhaseDepthBackend.keeping_partials_lean
-    TwoPhaseDepthBackend.keeping_partials_lean = lambda self: contextlib.nullcontext()
-    try:
-        loss, saved = _saved_storages(model, ids)  # negative control: without the rebuild the partials are kept
-        kept = [tensor for tensor in saved.values() if tensor.shape == (2, 7, 2, 32) and tensor.dtype == torch.float32]
-        loss.backward()
-    finally:
-        TwoPhaseDepthBackend.keeping_partials_lean = original
-    assert len(kept) > num_entries
+    loss.backward()
     for name, parameter in model.named_parameters():
-        torch.testing.assert_close(lean[name], parameter.grad, rtol=0, atol=0, msg=name)
+        if parameter.requires_grad:
+            torch.testing.assert_close(parameter.grad, first[name], rtol=0, atol=0, msg=name)
+    assert model.model.embed_tokens.weight.grad is None
+    assert first["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
 
 
-def test_parameter_memo_does_not_survive_a_fused_optimiser_step():
-    """`AdamW(fused=True)` (the Trainer's default) updates parameters without bumping their version counters: an
-    evaluation after a training step must see the new parameters (it read stale memoised gates once)."""
-    model = _perturbed_tiny_dar(2)
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(9))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-1, fused=True)
-    with torch.no_grad():
-        before = model(ids).logits  # fills the memo
-    model.train()
-    model(ids, labels=ids).loss.backward()
-    optimizer.step()
-    model.eval()
-    with torch.no_grad():
-        memoised = model(ids).logits
-    torch.testing.assert_close(memoised, model(ids).logits.detach(), rtol=0, atol=0)  # gradients on: no memo
-    assert (memoised - before).abs().max() > 1e-3
+def _refuses_a_second_derivative(first_derivative):
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first_derivative.sum().backward()
+
+
+def test_depth_read_refuses_double_backward():
+    """Issue 16 item 5: the hand-written backwards (read, commit) fail loudly on a second derivative instead of
+    computing it wrong."""
+    key_streams, value_streams = ROUTINGS["dar"]
+    entries, partial, query, gate = _read_inputs(2, seed=4)
+    branch_input = _fast_read(entries, partial, query, gate, key_streams, value_streams)
+    assert type(branch_input.grad_fn).__name__ == "_DepthReadBackward"
+    (grad_query,) = torch.autograd.grad(branch_input.pow(2).sum(), query, create_graph=True)
+    _refuses_a_second_derivative(grad_query)
+    entries, partial, query, gate = _read_inputs(2, seed=5)  # the commits' backward: an entry's gradient
+    branch_input = _fast_read(entries, partial, query, gate, key_streams, value_streams)
+    (grad_entry,) = torch.autograd.grad(branch_input.pow(2).sum(), entries[0], create_graph=True)
+    _refuses_a_second_derivative(grad_entry)
+
+
+def test_transport_write_refuses_double_backward():
+    generator = torch.Generator().manual_seed(7)
+    partial = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    rho = torch.tensor([0.8], dtype=torch.float64, requires_grad=True)
+    beta = torch.rand(2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    branch_output = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    written = _TransportWrite.apply(partial, rho, beta, branch_output)
+    (grad_beta,) = torch.autograd.grad(written.pow(2).sum(), beta, create_graph=True)
+    _refuses_a_second_derivative(grad_beta)
+
+
+def test_model_training_refuses_double_backward():
+    """End to end: a gradient penalty through the fast path fails with a clear error, where the reference (plain
+    autograd) computes it (eager token attention: SDPA on CPU has no double backward of its own)."""
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(10))
+    for implementation in ("reference", "fast"):
+        model = _perturbed_tiny_dar(2).train()
+        model.config.dar_implementation = implementation
+        model.set_attn_implementation("eager")
+        loss = model(ids, labels=ids).loss
+        (grad,) = torch.autograd.grad(loss, model.model.layers[0].self_attn.q_proj.weight, create_graph=True)
+        if implementation == "reference":
+            grad.pow(2).sum().backward()
+            assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+        else:
+            _refuses_a_second_derivative(grad)

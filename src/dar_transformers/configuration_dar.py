@@ -20,8 +20,9 @@
 - `dar_branch_family`: which HF family's attention and MLP modules implement the unchanged branches.
 - `sliding_window`: Mistral's attention window (None: full causal attention), read by the Mistral branch and
   by the mask, as in `MistralModel`; kept from the source at conversion so the upcycle stays exact.
-- `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`), eager and compiled alike: "fast"
-  (two-phase depth reads, DESIGN.md section 7) or "reference" (the plain equations, the oracle).
+- `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`): "fast" (the fused eager path; a
+  forward traced by `torch.compile` runs "two_phase" instead), "two_phase" (two-phase depth reads, DESIGN.md
+  section 7: leaner backward in bf16, compiles) or "reference" (the plain equations, the oracle).
 """
 
 import math
@@ -35,7 +36,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 DAR_ROUTINGS = ("dar", "selfkv", "crossv", "fixedkv")
 DAR_WRITE_MODES = ("duplicate", "split")
 DAR_BRANCH_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-DAR_IMPLEMENTATIONS = ("fast", "reference")
+DAR_IMPLEMENTATIONS = ("fast", "two_phase", "reference")
 DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
 DAR_DEFAULT_DELTA = 0.7
 

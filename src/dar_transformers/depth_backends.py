@@ -11,10 +11,17 @@ The paper modules (`modeling_dar.py`) say *what* a branch reads and writes (DESI
   read(residual, state, read_partial, planned) -> (u [B, T, D], depth weights [N, B, T, J])   eq. (2)-(5)
   write(residual, state, y, commits)     -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
 
-Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`), eager and compiled alike:
+Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
   - "reference": the plain equations, composed from the paper modules themselves (`DARDepthAttention`,
     `DARReadGate`, `DARWriteGate`); every read stacks its sources and normalises every key again. The oracle.
-  - "fast": two-phase depth reads (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
+  - "fast" (the default; eager only): the fused eager path. Keys are normalised once per committed entry; committed
+    entries are copied into a depth-major buffer allocated once per forward, and each branch reads it with one fused
+    product (`_DepthRead`). Its backward keeps per-token scalars only and adds the entries' gradients in place into
+    one shared buffer (`DepthGradients`) that each entry's commit hands to autograd (`_Commit`). That sharing
+    between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
+    configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
+    than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
+  - "two_phase" (opt-in eagerly, for its leaner backward; what compiled forwards run): two-phase depth reads (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
     computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
     see the same committed entries (the attention and MLP branches inside a block): the folded queries w * gamma of
     both branches meet the stacked history in one product (scores, log-sum-exp L, softmax-weighted value sum Obar).
@@ -55,7 +62,7 @@ class DepthState:
     """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
     [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), the per-token
     inverse RMS of every committed entry [S, B, T, J] (two-phase backend; computed at the commit, without autograd
-    history; None for the reference), and the backend that reads and writes it.
+    history; None for the reference and for "fast", which keeps it in its own buffer), and the backend that reads and writes it.
 
     A decoder layer takes and returns it flattened (`as_args`), so that reentrant gradient checkpointing, which only
     sees positional tensors, tracks the partial and every entry.
@@ -111,7 +118,7 @@ class ReferenceDepthBackend:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# "fast": two-phase reads (DESIGN.md section 7).
+# "two_phase": two-phase reads (DESIGN.md section 7).
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -536,24 +543,362 @@ class TwoPhaseDepthBackend:
         return DepthState(self, partial, state.history, state.history_inv_rms)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# "fast": the fused eager path (one product per read over a depth-major buffer, shared entry gradients).
+
+
+def refuses_double_backward(backward):
+    """`once_differentiable` that refuses every second derivative: torch's attaches its error only when an incoming
+    gradient requires grad, but a hand-written backward also reads saved tensors that do (gates, queries, the shared
+    entry buffer), so a second derivative through it would otherwise be silently partial. Under `create_graph` the
+    incoming gradients are marked as requiring grad for that check (detached aliases; the values are unchanged)."""
+    checked = once_differentiable(backward)
+
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: the caller asks for a differentiable gradient
+            grads = tuple(
+                grad.detach().requires_grad_() if isinstance(grad, torch.Tensor) and grad.is_floating_point() else grad
+                for grad in grads
+            )
+        return checked(ctx, *grads)
+
+    return wrapper
+
+
+def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, value_streams):
+    """One branch's fast read: softmax over depth of its sources, mixed straight into the branch input.
+
+    routed [J * D, J] (`routed_queries`), gate [J] (read gate times scale), sources history [N, B, T, J, D] with
+    their inverse RMS [N, B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J], key dots [N, B, T, J]).
+    """
+    sources, batch, tokens, streams, hidden = history.shape
+    keyed_dots = (history.reshape(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)
+    scores = keyed_dots * _streams(history_inv_rms, key_streams, 3)  # [N, B, T, J]: key stream kappa(j)'s norm
+    weights = scores.softmax(dim=0)  # [N, B, T, J]
+    # u = sum_j gate_j sum_n w^j_n V^{nu(j)}_n: fold the read gate into per-value-stream coefficients, so the
+    # per-stream extractions are never materialised; one product over tokens and streams reads the history.
+    coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
+    values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, N, D], a view of the buffer
+    # contiguous: a strided [1, N] operand sends bmm down a per-matrix copy loop on CPU.
+    coefficients = coefficients.permute(1, 2, 3, 0).contiguous().view(-1, 1, sources)  # [BTJ_val, 1, N]
+    mixed = torch.bmm(coefficients, values).view(batch, tokens, streams, hidden)  # [B, T, J_val, D]
+    return mixed.sum(dim=2), weights, keyed_dots
+
+
+class DepthGradients:
+    """The committed entries' gradient, shared by all reads of one forward: [S_max, B, T, J, D], like the history.
+
+    Every fused read's backward adds its contribution for the entries it read into their slots in place, and each
+    entry's commit hands its slot to autograd once every read of that entry is done (autograd runs a node's
+    backward only after all its consumers'). So no read allocates an entry-sized gradient per source and autograd
+    sums no per-entry gradients; the buffer is allocated by the first backward that needs it and freed after
+    entry 0, the last to be handed over.
+    """
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def slots(self, history_buffer: torch.Tensor, count: int) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.zeros_like(history_buffer)
+        return self.buffer[:count]  # [count, B, T, J, D]
+
+    def take(self, slot: int) -> torch.Tensor | None:
+        """The accumulated gradient of entry `slot`, leaving zeros behind (a second backward starts clean)."""
+        if self.buffer is None:
+            return None
+        gradient = self.buffer[slot].clone()
+        if slot == 0:
+            self.buffer = None
+        else:
+            self.buffer[slot].zero_()
+        return gradient
+
+
+def _write_slot(history_buffer, inv_rms_buffer, slot: int, entry: torch.Tensor, eps: float) -> torch.Tensor:
+    """Copy an entry (a commit) or the partial block state (staged in the slot where its block will be committed,
+    so that a read is one product over buffer[: slot + 1]) into the buffers with its inverse RMS; returns that
+    [B, T, J]. Through `.data`: the buffers are caches invisible to autograd, and writing through `.data` leaves
+    their version counters alone, so a checkpointed replay may rewrite them."""
+    entry = entry.detach()
+    entry_inv_rms = inverse_rms(entry, eps)
+    history_buffer.data[slot].copy_(entry)
+    inv_rms_buffer.data[slot].copy_(entry_inv_rms)
+    return entry_inv_rms
+
+
+class _Commit(torch.autograd.Function):
+    """Commit an entry into the buffers; its backward adds the reads' gradient accumulated in `DepthGradients`."""
+
+    @staticmethod
+    def forward(ctx, entry, history_buffer, inv_rms_buffer, slot, eps, gradients):
+        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
+        ctx.slot, ctx.gradients = slot, gradients
+        return entry.view_as(entry)
+
+    @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
+    def backward(ctx, grad):
+        accumulated = ctx.gradients.take(ctx.slot)
+        if accumulated is not None and grad is not None:
+            accumulated += grad
+        return (grad if accumulated is None else accumulated), None, None, None, None, None
+
+
+def commit_entry(entry, history_buffer, inv_rms_buffer, slot: int, eps: float, gradients: "DepthGradients | None"):
+    """Write `entry` into slot `slot` of the buffers; with gradients, through `_Commit` so that the fused reads'
+    gradients reach it. Returns the entry to keep in the tuple of committed entries."""
+    if gradients is not None and torch.is_grad_enabled() and entry.requires_grad:
+        return _Commit.apply(entry, history_buffer, inv_rms_buffer, slot, eps, gradients)
+    with torch.no_grad():
+        _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
+    return entry
+
+
+def _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps):
+    """The sources of one read in the buffers, the partial (if read) staged in the next free slot ->
+    (history [N, B, T, J, D], inverse RMS [N, B, T, J], the partial's inverse RMS [B, T, J] or None)."""
+    num_sources, partial_inv_rms = len(entries), None
+    if partial is not None:
+        partial_inv_rms = _write_slot(history_buffer, inv_rms_buffer, num_sources, partial, eps)
+        num_sources += 1
+    return history_buffer[:num_sources], inv_rms_buffer[:num_sources], partial_inv_rms
+
+
+class _DepthRead(torch.autograd.Function):
+    """One branch's depth read and read gate (eq. 2-5), fused; returns u and the (non-differentiable) weights.
+
+    The committed entries are read from the preallocated depth-major buffer; they are inputs only so that autograd
+    runs this backward before their commits' (`_Commit`), which hand on what this backward adds into their slots of
+    the shared `DepthGradients`. The partial block state is an ordinary input. Backward keeps only per-token scalars
+    (softmax weights and key dots, N per token and stream) and the partial (which the write keeps anyway), and
+    rebuilds every gradient from the buffer, including the key normalisation's, d rms^-1 / d h = -rms^-3 h / D.
+    Neither the per-stream extractions nor normalised keys are stored.
+    """
+
+    @staticmethod
+    def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries):
+        sources, sources_inv_rms, partial_inv_rms = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
+        branch_input, weights, keyed_dots = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
+        # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
+        ctx.save_for_backward(routed, gate, weights, keyed_dots, partial, partial_inv_rms)
+        ctx.history, ctx.history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
+        ctx.history_buffer, ctx.routing, ctx.gradients = history_buffer, routing, gradients
+        ctx.mark_non_differentiable(weights)
+        return branch_input, weights
+
+    @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
+    def backward(ctx, grad_input, _grad_weights):
+        routed, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
+        history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
+        sources, batch, tokens, streams, hidden = history.shape
+        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, 1, hidden)  # [BTJ, 1, D]
+        values = history.view(sources, -1, hidden).transpose(0, 1)  # [BTJ_val, S, D]
+        value_dots = torch.bmm(values, grad_rows.transpose(1, 2)).view(batch, tokens, streams, sources)
+        value_dots = value_dots.permute(3, 0, 1, 2)  # [S, B, T, J_val]: g . V_n
+        key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
+        if partial is not None:
+            value_dots = torch.cat([value_dots, (partial * grad_input.unsqueeze(2)).sum(-1).unsqueeze(0)])
+            key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
+        target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
+        grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
+        grad_weights = gate * target_value_dots  # [N, B, T, J]
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
+        grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]
+        selector = stream_selector(key_streams, weights)  # [J_key, J]
+        grad_inv_rms = (grad_scores * keyed_dots) @ selector.T  # [N, B, T, J_key]
+        queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
+        coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
+
+        # Committed entries: values, keys and key norm, added in place into their slots of the shared gradient.
+        grad_entries = ctx.gradients.slots(ctx.history_buffer, sources)  # [S, B, T, J, D]
+        grad_entries.addcmul_(coefficients[:sources].unsqueeze(-1), grad_input.unsqueeze(0).unsqueeze(3))
+        grad_dots = grad_keyed[:sources].unsqueeze(3) * selector  # [S, B, T, J_key, J]: at each target's key stream
+        grad_entries.view(-1, hidden).addmm_(grad_dots.reshape(-1, streams), queries)
+        norm_coefficient = grad_inv_rms[:sources] * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
+        grad_entries.addcmul_(history, norm_coefficient.unsqueeze(-1))
+
+        grad_partial = None
+        if partial is not None:
+            grad_partial = coefficients[sources].unsqueeze(-1) * grad_input.unsqueeze(2)  # [B, T, J, D]
+            partial_dots = grad_keyed[sources].unsqueeze(2) * selector  # [B, T, J_key, J]
+            grad_partial.view(-1, hidden).addmm_(partial_dots.reshape(-1, streams), queries)
+            norm_coefficient = grad_inv_rms[sources] * partial_inv_rms.pow(3) / -hidden  # [B, T, J]
+            grad_partial.addcmul_(partial, norm_coefficient.unsqueeze(-1))
+        grad_routed = None
+        if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
+            grad_routed = grad_keyed[:sources].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
+            if partial is not None:
+                grad_routed.addmm_(grad_keyed[sources].reshape(-1, streams).T, partial.reshape(-1, streams * hidden))
+            grad_routed = grad_routed.T
+        return (grad_routed, grad_gate, None, None, None, None, None, grad_partial, *(None for _ in range(sources)))
+
+
+def depth_read(
+    routed: torch.Tensor,
+    gate: torch.Tensor,
+    history_buffer: torch.Tensor,
+    inv_rms_buffer: torch.Tensor,
+    entries: tuple[torch.Tensor, ...],
+    partial: torch.Tensor | None,
+    key_streams: tuple[int, ...],
+    value_streams: tuple[int, ...],
+    eps: float,
+    gradients: DepthGradients | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast path's read of one branch: u = sum_j gate_j x^j with x^j the depth attention of target stream j.
+
+    routed [J * D, J] (`routed_queries` of pseudo-query times key-norm weight); gate [J] (the read gate's
+    (alpha, 1 - alpha), or (1,) for one stream, times read and count scaling); the committed entries, each
+    [B, T, J, D], also copied into history_buffer [S_max, B, T, J, D] with their inverse RMS in inv_rms_buffer
+    [S_max, B, T, J]; the partial block state [B, T, J, D] when the branch reads it -> (u [B, T, D], weights
+    [N, B, T, J]), compute dtype. Scores are w . RMSNorm_gamma(k) = ((w * gamma) . k) / rms(k): normalised keys are
+    never materialised.
+    """
+    routing = (key_streams, value_streams)
+    with torch.autocast(history_buffer.device.type, enabled=False):  # the precision policy, also under autocast
+        inputs = (routed, gate, partial, *entries)
+        if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
+            if gradients is None:
+                raise ValueError("depth_read needs the forward's DepthGradients to train (see FastDepthBackend).")
+            return _DepthRead.apply(
+                routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries
+            )
+        sources, sources_inv_rms, _ = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
+        branch_input, weights, _ = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
+        return branch_input, weights
+
+
+def transport_write(partial, rho, beta, branch_output):
+    """P [B, T, J, D], rho (1,), beta [J, D], y [B, T, 1, D] -> [[rho, 1-rho], [1-rho, rho]] P + beta * y."""
+    return torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, branch_output)
+
+
+def cast_gated_write(partial, rho, beta, branch_output):
+    """The write of a branch output y [B, T, D] in the model dtype: beta * y at the start of a block (partial None),
+    else `transport_write` -> [B, T, J, D] in beta's dtype."""
+    written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D]
+    if partial is None:
+        return beta * written  # [B, T, J, D]
+    return transport_write(partial, rho, beta, written)  # [B, T, J, D]
+
+
+class _TransportWrite(torch.autograd.Function):
+    """`transport_write` with the cast of y fused in: y arrives in the model dtype and backward keeps it there
+    (bf16 training keeps no float32 copy of it), with P (kept by the next read anyway); the gate gradients are dot
+    products, with no full-size temporaries. Without a partial (the first branch of a block) it is beta * y."""
+
+    @staticmethod
+    def forward(ctx, partial, rho, beta, branch_output):
+        ctx.save_for_backward(partial, rho, beta, branch_output)
+        return cast_gated_write(partial, rho, beta, branch_output)
+
+    @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
+    def backward(ctx, grad):
+        partial, rho, beta, branch_output = ctx.saved_tensors
+        grad_partial = grad_rho = None
+        if partial is not None:
+            swapped = grad.flip(-2)  # the transport matrix is symmetric: dL/dP = [[rho, 1-rho], [1-rho, rho]] g
+            grad_partial = torch.lerp(swapped, grad, rho) if ctx.needs_input_grad[0] else None
+            if ctx.needs_input_grad[1]:  # dL/drho = sum g . (P - swap P) = sum (g - swap g) . P
+                flat_partial = partial.flatten()
+                grad_rho = torch.vdot(grad.flatten(), flat_partial) - torch.vdot(swapped.flatten(), flat_partial)
+                grad_rho = grad_rho.reshape(rho.shape)
+        written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D], recomputed from the kept model dtype
+        grad_beta = (grad * written).sum((0, 1)) if ctx.needs_input_grad[2] else None  # [J, D]
+        grad_output = None
+        if ctx.needs_input_grad[3]:
+            grad_output = (grad * beta).sum(-2).to(branch_output.dtype)  # [B, T, D]
+        return grad_partial, grad_rho, grad_beta, grad_output
+
+
+class FastDepthBackend:
+    """The fused eager path, one instance per forward: it owns the depth-major buffers (history [S_max, B, T, J, D],
+    inverse RMS [S_max, B, T, J]) and the shared entry gradients."""
+
+    def __init__(self, config):
+        self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
+        self.eps = config.rms_norm_eps
+        self.history_buffer = self.inv_rms_buffer = None
+        self.gradients = DepthGradients()
+
+    def start(self, entry: torch.Tensor) -> DepthState:
+        self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
+        self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
+        return DepthState(self, None, (self._commit(entry, 0),))
+
+    def plan(self, state: DepthState, *residuals) -> tuple[None, ...]:
+        return (None,) * len(residuals)  # every read is one fused product over the buffer: nothing to share
+
+    def keeping_partials_lean(self):
+        return nullcontext()  # `_TransportWrite` keeps y in the model dtype and P, which the next read keeps anyway
+
+    def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
+        return commit_entry(entry, self.history_buffer, self.inv_rms_buffer, slot, self.eps, self.gradients)
+
+    def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
+        attention, read_gate = residual.depth_attention, residual.read_gate
+        like, num_sources = self.history_buffer, len(state.history) + int(read_partial)
+        routed = _derived(
+            attention, "routed_query", like,
+            lambda: routed_queries(attention.scoring_query().to(like), attention.key_streams),
+        )  # [J * D, J]
+        stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
+        gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
+        return depth_read(
+            routed, gate, self.history_buffer, self.inv_rms_buffer, state.history,
+            state.partial if read_partial else None, attention.key_streams, attention.value_streams, self.eps,
+            self.gradients,
+        )
+
+    def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
+        write_gate, like = residual.write_gate, self.history_buffer
+        if write_gate.num_streams == 1:  # AttnRes writes y unchanged
+            partial = residual.write_gate(branch_output.to(like.dtype), state.partial)
+        else:
+            beta = _derived(write_gate, "beta", like, lambda: write_gate.beta().to(like))  # [J, D]
+            rho = None
+            if state.partial is not None:
+                rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
+            if torch.is_grad_enabled():
+                partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
+            else:
+                partial = cast_gated_write(state.partial, rho, beta, branch_output)
+        if commits:
+            return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
+        return DepthState(self, partial, state.history)
+
+
 class DARDepthBackendInterface(GeneralInterface):
     """Name -> backend class, like transformers' `AttentionInterface`; `register` adds one library-wide."""
 
-    _global_mapping = {"reference": ReferenceDepthBackend, "fast": TwoPhaseDepthBackend}
+    _global_mapping = {
+        "reference": ReferenceDepthBackend,
+        "fast": FastDepthBackend,
+        "two_phase": TwoPhaseDepthBackend,
+    }
 
 
 ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 
 
 def depth_backend(config):
-    """The backend of one forward, eager or compiled alike."""
-    return ALL_DEPTH_BACKENDS[config.dar_implementation](config)
+    """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
+    shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
+    the two-phase read keeps no state outside its inputs and outputs."""
+    implementation = config.dar_implementation
+    if implementation == "fast" and torch.compiler.is_compiling():
+        implementation = "two_phase"
+    return ALL_DEPTH_BACKENDS[implementation](config)
 
 
 __all__ = [
     "ALL_DEPTH_BACKENDS",
     "DARDepthBackendInterface",
     "DepthState",
+    "FastDepthBackend",
     "PhaseOne",
     "ReferenceDepthBackend",
     "TwoPhaseDepthBackend",
