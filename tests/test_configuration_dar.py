@@ -22,6 +22,7 @@ BAD_VALUES = {
     "rho_init_one": ({"dar_rho_init": 1.0}, ["dar_rho_init", "between 0 and 1"]),
     "one_stream_with_dar_routing": ({"dar_num_streams": 1, "dar_routing": "dar"}, ["dar_routing", "['selfkv']"]),
     "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'reference'"]),
+    "unknown_history_dtype": ({"dar_history_dtype": "bfloat16"}, ["dar_history_dtype", "'float32', 'model'"]),
     "unknown_branch_family": ({"dar_branch_family": "gpt2"}, ["dar_branch_family", "'llama'"]),
     "negative_gate_delta": ({"dar_gate_delta": -1.0}, ["dar_gate_delta", ">= 0"]),
 }
@@ -79,6 +80,7 @@ def test_save_load_round_trip_keeps_every_dar_field(tmp_path):
         dar_count_scaling=False,
         dar_branch_family="qwen2",
         dar_implementation="reference",
+        dar_history_dtype="model",
     )
     tiny_dar_config(**fields).save_pretrained(tmp_path)
     loaded = DARConfig.from_pretrained(tmp_path)

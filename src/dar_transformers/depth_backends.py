@@ -29,8 +29,11 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`), eager and
 Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
 partial), R reads planned together, J streams. One layout for the history everywhere: depth-major, entry n of every
 stream is [B, T, J, D], and the entries stacked on a leading depth axis are [N, B, T, J, D].
-Precision policy (`dar_compute_dtype`, the one place that says it): the DAR state and depth mixing run in float32 (or
-float64 for a float64 model), also under autocast; a branch output y arrives in the model dtype.
+Precision policy (`dar_compute_dtype` and `dar_history_dtype`, the one place that says it): the DAR state and depth
+mixing run in float32 (or float64 for a float64 model), also under autocast; a branch output y arrives in the model
+dtype. `config.dar_history_dtype = "model"` stores the committed entries in the model dtype instead (as Llama stores
+its residual stream); every read upcasts them, so statistics, softmax and mixing stay float32. The backends store a
+commit in entry 0's dtype, which the model picks with `dar_history_dtype`.
 """
 
 import math
@@ -48,6 +51,12 @@ from transformers.utils.generic import GeneralInterface
 def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the DAR state and depth mixing: float32, or wider if the model is wider."""
     return torch.promote_types(model_dtype, torch.float32)
+
+
+def dar_history_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the committed entries B_0 .. B_{n-1} are stored in (`config.dar_history_dtype`): the compute dtype
+    ("float32"), or the model dtype ("model"). The partial, statistics and mixing are in the compute dtype either way."""
+    return model_dtype if config.dar_history_dtype == "model" else dar_compute_dtype(model_dtype)
 
 
 @dataclass(frozen=True)
@@ -98,15 +107,16 @@ class ReferenceDepthBackend:
         return nullcontext()
 
     def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
-        sources = torch.stack(state.sources(read_partial))  # [N, B, T, J, D]
+        compute_dtype = dar_compute_dtype(state.history[0].dtype)
+        sources = torch.stack([source.to(compute_dtype) for source in state.sources(read_partial)])  # [N, B, T, J, D]
         extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
         return residual.read_gate(extraction), weights  # u [B, T, D]
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
-        compute_dtype = state.history[0].dtype
+        compute_dtype = dar_compute_dtype(state.history[0].dtype)
         partial = residual.write_gate(branch_output.to(compute_dtype), state.partial)  # [B, T, J, D]
-        if commits:
-            return DepthState(self, None, (*state.history, partial))
+        if commits:  # stored in the history's dtype (`dar_history_dtype`)
+            return DepthState(self, None, (*state.history, partial.to(state.history[0].dtype)))
         return DepthState(self, partial, state.history)
 
 
@@ -242,7 +252,7 @@ class _TwoPhaseRead(torch.autograd.Function):
     def backward(ctx, grad_input, _grad_weights):
         routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries = ctx.saved_tensors
         key_streams, value_streams = ctx.routing
-        history = torch.stack(entries)  # [S, B, T, J, D], recomputed
+        history = torch.stack(entries).to(routed.dtype)  # [S, B, T, J, D], recomputed, in the compute dtype
         sources, batch, tokens, streams, hidden = history.shape
         key_dots = (history.view(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)  # recomputed
         if partial is not None:
@@ -280,6 +290,7 @@ class _TwoPhaseRead(torch.autograd.Function):
                 )
             grad_routed = grad_routed.T
         unused = (None,) * 7  # history_inv_rms, phase 1, routing, eps: no gradient
+        grad_history = grad_history.to(entries[0].dtype)  # each entry's gradient in its own (history) dtype
         return (grad_routed, grad_gate, grad_partial, *unused, *grad_history.unbind(0))
 
 
@@ -441,8 +452,8 @@ class TwoPhaseDepthBackend:
         return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
 
     def start(self, entry: torch.Tensor) -> DepthState:
-        with torch.no_grad():
-            entry_inv_rms = inverse_rms(entry, self.eps).unsqueeze(0)  # [1, B, T, J]
+        with torch.no_grad():  # statistics in the compute dtype, whatever the history's dtype
+            entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
         return DepthState(self, None, (entry,), entry_inv_rms)
 
     def _routed(self, residual, like: torch.Tensor) -> torch.Tensor:
@@ -467,7 +478,7 @@ class TwoPhaseDepthBackend:
             routed = routed.detach()
             attention = planned[0].depth_attention
             phases = phase_one(
-                routed, torch.stack(state.history), like, attention.key_streams, attention.value_streams
+                routed, torch.stack(state.history).to(like.dtype), like, attention.key_streams, attention.value_streams
             )
         return (*phases, *(None for _ in residuals[len(planned):]))
 
@@ -500,10 +511,11 @@ class TwoPhaseDepthBackend:
         if self.lean is not None and not commits and partial.requires_grad:
             self.lean.record(partial, beta, rho, branch_output, opens_block=state.partial is None)
         if commits:
-            with torch.no_grad():
-                entry_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)  # [1, B, T, J]
+            entry = partial.to(state.history[0].dtype)  # stored in the history's dtype (`dar_history_dtype`)
+            with torch.no_grad():  # of the stored entry, so that every later read sees the same key
+                entry_inv_rms = inverse_rms(entry.to(like.dtype), self.eps).unsqueeze(0)  # [1, B, T, J]
             history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
-            return DepthState(self, None, (*state.history, partial), history_inv_rms)
+            return DepthState(self, None, (*state.history, entry), history_inv_rms)
         return DepthState(self, partial, state.history, state.history_inv_rms)
 
 
@@ -529,5 +541,6 @@ __all__ = [
     "ReferenceDepthBackend",
     "TwoPhaseDepthBackend",
     "dar_compute_dtype",
+    "dar_history_dtype",
     "depth_backend",
 ]
