@@ -16,7 +16,7 @@ from dar_transformers.depth_backends import DepthState, inverse_rms, phase_one, 
 
 
 def _tiny_dar(dtype, seed=0, **overrides):
-    """A perturbed tiny DAR model in `dtype`, its DAR parameters float32 (as `from_pretrained(dtype=...)` keeps them)."""
+    """A perturbed tiny DAR model in `dtype`, DAR parameters float32 (as `from_pretrained(dtype=...)` keeps them)."""
     torch.manual_seed(seed)
     model = DARForCausalLM(tiny_dar_config(**overrides))
     perturb_dar_parameters(model, scale=0.5, seed=seed)

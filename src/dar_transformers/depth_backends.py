@@ -55,7 +55,7 @@ def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 def dar_history_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the committed entries B_0 .. B_{n-1} are stored in (`config.dar_history_dtype`): the compute dtype
-    ("float32"), or the model dtype ("model"). The partial, statistics and mixing are in the compute dtype either way."""
+    ("float32"), or the model dtype ("model"). Partial, statistics and mixing are in the compute dtype either way."""
     return model_dtype if config.dar_history_dtype == "model" else dar_compute_dtype(model_dtype)
 
 
