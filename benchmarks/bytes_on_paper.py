@@ -6,9 +6,9 @@ matmul FLOPs and bytes, and the DAR/Llama ratios this projects on an H100-class 
    writes, each region one kernel that reads each input once and writes each output once (entry 0, the embedding
    broadcast to J streams, is read as [D]):
      phase 1        once per decoder layer: the S committed entries (history dtype) and their inverse RMS [S, J];
-                    out, per read: Obar [J, D] fp32, log-sum-exp [J], softmax weights and key dots [S, J]
+                    out, per read: Obar [J, D] fp32, log-sum-exp [J], softmax weights [S, J]
      read           per branch (phase 2): Obar and L, and when the partial is read P [J, D] fp32 with phase 1's
-                    weights and key dots; out: u [D] fp32 and (with P) the merged depth weights [S + 1, J]
+                    weights; out: u [D] fp32 and (with P) the merged depth weights [S + 1, J]
      write          per branch: y [D] (model dtype) and P; out P' [J, D] fp32, or at a commit the entry [J, D]
                     (history dtype) and the inverse-RMS table [S + 1, J]
      read backward  `_TwoPhaseRead.backward`: dY, weights, the S entries, P, statistics; out a gradient for each of
@@ -35,6 +35,7 @@ matmul FLOPs and bytes, and the DAR/Llama ratios this projects on an H100-class 
 """
 
 import argparse
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -93,11 +94,11 @@ def dar_bytes(config: DARConfig, model_bytes: int, history_bytes: int) -> dict[s
         history = hidden * history_bytes + (entries - 1) * entry  # entry 0 is the embedding broadcast to J streams
         for s in range(entries):
             reads_of_entry[s] += 1
-        if branch["planned_reads"]:  # phase 1: entries and statistics in; per read Obar, L, weights, key dots out
-            per_read = state + stat + 2 * entries * stat
+        if branch["planned_reads"]:  # phase 1: entries and statistics in; per read Obar, L and weights out
+            per_read = state + stat + entries * stat
             totals["phase 1"] += history + entries * stat + branch["planned_reads"] * per_read
-        # phase 2: Obar and L in, and weights, key dots and P if the partial is read; u and the depth weights out
-        totals["read"] += state + stat + partial * (2 * entries * stat + state) + hidden * F32
+        # phase 2: Obar and L in, and weights and P if the partial is read; u and the depth weights out
+        totals["read"] += state + stat + partial * (entries * stat + state) + hidden * F32
         totals["read"] += partial * (entries + 1) * stat  # the merged depth weights (without P they are phase 1's)
         totals["read backward"] += (hidden * F32 + (entries + partial) * stat + history + entries * stat
                                     + partial * (state + stat)) + entries * entry + partial * state
@@ -132,7 +133,7 @@ def _tensors(tree):
     if isinstance(tree, depth_backends.DepthState):
         tree = (tree.partial, tree.history_inv_rms, tree.history)
     elif isinstance(tree, depth_backends.PhaseOne):
-        tree = (tree.key_dots, tree.weights, tree.log_sum_exp, tree.mean)
+        tree = tuple(getattr(tree, field.name) for field in dataclasses.fields(tree))
     elif isinstance(tree, (tuple, list)):
         return [tensor for leaf in tree for tensor in _tensors(leaf)]
     return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
@@ -179,10 +180,11 @@ class ByteCounter(TorchDispatchMode):
         aliases = [result.alias_info for result in func._schema.returns if result.alias_info is not None]
         if aliases and not any(alias.is_write for alias in aliases):
             return out  # a view: no bytes of its own
-        in_place = sum(_view_bytes(tensor) for tensor in outputs) if aliases else 0  # written over an input
+        in_place = outputs if aliases else []  # written over an input: a write unless the region made that input
         if self.stack:
             frame = self.stack[-1]
-            frame["in_place"] = frame.get("in_place", 0) + in_place
+            frame["in_place"] = frame.get("in_place", 0) + sum(
+                _view_bytes(tensor) for tensor in in_place if tensor.untyped_storage().data_ptr() not in frame["made"])
             for tensor in inputs:
                 storage = tensor.untyped_storage().data_ptr()
                 if storage not in frame["made"] and tensor.numel() > 0:  # one read per view start, its largest view
@@ -195,7 +197,8 @@ class ByteCounter(TorchDispatchMode):
         group = self.groups.setdefault(id(node) if node is not None else "forward", dict(
             name=type(node).__name__ if node is not None else "other forward", made={}, read={}, used=set(),
             in_place=0))
-        group["in_place"] += in_place
+        group["in_place"] += sum(
+            _view_bytes(tensor) for tensor in in_place if tensor.untyped_storage().data_ptr() not in group["made"])
         for tensor in inputs:
             storage = tensor.untyped_storage().data_ptr()
             if storage in group["made"]:

@@ -165,10 +165,9 @@ def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) ->
 @dataclass(frozen=True)
 class PhaseOne:
     """Phase 1 of one read, against the committed entries only (DESIGN.md section 7), without autograd history:
-    key dots (w * gamma) . B^{kappa(j)}_r before the inverse RMS [S, B, T, J], softmax weights [S, B, T, J], their
-    log-sum-exp L [B, T, J] and the softmax-weighted value sum Obar [B, T, J, D] (values of stream nu(j))."""
+    softmax weights [S, B, T, J], the log-sum-exp L of the scores [B, T, J] and the softmax-weighted value sum Obar
+    [B, T, J, D] (values of stream nu(j))."""
 
-    key_dots: torch.Tensor
     weights: torch.Tensor
     log_sum_exp: torch.Tensor
     mean: torch.Tensor
@@ -185,22 +184,41 @@ def phase_one(
     scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, R, J]
     log_sum_exp = scores.logsumexp(0)  # [B, T, R, J]
     weights = torch.exp(scores - log_sum_exp)  # [S, B, T, R, J]
-    values = _streams(history, value_streams, 3)  # [S, B, T, J, D]: value stream nu(j) per target
-    means = torch.einsum("sbtrj,sbtjd->btrjd", weights, values)  # [B, T, R, J, D]
+    means = _value_sums(weights, history, value_streams)  # [B, T, J, R, D]
     return [
-        PhaseOne(key_dots[:, :, :, read], weights[:, :, :, read], log_sum_exp[:, :, read], means[:, :, read])
+        PhaseOne(weights[:, :, :, read], log_sum_exp[:, :, read], means[:, :, :, read])
         for read in range(reads)
     ]
+
+
+def _value_sums(weights: torch.Tensor, history: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """Obar^j_r = sum_s weights[s, .., r, j] B_s^{nu(j)}: weights [S, B, T, R, J], history [S, B, T, J, D] ->
+    [B, T, J, R, D]. One batched product per token and value stream over a strided view of the history (no copy of
+    it; einsum would copy or loop per token here)."""
+    sources, batch, tokens, reads, streams = weights.shape
+    hidden = history.shape[-1]
+    if len(set(value_streams)) < streams:  # fixedkv: every target reads one stream
+        values = history[:, :, :, value_streams[0]].reshape(sources, -1, hidden).transpose(0, 1)  # [BT, S, D]
+        rows = weights.permute(1, 2, 3, 4, 0).reshape(-1, reads * streams, sources).contiguous()  # [BT, R * J, S]
+        means = torch.bmm(rows, values).view(batch, tokens, reads, streams, hidden)
+        return means.transpose(2, 3)  # [B, T, J, R, D]
+    # a permutation: reorder the targets by value stream, read every value stream once
+    by_value = _streams(weights, tuple(value_streams.index(stream) for stream in range(streams)), 4)
+    # contiguous: a strided operand (even one with a size-1 axis) sends CPU bmm down a per-matrix copy loop
+    rows = by_value.permute(1, 2, 4, 3, 0).reshape(-1, reads, sources).contiguous()  # [B T J_val, R, S]
+    values = history.view(sources, -1, hidden).transpose(0, 1)  # [B T J_val, S, D], a view
+    means = torch.bmm(rows, values).view(batch, tokens, streams, reads, hidden)  # by value stream
+    return _streams(means, value_streams, 2)  # [B, T, J, R, D] by target
 
 
 def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_streams, value_streams):
     """Phase 2 of one read: the partial (if read) joins phase 1 by the log-sum-exp rule, then the read gate.
 
     routed [J * D, J], gate [J] (read gate times read and count scaling), partial [B, T, J, D] or None with its
-    inverse RMS [B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J], key dots [N, B, T, J]).
+    inverse RMS [B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J]).
     """
     if partial is None:
-        extraction, weights, key_dots = phase.mean, phase.weights, phase.key_dots  # [B, T, J, D], [S, B, T, J]
+        extraction, weights = phase.mean, phase.weights  # [B, T, J, D], [S, B, T, J]
     else:
         batch, tokens, streams, hidden = partial.shape
         partial_dots = (partial.reshape(-1, streams * hidden) @ routed).view(batch, tokens, streams)  # [B, T, J]
@@ -209,9 +227,8 @@ def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_strea
         values = _streams(partial, value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
         extraction = torch.lerp(phase.mean, values, share.unsqueeze(-1))  # [B, T, J, D]
         weights = torch.cat([phase.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
-        key_dots = torch.cat([phase.key_dots, partial_dots.unsqueeze(0)])  # [N, B, T, J]
-    branch_input = torch.einsum("btjd,j->btd", extraction, gate)  # [B, T, D]
-    return branch_input, weights, key_dots
+    branch_input = (extraction * gate.unsqueeze(-1)).sum(-2)  # [B, T, D]: sum_j gate_j x^j
+    return branch_input, weights
 
 
 def gated_write(partial, rho, beta, branch_output):
@@ -237,11 +254,10 @@ class _TwoPhaseRead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, routed, gate, partial, history_inv_rms, key_dots, weights, log_sum_exp, mean, routing, eps,
-                *entries):
-        phase = PhaseOne(key_dots, weights, log_sum_exp, mean)
+    def forward(ctx, routed, gate, partial, history_inv_rms, weights, log_sum_exp, mean, routing, eps, *entries):
+        phase = PhaseOne(weights, log_sum_exp, mean)
         partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
-        branch_input, weights, key_dots = phase_two(phase, routed, gate, partial, partial_inv_rms, *routing)
+        branch_input, weights = phase_two(phase, routed, gate, partial, partial_inv_rms, *routing)
         ctx.save_for_backward(routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries)
         ctx.routing = routing
         ctx.mark_non_differentiable(weights)
@@ -258,10 +274,14 @@ class _TwoPhaseRead(torch.autograd.Function):
         if partial is not None:
             partial_dots = (partial.reshape(-1, streams * hidden) @ routed).view(1, batch, tokens, streams)
             key_dots = torch.cat([key_dots, partial_dots])  # [N, B, T, J]
-        value_dots = torch.einsum("sbtjd,btd->sbtj", history, grad_input)  # g . B^v_r per value stream
+        # g . B^v_r per value stream: one product per token and stream over a strided view of the history
+        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, hidden, 1)  # [BTJ, D, 1]
+        value_dots = torch.bmm(history.view(sources, -1, hidden).transpose(0, 1), grad_rows)  # [BTJ, S, 1]
+        value_dots = value_dots.view(batch, tokens, streams, sources).permute(3, 0, 1, 2)  # [S, B, T, J_val]
         key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
         if partial is not None:
-            value_dots = torch.cat([value_dots, torch.einsum("btjd,btd->btj", partial, grad_input).unsqueeze(0)])
+            partial_value_dots = (partial * grad_input.unsqueeze(2)).sum(-1)  # [B, T, J_val]
+            value_dots = torch.cat([value_dots, partial_value_dots.unsqueeze(0)])
             key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
         target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
         grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
@@ -273,11 +293,18 @@ class _TwoPhaseRead(torch.autograd.Function):
         queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
+        keys_permuted = sorted(key_streams) == list(range(streams))  # each key stream keys exactly one target
+        if keys_permuted:  # per key stream: its target's key-dot gradient and query
+            grad_keyed_by_stream = _by_value_stream(grad_keyed, key_streams)  # [N, B, T, J_key]
+            queries_by_stream = _by_value_stream(queries.T, key_streams).T  # [J_key, D]
+
         def source_gradient(source, index, source_inv_rms):  # value, key and key-norm paths: [..., J, D]
-            grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)
-            grad = grad + (grad_keyed[index].unsqueeze(-2) * selector) @ queries  # [..., J_key, J] @ [J, D]
+            grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)  # the one entry-sized temporary
             norm_coefficient = grad_inv_rms[index] * source_inv_rms.pow(3) / -hidden  # [..., J]
-            return torch.addcmul(grad, source, norm_coefficient.unsqueeze(-1))
+            grad.addcmul_(source, norm_coefficient.unsqueeze(-1))
+            if keys_permuted:
+                return grad.addcmul_(grad_keyed_by_stream[index].unsqueeze(-1), queries_by_stream)
+            return grad.add_((grad_keyed[index].unsqueeze(-2) * selector) @ queries)  # [..., J_key, J] @ [J, D]
 
         grad_history = source_gradient(history, slice(0, sources), history_inv_rms)  # [S, B, T, J, D]
         grad_partial = source_gradient(partial, sources, partial_inv_rms) if partial is not None else None
@@ -289,7 +316,7 @@ class _TwoPhaseRead(torch.autograd.Function):
                     -1, streams * hidden
                 )
             grad_routed = grad_routed.T
-        unused = (None,) * 7  # history_inv_rms, phase 1, routing, eps: no gradient
+        unused = (None,) * 6  # history_inv_rms, phase 1, routing, eps: no gradient
         grad_history = grad_history.to(entries[0].dtype)  # each entry's gradient in its own (history) dtype
         return (grad_routed, grad_gate, grad_partial, *unused, *grad_history.unbind(0))
 
@@ -309,11 +336,11 @@ def two_phase_read(
     inputs = (routed, gate, partial, *state.history)
     if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
         return _TwoPhaseRead.apply(
-            routed, gate, partial, state.history_inv_rms, phase.key_dots, phase.weights, phase.log_sum_exp,
-            phase.mean, (key_streams, value_streams), eps, *state.history,
+            routed, gate, partial, state.history_inv_rms, phase.weights, phase.log_sum_exp, phase.mean,
+            (key_streams, value_streams), eps, *state.history,
         )
     partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
-    branch_input, weights, _ = phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams)
+    branch_input, weights = phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams)
     return branch_input, weights
 
 
@@ -489,8 +516,10 @@ class TwoPhaseDepthBackend:
             planned = self.plan(state, residual)[0]
         with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
             routed = self._routed(residual, like)
-            stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
-            gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
+            scale = read_gate.read_scale * attention.count_scale(num_sources)
+            gate = _derived(
+                read_gate, f"gate_{num_sources}", like, lambda: read_gate.stream_weights().to(like) * scale
+            )  # [J]: (alpha, 1 - alpha) times read and count scaling
             return two_phase_read(
                 routed, gate, state, state.partial if read_partial else None, planned, attention.key_streams,
                 attention.value_streams, self.eps,
