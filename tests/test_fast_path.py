@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused eager fast path's ("fast", the eager default) building blocks against plain autograd and a readable loop: the fused depth read's hand-written
-backward (gradcheck in float64, every routing, with and without the partial), the fused transport + write, their refusal of double
-backward, and the inference memo of parameter-derived tensors."""
+"""The fused eager fast path ("fast", the eager default): its building blocks against plain autograd and a readable
+loop: the fused depth read's hand-written backward (gradcheck in float64, every routing, with and without the
+partial), the fused transport + write, their refusal of double backward, and the inference memo of parameter-derived
+tensors."""
 
 import pytest
 import torch

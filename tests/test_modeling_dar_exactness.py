@@ -4,9 +4,9 @@
 - Upcycling: a Llama state dict loaded into DARForCausalLM gives Llama's logits for every block size, routing,
   write mode, stream count and implementation (fp32 to 1e-5, float64 to 1e-10), and the same greedy tokens.
 - Negative controls: without count-scaling or without the partial-block source the reduction drifts.
-- Both optimised backends ("fast", "two_phase") vs the reference with random non-zero DAR parameters: float64 logits and gradients agree to ~1e-10
-  relative; in fp32 the fast path is no further from the float64 reference than a small multiple of the
-  reference's own fp32 error.
+- Both optimised backends ("fast", "two_phase") vs the reference with random non-zero DAR parameters: float64
+  logits and gradients agree to ~1e-10 relative; in fp32 each is no further from the float64 reference than a
+  small multiple of the reference's own fp32 error.
 - Symmetry: with gate delta 0 the two streams never separate under AdamW; with the default delta they differ
   in direction at init and their queries get different gradients.
 """

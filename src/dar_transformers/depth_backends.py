@@ -21,7 +21,8 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
     configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
     than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
-  - "two_phase" (opt-in eagerly, for its leaner backward; what compiled forwards run): two-phase depth reads (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
+  - "two_phase" (opt-in eagerly, for its leaner backward; what compiled forwards run): two-phase depth reads
+    (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
     computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
     see the same committed entries (the attention and MLP branches inside a block): the folded queries w * gamma of
     both branches meet the stacked history in one product (scores, log-sum-exp L, softmax-weighted value sum Obar).
@@ -36,8 +37,11 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
 Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
 partial), R reads planned together, J streams. One layout for the history everywhere: depth-major, entry n of every
 stream is [B, T, J, D], and the entries stacked on a leading depth axis are [N, B, T, J, D].
-Precision policy (`dar_compute_dtype`, the one place that says it): the DAR state and depth mixing run in float32 (or
-float64 for a float64 model), also under autocast; a branch output y arrives in the model dtype.
+Precision policy (`dar_compute_dtype` and `dar_history_dtype`, the one place that says it): the DAR state and depth
+mixing run in float32 (or float64 for a float64 model), also under autocast; a branch output y arrives in the model
+dtype. `config.dar_history_dtype = "model"` stores the committed entries in the model dtype instead (as Llama stores
+its residual stream); every read upcasts them, so statistics, softmax and mixing stay float32. The backends store a
+commit in entry 0's dtype, which the model picks with `dar_history_dtype`.
 """
 
 import math
@@ -57,12 +61,19 @@ def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(model_dtype, torch.float32)
 
 
+def dar_history_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the committed entries B_0 .. B_{n-1} are stored in (`config.dar_history_dtype`): the compute dtype
+    ("float32"), or the model dtype ("model"). Partial, statistics and mixing are in the compute dtype either way."""
+    return model_dtype if config.dar_history_dtype == "model" else dar_compute_dtype(model_dtype)
+
+
 @dataclass(frozen=True)
 class DepthState:
     """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
     [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), the per-token
     inverse RMS of every committed entry [S, B, T, J] (two-phase backend; computed at the commit, without autograd
-    history; None for the reference and for "fast", which keeps it in its own buffer), and the backend that reads and writes it.
+    history; None for the reference and for "fast", which keeps it in its own buffer), and the backend that reads
+    and writes it.
 
     A decoder layer takes and returns it flattened (`as_args`), so that reentrant gradient checkpointing, which only
     sees positional tensors, tracks the partial and every entry.
@@ -105,15 +116,16 @@ class ReferenceDepthBackend:
         return nullcontext()
 
     def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
-        sources = torch.stack(state.sources(read_partial))  # [N, B, T, J, D]
+        compute_dtype = dar_compute_dtype(state.history[0].dtype)
+        sources = torch.stack([source.to(compute_dtype) for source in state.sources(read_partial)])  # [N, B, T, J, D]
         extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
         return residual.read_gate(extraction), weights  # u [B, T, D]
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
-        compute_dtype = state.history[0].dtype
+        compute_dtype = dar_compute_dtype(state.history[0].dtype)
         partial = residual.write_gate(branch_output.to(compute_dtype), state.partial)  # [B, T, J, D]
-        if commits:
-            return DepthState(self, None, (*state.history, partial))
+        if commits:  # stored in the history's dtype (`dar_history_dtype`)
+            return DepthState(self, None, (*state.history, partial.to(state.history[0].dtype)))
         return DepthState(self, partial, state.history)
 
 
@@ -265,7 +277,7 @@ class _TwoPhaseRead(torch.autograd.Function):
     def backward(ctx, grad_input, _grad_weights):
         routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries = ctx.saved_tensors
         key_streams, value_streams = ctx.routing
-        history = torch.stack(entries)  # [S, B, T, J, D], recomputed
+        history = torch.stack(entries).to(routed.dtype)  # [S, B, T, J, D], recomputed, in the compute dtype
         sources, batch, tokens, streams, hidden = history.shape
         key_dots = (history.view(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)  # recomputed
         if partial is not None:
@@ -314,6 +326,7 @@ class _TwoPhaseRead(torch.autograd.Function):
                 )
             grad_routed = grad_routed.T
         unused = (None,) * 6  # history_inv_rms, phase 1, routing, eps: no gradient
+        grad_history = grad_history.to(entries[0].dtype)  # each entry's gradient in its own (history) dtype
         return (grad_routed, grad_gate, grad_partial, *unused, *grad_history.unbind(0))
 
 
@@ -475,8 +488,8 @@ class TwoPhaseDepthBackend:
         return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
 
     def start(self, entry: torch.Tensor) -> DepthState:
-        with torch.no_grad():
-            entry_inv_rms = inverse_rms(entry, self.eps).unsqueeze(0)  # [1, B, T, J]
+        with torch.no_grad():  # statistics in the compute dtype, whatever the history's dtype
+            entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
         return DepthState(self, None, (entry,), entry_inv_rms)
 
     def _routed(self, residual, like: torch.Tensor) -> torch.Tensor:
@@ -501,7 +514,7 @@ class TwoPhaseDepthBackend:
             routed = routed.detach()
             attention = planned[0].depth_attention
             phases = phase_one(
-                routed, torch.stack(state.history), like, attention.key_streams, attention.value_streams
+                routed, torch.stack(state.history).to(like.dtype), like, attention.key_streams, attention.value_streams
             )
         return (*phases, *(None for _ in residuals[len(planned):]))
 
@@ -536,10 +549,11 @@ class TwoPhaseDepthBackend:
         if self.lean is not None and not commits and partial.requires_grad:
             self.lean.record(partial, beta, rho, branch_output, opens_block=state.partial is None)
         if commits:
-            with torch.no_grad():
-                entry_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)  # [1, B, T, J]
+            entry = partial.to(state.history[0].dtype)  # stored in the history's dtype (`dar_history_dtype`)
+            with torch.no_grad():  # of the stored entry, so that every later read sees the same key
+                entry_inv_rms = inverse_rms(entry.to(like.dtype), self.eps).unsqueeze(0)  # [1, B, T, J]
             history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
-            return DepthState(self, None, (*state.history, partial), history_inv_rms)
+            return DepthState(self, None, (*state.history, entry), history_inv_rms)
         return DepthState(self, partial, state.history, state.history_inv_rms)
 
 
@@ -819,6 +833,11 @@ class FastDepthBackend:
     inverse RMS [S_max, B, T, J]) and the shared entry gradients."""
 
     def __init__(self, config):
+        if getattr(config, "dar_history_dtype", "float32") != "float32":  # also when set after the config was built
+            raise ValueError(
+                f"DARConfig.dar_history_dtype={config.dar_history_dtype!r} needs dar_implementation 'two_phase' or "
+                "'reference'; the fused 'fast' path keeps its depth buffers in float32."
+            )
         self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
         self.eps = config.rms_norm_eps
         self.history_buffer = self.inv_rms_buffer = None
@@ -903,5 +922,6 @@ __all__ = [
     "ReferenceDepthBackend",
     "TwoPhaseDepthBackend",
     "dar_compute_dtype",
+    "dar_history_dtype",
     "depth_backend",
 ]

@@ -24,7 +24,8 @@ written; how (the plain equations, or two-phase reads) is a backend in `depth_ba
 Shape legend: B batch, T tokens, D hidden, N sources of one read, J streams. History is depth-major: sources
 stacked on a leading depth axis are [N, B, T, J, D], depth weights [N, B, T, J].
 Precision policy (`dar_compute_dtype`): the DAR state, depth softmax and mixing run in float32 (float64 for a
-float64 model); the branch input u is cast once to the model dtype, the branch output y once back.
+float64 model); the branch input u is cast once to the model dtype, the branch output y once back. The committed
+entries may be stored in the model dtype instead (`config.dar_history_dtype`, `dar_history_dtype`).
 """
 
 import math
@@ -57,7 +58,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import ROUTING_KEY_VALUE_STREAMS, DARConfig
-from .depth_backends import DepthState, dar_compute_dtype, depth_backend
+from .depth_backends import DepthState, dar_history_dtype, depth_backend
 
 # Every DAR-only parameter lives under a module of one of these names; everything else keeps Llama's names. The one
 # list of them: the fp32 policy below, weight decay (`training.py`) and the converter's new parameters read it.
@@ -423,7 +424,8 @@ class DARModel(DARPreTrainedModel):
         """The DAR state before branch 0, flattened for the decoder layers (`DepthState.as_args`): no partial, and
         one committed entry per stream, the embedding (times 1/J for split writes), B^j_0 [B, T, J, D]."""
         config = self.config
-        embedding = inputs_embeds.to(dar_compute_dtype(inputs_embeds.dtype)) * config.dar_embedding_scale  # [B, T, D]
+        history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
+        embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
         return depth_backend(config).start(entry).as_args()
 
