@@ -18,8 +18,8 @@ decoder layer reads and writes a two-stream residual state through its `DARBranc
 
 Equation numbers are this docstring's, one per line of DESIGN.md section 2; the sources S^j of a read are the
 committed entries B^j_0 .. B^j_{n-1} and, inside a block, the partial P^j. The modules below say *what* is read and
-written; how (the plain equations, or two-phase reads) is a backend in `depth_backends.py`, picked by
-`config.dar_implementation` the way `ALL_ATTENTION_FUNCTIONS` picks token attention.
+written; how (the plain equations, the fused fast path or two-phase reads) is a backend in `depth_backends.py`,
+picked by `config.dar_implementation` the way `ALL_ATTENTION_FUNCTIONS` picks token attention.
 
 Shape legend: B batch, T tokens, D hidden, N sources of one read, J streams. History is depth-major: sources
 stacked on a leading depth axis are [N, B, T, J, D], depth weights [N, B, T, J].
