@@ -325,15 +325,18 @@ def main() -> None:
             results[name].update(figures)
 
     metrics = [key for key in results[names[0]] if key != "parameters"]
-    header = f"{'metric':<24}" + "".join(f"{name:>14}" for name in names) + "".join(
-        f"{name + '/llama':>18}" for name in names if name != "llama"
+    width = {name: max(14, len(name) + 2) for name in names}  # columns fit names such as dar-block@two_phase
+    ratio_width = {name: max(18, len(name) + 8) for name in names}
+    header = f"{'metric':<24}" + "".join(f"{name:>{width[name]}}" for name in names) + "".join(
+        f"{name + '/llama':>{ratio_width[name]}}" for name in names if name != "llama"
     )
     print(header)
     for metric in metrics:
-        row = f"{metric:<24}" + "".join(f"{results[name][metric]:>14.4f}" for name in names)
+        row = f"{metric:<24}" + "".join(f"{results[name][metric]:>{width[name]}.4f}" for name in names)
         if "llama" in results:
             row += "".join(
-                f"{results[name][metric] / results['llama'][metric]:>17.3f}x" for name in names if name != "llama"
+                f"{results[name][metric] / results['llama'][metric]:>{ratio_width[name] - 1}.3f}x"
+                for name in names if name != "llama"
             )
         print(row)
 
