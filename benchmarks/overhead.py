@@ -7,8 +7,7 @@ float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machin
   - prefill: forward of the prompt with a fresh KV cache;
   - decode: one-token forwards with the KV cache after the prompt (median per token);
   - saved activations: bytes of the tensors autograd keeps for backward in one training forward (deduplicated
-    by storage, DAR's history buffers included; a deterministic measure of training activation memory that
-    excludes weights and optimiser);
+    by storage; a deterministic measure of training activation memory that excludes weights and optimiser);
   - peak RSS: resident memory high-water mark of a fresh process doing one training step or one prefill.
   - saved activations in bf16 and fp32 (issue #11's measure): SmolLM2's dimensions with a vocabulary of 8192, one
     sequence of 512 tokens, weights in bf16 with DAR parameters in float32 (as `from_pretrained(dtype=bfloat16)`
@@ -59,14 +58,22 @@ SHAPES = {
 
 
 def build_model(name: str, shape: dict) -> torch.nn.Module:
+    """Build "llama", "dar-block" or "dar-full", the DAR ones with an optional "@backend" (`dar_implementation`, e.g.
+    "dar-block@two_phase"; the default "fast" otherwise), so that both backends run side by side in one run."""
     torch.manual_seed(0)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**shape))
+    name, _, implementation = name.partition("@")
     num_branches = 2 * shape["num_hidden_layers"]
     block_size = 1 if name == "dar-full" else None  # None: about 8 blocks
-    config = DARConfig(**shape, dar_block_size=block_size)
+    config = DARConfig(**shape, dar_block_size=block_size, dar_implementation=implementation or "fast")
     assert config.dar_block_size <= num_branches
     return DARForCausalLM(config)
+
+
+# Wall-clock time by default; `--clock process` times this process's CPU time instead, which on a CPU shared with
+# other jobs (one thread: the process runs or waits) moves far less than wall time between interleaved repeats.
+clock = time.perf_counter
 
 
 def synchronize(device: torch.device) -> None:
@@ -77,22 +84,22 @@ def synchronize(device: torch.device) -> None:
 
 def time_train_step(model, optimizer, batch) -> float:
     synchronize(batch.device)
-    start = time.perf_counter()
+    start = clock()
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     synchronize(batch.device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 @torch.no_grad()
 def time_prefill(model, prompt) -> float:
     synchronize(prompt.device)
-    start = time.perf_counter()
+    start = clock()
     model(input_ids=prompt, use_cache=True)
     synchronize(prompt.device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 @torch.no_grad()
@@ -103,18 +110,19 @@ def time_decode(model, prompt, new_tokens: int) -> float:
     times = []
     for _ in range(new_tokens):
         synchronize(prompt.device)
-        start = time.perf_counter()
+        start = clock()
         output = model(input_ids=token, past_key_values=cache, use_cache=True)
         synchronize(prompt.device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
     return statistics.median(times)
 
 
 def saved_activation_bytes(model, batch) -> int:
-    """Bytes of distinct storages autograd keeps for backward in one training forward: the tensors saved by the
-    graph, plus (for DAR) the depth-major history buffers that its fused reads keep outside the saved-tensor
-    mechanism, so that the count is complete."""
+    """Bytes of distinct storages autograd keeps for backward in one training forward (parameters excluded). DAR's
+    two-phase backend chains its own saved-tensor hooks to this one, so what it keeps is counted and the partial
+    states it rebuilds in backward are not; the fast backend's depth-major buffers, which its fused reads keep
+    outside the saved-tensor mechanism, are added, so that its count is complete too."""
     storages = {}
 
     def record(tensor):
@@ -153,7 +161,7 @@ class TokenClock(BaseStreamer):
 
     def put(self, value):
         synchronize(self.device)
-        self.times.append(time.perf_counter())
+        self.times.append(clock())
 
     def end(self):
         pass
@@ -232,7 +240,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of each measurement")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--models", default=None,
-                        help="comma-separated (default: llama,dar-block,dar-full; with --compile llama,dar-block, "
+                        help="comma-separated, a DAR model optionally with @backend, e.g. dar-block@two_phase (default: llama,dar-block,dar-full; with --compile llama,dar-block, "
                         "since compiling Full DAR at the SmolLM2 shape alone takes longer than the rest together "
                         "on 2 CPU cores: add it explicitly, or measure it at --shape small)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
@@ -242,10 +250,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the models run (default: cuda when available); on cuda, peak memory is the "
                         "allocator's high-water mark of one training step / prefill instead of process RSS")
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
+                        help="wall-clock time, or this process's CPU time (CPU only; for a loaded shared machine)")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results (default: results/overhead.json, or overhead_compile.json with --compile)")
     args = parser.parse_args()
 
+    global clock
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     shape = SHAPES[args.shape]
     if args.output is None:
         args.output = Path(__file__).parent / "results" / ("overhead_compile.json" if args.compile else "overhead.json")
@@ -279,9 +291,9 @@ def main() -> None:
         first[name] = {"train_step_first_s": time_train_step(runners[name], optimizers[name], batch)}
         models[name].eval()
         first[name]["prefill_first_s"] = time_prefill(runners[name], prompt)
-        start = time.perf_counter()
+        start = clock()
         decode(models[name], prompt, 2)
-        first[name]["decode_first_s"] = time.perf_counter() - start
+        first[name]["decode_first_s"] = clock() - start
         print(f"warm-up {name}: " + ", ".join(f"{key} {value:.1f} s" for key, value in first[name].items()), flush=True)
     for _ in range(args.repeats):
         for name in names:
@@ -313,22 +325,25 @@ def main() -> None:
             results[name].update(figures)
 
     metrics = [key for key in results[names[0]] if key != "parameters"]
-    header = f"{'metric':<24}" + "".join(f"{name:>14}" for name in names) + "".join(
-        f"{name + '/llama':>18}" for name in names if name != "llama"
+    width = {name: max(14, len(name) + 2) for name in names}  # columns fit names such as dar-block@two_phase
+    ratio_width = {name: max(18, len(name) + 8) for name in names}
+    header = f"{'metric':<24}" + "".join(f"{name:>{width[name]}}" for name in names) + "".join(
+        f"{name + '/llama':>{ratio_width[name]}}" for name in names if name != "llama"
     )
     print(header)
     for metric in metrics:
-        row = f"{metric:<24}" + "".join(f"{results[name][metric]:>14.4f}" for name in names)
+        row = f"{metric:<24}" + "".join(f"{results[name][metric]:>{width[name]}.4f}" for name in names)
         if "llama" in results:
             row += "".join(
-                f"{results[name][metric] / results['llama'][metric]:>17.3f}x" for name in names if name != "llama"
+                f"{results[name][metric] / results['llama'][metric]:>{ratio_width[name] - 1}.3f}x"
+                for name in names if name != "llama"
             )
         print(row)
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "shape": args.shape, "dims": shape, "compile": args.compile, "batch": args.batch, "seq": args.seq,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "clock": args.clock,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -7,8 +7,10 @@ shapes compiles once; `Trainer(torch_compile=True)` gives the eager loss curve; 
 gives the eager greedy tokens. Most checks compile with `aot_eager` (dynamo + AOTAutograd, the stages where a side
 channel between autograd nodes goes missing); one per model kind compiles with inductor, as users run it.
 
-Eager runs the fast backend (fused reads, shared entry gradients); a compiled forward runs the reference equations
-(`depth_backends.depth_backend`), so agreement is two evaluation orders agreeing: float64 to 1e-10 relative.
+A compiled forward runs two-phase reads ("two_phase"; its custom autograd function holds no state outside its
+inputs and outputs, so dynamo traces it), also when the eager default "fast" is configured: the eager twin then runs
+the fused fast path, so these checks also compare the two backends. The exactness tests pin both to the reference
+equations; here float64 agreement is to 1e-10 relative.
 """
 
 import copy
@@ -158,18 +160,27 @@ def test_training_compiles_once_for_fixed_shapes():
     assert counter.frame_count == 1
 
 
-def test_negative_control_fast_backend_under_compile_is_caught(monkeypatch):
-    """The mechanism compile cannot see: forcing the fast backend (shared gradient buffer, `.data` writes) into a
-    compiled forward must fail this test's comparison, by a wrong gradient or a refusal to trace fullgraph."""
+class _ReferenceWithoutCountScaling(depth_backends.ReferenceDepthBackend):
+    """The reference equations with the count scaling N dropped (a wrong backend, for the negative control)."""
 
-    def always_fast(config):
-        return depth_backends.FastDepthBackend(config)
+    def read(self, residual, state, read_partial, planned=None):
+        branch_input, weights = super().read(residual, state, read_partial, planned)
+        return branch_input / weights.shape[0], weights
 
-    monkeypatch.setattr(depth_backends, "depth_backend", always_fast)
-    monkeypatch.setattr("dar_transformers.modeling_dar.depth_backend", always_fast)
-    model = tiny(dar_block_size=2)
-    with pytest.raises(Exception):  # noqa: B017 (either failure mode will do: an assertion or a dynamo error)
-        compiled_matches_eager(model, steps=1)
+
+def test_negative_control_a_compiled_path_that_differs_is_caught(monkeypatch):
+    """The comparison can fail: a compiled forward that takes other equations than eager (picked only while
+    tracing) must fail it."""
+    eager_backend = depth_backends.depth_backend
+
+    def differs_when_compiled(config):
+        if torch.compiler.is_compiling():
+            return _ReferenceWithoutCountScaling(config)
+        return eager_backend(config)
+
+    monkeypatch.setattr("dar_transformers.modeling_dar.depth_backend", differs_when_compiled)
+    with pytest.raises(AssertionError):
+        compiled_matches_eager(tiny(dar_block_size=2), steps=1)
 
 
 @pytest.mark.parametrize("kind", ["dar", "moe"])
@@ -215,3 +226,19 @@ def test_trainer_torch_compile_gives_the_eager_loss_curve(tmp_path):
         assert graphs >= 1 if compiled else graphs == 0  # the compiled run did go through dynamo
     assert len(curves[True]) == 6 and curves[True][-1] < curves[True][0]
     torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("configured,traced", [("fast", "two_phase"), ("two_phase", "two_phase"),
+                                               ("reference", "reference")])
+def test_a_traced_forward_takes_a_backend_that_compiles(monkeypatch, configured, traced):
+    """The fused fast path's shared gradient buffer is invisible to a compiler: while tracing, "fast" becomes
+    "two_phase"; eagerly every configured backend runs as configured."""
+    config = DARConfig(**TINY_LLAMA_FIELDS, dar_implementation=configured)
+    assert type(depth_backends.depth_backend(config)) is depth_backends.ALL_DEPTH_BACKENDS[configured]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert type(depth_backends.depth_backend(config)) is depth_backends.ALL_DEPTH_BACKENDS[traced]
+
+
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
+def test_compiled_two_phase_equals_eager_of_either_backend(implementation):
+    compiled_matches_eager(tiny(dar_block_size=2, dar_implementation=implementation), steps=1)

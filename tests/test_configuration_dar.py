@@ -21,7 +21,11 @@ BAD_VALUES = {
     "rho_init_zero": ({"dar_rho_init": 0.0}, ["dar_rho_init", "between 0 and 1"]),
     "rho_init_one": ({"dar_rho_init": 1.0}, ["dar_rho_init", "between 0 and 1"]),
     "one_stream_with_dar_routing": ({"dar_num_streams": 1, "dar_routing": "dar"}, ["dar_routing", "['selfkv']"]),
-    "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'reference'"]),
+    "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'two_phase', 'reference'"]),
+    "unknown_history_dtype": ({"dar_history_dtype": "bfloat16"}, ["dar_history_dtype", "'float32', 'model'"]),
+    "model_history_on_the_fast_path": (
+        {"dar_history_dtype": "model", "dar_implementation": "fast"}, ["dar_history_dtype", "'two_phase'", "'fast'"]
+    ),
     "unknown_branch_family": ({"dar_branch_family": "gpt2"}, ["dar_branch_family", "'llama'"]),
     "negative_gate_delta": ({"dar_gate_delta": -1.0}, ["dar_gate_delta", ">= 0"]),
 }
@@ -79,6 +83,7 @@ def test_save_load_round_trip_keeps_every_dar_field(tmp_path):
         dar_count_scaling=False,
         dar_branch_family="qwen2",
         dar_implementation="reference",
+        dar_history_dtype="model",
     )
     tiny_dar_config(**fields).save_pretrained(tmp_path)
     loaded = DARConfig.from_pretrained(tmp_path)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fast path's building blocks against plain autograd and a readable loop: the fused depth read's hand-written
-backward (gradcheck in float64, every routing, with and without the partial), the fused transport + write, and the
-inference memo of parameter-derived tensors."""
+"""The fused eager fast path ("fast", the eager default): its building blocks against plain autograd and a readable
+loop: the fused depth read's hand-written backward (gradcheck in float64, every routing, with and without the
+partial), the fused transport + write, their refusal of double backward, and the inference memo of parameter-derived
+tensors."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from dar_transformers.depth_backends import (
     _TransportWrite,
     commit_entry,
     depth_read,
-    gated_write,
+    cast_gated_write,
     inverse_rms,
     routed_queries,
     transport_write,
@@ -142,7 +143,7 @@ def _perturbed_tiny_dar(block_size):
     torch.manual_seed(0)
     config = DARConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, dar_block_size=block_size,
+        vocab_size=64, dar_block_size=block_size, dar_implementation="fast",
     )
     model = DARForCausalLM(config).eval()
     with torch.no_grad():
@@ -223,7 +224,7 @@ def test_transport_write_gradcheck_and_plain_autograd():
             lambda *args: _TransportWrite.apply(*inputs[: 4 - len(args)], *args), differentiable, eps=1e-6, atol=1e-8
         )
         fused = torch.autograd.grad((_TransportWrite.apply(*inputs) * upstream).sum(), differentiable)
-        plain = torch.autograd.grad((gated_write(*inputs) * upstream).sum(), differentiable)
+        plain = torch.autograd.grad((cast_gated_write(*inputs) * upstream).sum(), differentiable)
         for grad, reference in zip(fused, plain):
             torch.testing.assert_close(grad, reference, rtol=1e-12, atol=1e-12)
     # A transport that forgot the swap (rho ignored) must not pass for this one.
@@ -247,7 +248,7 @@ def test_transport_write_keeps_the_branch_output_in_the_model_dtype():
     assert [tensor.dtype for tensor in saved if tensor.shape == branch_output.shape] == [torch.bfloat16]
     upstream = torch.randn(2, 3, 2, 8, generator=generator)
     fused = torch.autograd.grad((written * upstream).sum(), (partial, rho, beta, branch_output))
-    plain = torch.autograd.grad((gated_write(partial, rho, beta, branch_output) * upstream).sum(),
+    plain = torch.autograd.grad((cast_gated_write(partial, rho, beta, branch_output) * upstream).sum(),
                                 (partial, rho, beta, branch_output))
     for grad, reference in zip(fused, plain):
         assert grad.dtype == reference.dtype
@@ -287,3 +288,51 @@ def test_second_backward_with_a_frozen_embedding(block_size):
             torch.testing.assert_close(parameter.grad, first[name], rtol=0, atol=0, msg=name)
     assert model.model.embed_tokens.weight.grad is None
     assert first["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+
+
+def _refuses_a_second_derivative(first_derivative):
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first_derivative.sum().backward()
+
+
+def test_depth_read_refuses_double_backward():
+    """Issue 16 item 5: the hand-written backwards (read, commit) fail loudly on a second derivative instead of
+    computing it wrong."""
+    key_streams, value_streams = ROUTINGS["dar"]
+    entries, partial, query, gate = _read_inputs(2, seed=4)
+    branch_input = _fast_read(entries, partial, query, gate, key_streams, value_streams)
+    assert type(branch_input.grad_fn).__name__ == "_DepthReadBackward"
+    (grad_query,) = torch.autograd.grad(branch_input.pow(2).sum(), query, create_graph=True)
+    _refuses_a_second_derivative(grad_query)
+    entries, partial, query, gate = _read_inputs(2, seed=5)  # the commits' backward: an entry's gradient
+    branch_input = _fast_read(entries, partial, query, gate, key_streams, value_streams)
+    (grad_entry,) = torch.autograd.grad(branch_input.pow(2).sum(), entries[0], create_graph=True)
+    _refuses_a_second_derivative(grad_entry)
+
+
+def test_transport_write_refuses_double_backward():
+    generator = torch.Generator().manual_seed(7)
+    partial = torch.randn(2, 3, 2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    rho = torch.tensor([0.8], dtype=torch.float64, requires_grad=True)
+    beta = torch.rand(2, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    branch_output = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    written = _TransportWrite.apply(partial, rho, beta, branch_output)
+    (grad_beta,) = torch.autograd.grad(written.pow(2).sum(), beta, create_graph=True)
+    _refuses_a_second_derivative(grad_beta)
+
+
+def test_model_training_refuses_double_backward():
+    """End to end: a gradient penalty through the fast path fails with a clear error, where the reference (plain
+    autograd) computes it (eager token attention: SDPA on CPU has no double backward of its own)."""
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(10))
+    for implementation in ("reference", "fast"):
+        model = _perturbed_tiny_dar(2).train()
+        model.config.dar_implementation = implementation
+        model.set_attn_implementation("eager")
+        loss = model(ids, labels=ids).loss
+        (grad,) = torch.autograd.grad(loss, model.model.layers[0].self_attn.q_proj.weight, create_graph=True)
+        if implementation == "reference":
+            grad.pow(2).sum().backward()
+            assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+        else:
+            _refuses_a_second_derivative(grad)

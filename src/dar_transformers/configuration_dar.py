@@ -20,9 +20,14 @@
 - `dar_branch_family`: which HF family's attention and MLP modules implement the unchanged branches.
 - `sliding_window`: Mistral's attention window (None: full causal attention), read by the Mistral branch and
   by the mask, as in `MistralModel`; kept from the source at conversion so the upcycle stays exact.
-- `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`): "fast" (fused eager reads, keys
-  normalised once per entry) or "reference" (the plain equations). A forward traced by `torch.compile` always
-  uses "reference".
+- `dar_history_dtype`: the dtype the committed history entries B_0 .. B_{n-1} are stored in: "float32" (the
+  precision policy of DESIGN.md section 4, the default: float32, or float64 for a float64 model) or "model" (the
+  model's dtype, as Llama keeps its residual stream: bf16 entries for a bf16 model). Either way the partial block
+  state, the per-token statistics and the depth softmax and mixing stay float32; only storage changes. "model" needs
+  `dar_implementation` "two_phase" or "reference" (the fused "fast" path keeps its buffers in float32).
+- `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`): "fast" (the fused eager path; a
+  forward traced by `torch.compile` runs "two_phase" instead), "two_phase" (two-phase depth reads, DESIGN.md
+  section 7: leaner backward in bf16, compiles) or "reference" (the plain equations, the oracle).
 """
 
 import math
@@ -36,7 +41,8 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 DAR_ROUTINGS = ("dar", "selfkv", "crossv", "fixedkv")
 DAR_WRITE_MODES = ("duplicate", "split")
 DAR_BRANCH_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-DAR_IMPLEMENTATIONS = ("fast", "reference")
+DAR_IMPLEMENTATIONS = ("fast", "two_phase", "reference")
+DAR_HISTORY_DTYPES = ("float32", "model")
 DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
 DAR_DEFAULT_DELTA = 0.7
 
@@ -81,6 +87,7 @@ class DARConfig(LlamaConfig):
     dar_count_scaling: bool = True
     dar_branch_family: str = "llama"
     dar_implementation: str = "fast"
+    dar_history_dtype: str = "float32"
     sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
@@ -106,6 +113,12 @@ class DARConfig(LlamaConfig):
         _must_be_one_of("dar_write_mode", self.dar_write_mode, DAR_WRITE_MODES)
         _must_be_one_of("dar_branch_family", self.dar_branch_family, DAR_BRANCH_FAMILIES)
         _must_be_one_of("dar_implementation", self.dar_implementation, DAR_IMPLEMENTATIONS)
+        _must_be_one_of("dar_history_dtype", self.dar_history_dtype, DAR_HISTORY_DTYPES)
+        if self.dar_history_dtype == "model" and self.dar_implementation == "fast":
+            raise ValueError(
+                "DARConfig.dar_history_dtype='model' needs dar_implementation 'two_phase' or 'reference' (the fused "
+                "'fast' path keeps its depth buffers, and so the history, in float32), got dar_implementation='fast'."
+            )
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise ValueError(f"DARConfig.sliding_window must be None or a positive integer, got {self.sliding_window!r}.")
         if not 0.0 < self.dar_rho_init < 1.0:

@@ -4,37 +4,55 @@
 token attention.
 
 The paper modules (`modeling_dar.py`) say *what* a branch reads and writes (DESIGN.md section 2); a backend says
-*how*. Every backend has the same three methods over the same state (`DepthState`):
+*how*. Every backend has the same methods over the same state (`DepthState`):
 
-  Backend(config).start(entry)         -> state with history (B_0,) and no partial          (B_0 = the embedding)
-  read(residual, state, read_partial)  -> (u [B, T, D], depth weights [N, B, T, J])            eq. (2)-(5)
-  write(residual, state, y, commits)   -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
+  Backend(config).start(entry)           -> state with history (B_0,) and no partial        (B_0 = the embedding)
+  plan(state, *residuals)                -> phase 1 of the leading reads that see the same committed entries
+  read(residual, state, read_partial, planned) -> (u [B, T, D], depth weights [N, B, T, J])   eq. (2)-(5)
+  write(residual, state, y, commits)     -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
 
 Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
   - "reference": the plain equations, composed from the paper modules themselves (`DARDepthAttention`,
-    `DARReadGate`, `DARWriteGate`); stateless. Autograd, `torch.compile` and inductor see ordinary tensor ops, so
-    this is also the backend of every compiled forward (`depth_backend`).
-  - "fast": the eager fast path. Keys are normalised once per committed entry (a per-token inverse RMS); committed
+    `DARReadGate`, `DARWriteGate`); every read stacks its sources and normalises every key again. The oracle.
+  - "fast" (the default; eager only): the fused eager path. Keys are normalised once per committed entry; committed
     entries are copied into a depth-major buffer allocated once per forward, and each branch reads it with one fused
-    product (`_DepthRead`: scores against a routed query matrix, softmax over depth, read gate folded into per-value-
-    stream coefficients). Its backward keeps per-token scalars only and adds the entries' gradients in place into
+    product (`_DepthRead`). Its backward keeps per-token scalars only and adds the entries' gradients in place into
     one shared buffer (`DepthGradients`) that each entry's commit hands to autograd (`_Commit`). That sharing
-    between autograd nodes is invisible to a compiler, which is why a compiled forward never uses this backend.
+    between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
+    configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
+    than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
+  - "two_phase" (opt-in eagerly, for its leaner backward; what compiled forwards run): two-phase depth reads
+    (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
+    computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
+    see the same committed entries (the attention and MLP branches inside a block): the folded queries w * gamma of
+    both branches meet the stacked history in one product (scores, log-sum-exp L, softmax-weighted value sum Obar).
+    Phase 2, per branch: the partial P joins by the log-sum-exp rule, x = N * lerp(Obar, P, sigmoid(z - L)), then
+    the read gate. Phase 1 is computed without autograd; one `autograd.Function` per read (`_TwoPhaseRead`, no
+    state outside its inputs and outputs, so `torch.compile` traces it) keeps per-token statistics only (softmax
+    weights and key dots, [N, B, T, J]) besides the entries and the partial that are alive anyway, and rebuilds
+    every gradient from them. The write is plain autograd with the branch output y kept in the model dtype.
+    Phase 1 is per decoder layer rather than per block of K branches so that a layer reads no other layer's
+    parameters: layer-streamed verification, offloading and regional compilation see self-contained layers.
 
 Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
-partial), J streams. One layout for the history everywhere: depth-major, entry n of every stream is [B, T, J, D],
-and the entries stacked on a leading depth axis are [N, B, T, J, D] (the fast path's buffer is [S_max, ...]).
-Precision policy: the DAR state and depth mixing run in `dar_compute_dtype` (float32, or float64 for a float64
-model); a branch output y arrives in the model dtype and is cast once on write.
+partial), R reads planned together, J streams. One layout for the history everywhere: depth-major, entry n of every
+stream is [B, T, J, D], and the entries stacked on a leading depth axis are [N, B, T, J, D].
+Precision policy (`dar_compute_dtype` and `dar_history_dtype`, the one place that says it): the DAR state and depth
+mixing run in float32 (or float64 for a float64 model), also under autocast; a branch output y arrives in the model
+dtype. `config.dar_history_dtype = "model"` stores the committed entries in the model dtype instead (as Llama stores
+its residual stream); every read upcasts them, so statistics, softmax and mixing stay float32. The backends store a
+commit in entry 0's dtype, which the model picks with `dar_history_dtype`.
 """
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from transformers.utils.generic import GeneralInterface
 
 
@@ -43,11 +61,19 @@ def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(model_dtype, torch.float32)
 
 
+def dar_history_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the committed entries B_0 .. B_{n-1} are stored in (`config.dar_history_dtype`): the compute dtype
+    ("float32"), or the model dtype ("model"). Partial, statistics and mixing are in the compute dtype either way."""
+    return model_dtype if config.dar_history_dtype == "model" else dar_compute_dtype(model_dtype)
+
+
 @dataclass(frozen=True)
 class DepthState:
     """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
-    [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), and the
-    backend that reads and writes it (the fast backend owns per-forward buffers).
+    [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), the per-token
+    inverse RMS of every committed entry [S, B, T, J] (two-phase backend; computed at the commit, without autograd
+    history; None for the reference and for "fast", which keeps it in its own buffer), and the backend that reads
+    and writes it.
 
     A decoder layer takes and returns it flattened (`as_args`), so that reentrant gradient checkpointing, which only
     sees positional tensors, tracks the partial and every entry.
@@ -56,13 +82,14 @@ class DepthState:
     backend: Any
     partial: torch.Tensor | None
     history: tuple[torch.Tensor, ...]
+    history_inv_rms: torch.Tensor | None = None
 
     def as_args(self) -> tuple:
-        return (self.backend, self.partial, *self.history)
+        return (self.backend, self.partial, self.history_inv_rms, *self.history)
 
     @classmethod
-    def from_args(cls, backend, partial, *history) -> "DepthState":
-        return cls(backend, partial, tuple(history))
+    def from_args(cls, backend, partial, history_inv_rms, *history) -> "DepthState":
+        return cls(backend, partial, tuple(history), history_inv_rms)
 
     def sources(self, read_partial: bool) -> tuple[torch.Tensor, ...]:
         """S^j of DESIGN.md section 2: the committed entries, then the partial when the branch reads it."""
@@ -82,21 +109,28 @@ class ReferenceDepthBackend:
     def start(self, entry: torch.Tensor) -> DepthState:
         return DepthState(self, None, (entry,))
 
-    def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        sources = torch.stack(state.sources(read_partial))  # [N, B, T, J, D]
+    def plan(self, state: DepthState, *residuals) -> tuple[None, ...]:
+        return (None,) * len(residuals)
+
+    def keeping_partials_lean(self):
+        return nullcontext()
+
+    def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
+        compute_dtype = dar_compute_dtype(state.history[0].dtype)
+        sources = torch.stack([source.to(compute_dtype) for source in state.sources(read_partial)])  # [N, B, T, J, D]
         extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
         return residual.read_gate(extraction), weights  # u [B, T, D]
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
-        compute_dtype = state.history[0].dtype
+        compute_dtype = dar_compute_dtype(state.history[0].dtype)
         partial = residual.write_gate(branch_output.to(compute_dtype), state.partial)  # [B, T, J, D]
-        if commits:
-            return DepthState(self, None, (*state.history, partial))
+        if commits:  # stored in the history's dtype (`dar_history_dtype`)
+            return DepthState(self, None, (*state.history, partial.to(state.history[0].dtype)))
         return DepthState(self, partial, state.history)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# "fast": the fused eager path.
+# "two_phase": two-phase reads (DESIGN.md section 7).
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,6 +169,414 @@ def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) ->
     if sorted(value_streams) == list(range(streams)):  # a permutation: identity or swap
         return _streams(by_target, tuple(value_streams.index(stream) for stream in range(streams)), by_target.dim() - 1)
     return by_target @ stream_selector(value_streams, by_target).T  # [J, J_val]: row j marks nu(j)
+
+
+@dataclass(frozen=True)
+class PhaseOne:
+    """Phase 1 of one read, against the committed entries only (DESIGN.md section 7), without autograd history:
+    softmax weights [S, B, T, J], the log-sum-exp L of the scores [B, T, J] and the softmax-weighted value sum Obar
+    [B, T, J, D] (values of stream nu(j))."""
+
+    weights: torch.Tensor
+    log_sum_exp: torch.Tensor
+    mean: torch.Tensor
+
+
+def phase_one(
+    routed: torch.Tensor, history: torch.Tensor, history_inv_rms: torch.Tensor, key_streams, value_streams
+) -> list[PhaseOne]:
+    """Phase 1 of R reads in one pass over the history: routed [J * D, R * J] (`routed_queries` side by side),
+    history [S, B, T, J, D], its inverse RMS [S, B, T, J] -> one `PhaseOne` per read."""
+    sources, batch, tokens, streams, hidden = history.shape
+    reads = routed.shape[1] // streams
+    key_dots = (history.view(-1, streams * hidden) @ routed).view(sources, batch, tokens, reads, streams)
+    scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, R, J]
+    log_sum_exp = scores.logsumexp(0)  # [B, T, R, J]
+    weights = torch.exp(scores - log_sum_exp)  # [S, B, T, R, J]
+    means = _value_sums(weights, history, value_streams)  # [B, T, J, R, D]
+    return [
+        PhaseOne(weights[:, :, :, read], log_sum_exp[:, :, read], means[:, :, :, read])
+        for read in range(reads)
+    ]
+
+
+def _value_sums(weights: torch.Tensor, history: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
+    """Obar^j_r = sum_s weights[s, .., r, j] B_s^{nu(j)}: weights [S, B, T, R, J], history [S, B, T, J, D] ->
+    [B, T, J, R, D]. One batched product per token and value stream over a strided view of the history (no copy of
+    it; einsum would copy or loop per token here)."""
+    sources, batch, tokens, reads, streams = weights.shape
+    hidden = history.shape[-1]
+    if len(set(value_streams)) < streams:  # fixedkv: every target reads one stream
+        values = history[:, :, :, value_streams[0]].reshape(sources, -1, hidden).transpose(0, 1)  # [BT, S, D]
+        rows = weights.permute(1, 2, 3, 4, 0).reshape(-1, reads * streams, sources).contiguous()  # [BT, R * J, S]
+        means = torch.bmm(rows, values).view(batch, tokens, reads, streams, hidden)
+        return means.transpose(2, 3)  # [B, T, J, R, D]
+    # a permutation: reorder the targets by value stream, read every value stream once
+    by_value = _streams(weights, tuple(value_streams.index(stream) for stream in range(streams)), 4)
+    # contiguous: a strided operand (even one with a size-1 axis) sends CPU bmm down a per-matrix copy loop
+    rows = by_value.permute(1, 2, 4, 3, 0).reshape(-1, reads, sources).contiguous()  # [B T J_val, R, S]
+    values = history.view(sources, -1, hidden).transpose(0, 1)  # [B T J_val, S, D], a view
+    means = torch.bmm(rows, values).view(batch, tokens, streams, reads, hidden)  # by value stream
+    return _streams(means, value_streams, 2)  # [B, T, J, R, D] by target
+
+
+def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_streams, value_streams):
+    """Phase 2 of one read: the partial (if read) joins phase 1 by the log-sum-exp rule, then the read gate.
+
+    routed [J * D, J], gate [J] (read gate times read and count scaling), partial [B, T, J, D] or None with its
+    inverse RMS [B, T, J] -> (u [B, T, D], softmax weights [N, B, T, J]).
+    """
+    if partial is None:
+        extraction, weights = phase.mean, phase.weights  # [B, T, J, D], [S, B, T, J]
+    else:
+        batch, tokens, streams, hidden = partial.shape
+        partial_dots = (partial.reshape(-1, streams * hidden) @ routed).view(batch, tokens, streams)  # [B, T, J]
+        score = partial_dots * _streams(partial_inv_rms, key_streams, 2)  # z [B, T, J]
+        share = torch.sigmoid(score - phase.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
+        values = _streams(partial, value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
+        extraction = torch.lerp(phase.mean, values, share.unsqueeze(-1))  # [B, T, J, D]
+        weights = torch.cat([phase.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
+    branch_input = (extraction * gate.unsqueeze(-1)).sum(-2)  # [B, T, D]: sum_j gate_j x^j
+    return branch_input, weights
+
+
+def gated_write(partial, rho, beta, branch_output):
+    """(6) of one branch output y [B, T, D] in the model dtype: P = beta * y at the start of a block (partial None),
+    else rho P + (1 - rho) swap(P) + beta * y -> [B, T, J, D] in beta's dtype. The swap is applied after the product,
+    so autograd keeps P itself (once) and y in the model dtype, nothing else entry-sized. One stream: rho is None
+    after the first branch too, and P + y (beta = 1)."""
+    written = beta * branch_output.unsqueeze(-2)  # [B, T, J, D]
+    if partial is None:
+        return written
+    if rho is None:
+        return partial + written
+    return rho * partial + ((1.0 - rho) * partial).flip(-2) + written
+
+
+class _TwoPhaseRead(torch.autograd.Function):
+    """One branch's read (phase 2 on a phase 1 computed without autograd), with the gradient of the whole read.
+
+    Saves per-token statistics (softmax weights [N, B, T, J], inverse RMS) and references to the committed entries
+    and the partial, which are alive anyway; nothing entry-sized of its own. Backward stacks the entries again,
+    recomputes the key dots (one product) and rebuilds every gradient from them, including the key normalisation's,
+    d rms^-1 / d h = -rms^-3 h / D. Its inputs are its only state, so `torch.compile` traces it like plain code.
+    """
+
+    @staticmethod
+    def forward(ctx, routed, gate, partial, history_inv_rms, weights, log_sum_exp, mean, routing, eps, *entries):
+        phase = PhaseOne(weights, log_sum_exp, mean)
+        partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
+        branch_input, weights = phase_two(phase, routed, gate, partial, partial_inv_rms, *routing)
+        ctx.save_for_backward(routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries)
+        ctx.routing = routing
+        ctx.mark_non_differentiable(weights)
+        return branch_input, weights
+
+    @staticmethod
+    @once_differentiable  # the backward is hand-written: a second derivative through it would be silently wrong
+    def backward(ctx, grad_input, _grad_weights):
+        routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries = ctx.saved_tensors
+        key_streams, value_streams = ctx.routing
+        history = torch.stack(entries).to(routed.dtype)  # [S, B, T, J, D], recomputed, in the compute dtype
+        sources, batch, tokens, streams, hidden = history.shape
+        key_dots = (history.view(-1, streams * hidden) @ routed).view(sources, batch, tokens, streams)  # recomputed
+        if partial is not None:
+            partial_dots = (partial.reshape(-1, streams * hidden) @ routed).view(1, batch, tokens, streams)
+            key_dots = torch.cat([key_dots, partial_dots])  # [N, B, T, J]
+        # g . B^v_r per value stream: one product per token and stream over a strided view of the history
+        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, hidden, 1)  # [BTJ, D, 1]
+        value_dots = torch.bmm(history.view(sources, -1, hidden).transpose(0, 1), grad_rows)  # [BTJ, S, 1]
+        value_dots = value_dots.view(batch, tokens, streams, sources).permute(3, 0, 1, 2)  # [S, B, T, J_val]
+        key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
+        if partial is not None:
+            partial_value_dots = (partial * grad_input.unsqueeze(2)).sum(-1)  # [B, T, J_val]
+            value_dots = torch.cat([value_dots, partial_value_dots.unsqueeze(0)])
+            key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
+        target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
+        grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
+        grad_weights = gate * target_value_dots  # [N, B, T, J]
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
+        grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]: d/d key dots
+        selector = stream_selector(key_streams, weights)  # [J_key, J]
+        grad_inv_rms = (grad_scores * key_dots) @ selector.T  # [N, B, T, J_key]
+        queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
+        coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
+
+        keys_permuted = sorted(key_streams) == list(range(streams))  # each key stream keys exactly one target
+        if keys_permuted:  # per key stream: its target's key-dot gradient and query
+            grad_keyed_by_stream = _by_value_stream(grad_keyed, key_streams)  # [N, B, T, J_key]
+            queries_by_stream = _by_value_stream(queries.T, key_streams).T  # [J_key, D]
+
+        def source_gradient(source, index, source_inv_rms):  # value, key and key-norm paths: [..., J, D]
+            grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)  # the one entry-sized temporary
+            norm_coefficient = grad_inv_rms[index] * source_inv_rms.pow(3) / -hidden  # [..., J]
+            grad.addcmul_(source, norm_coefficient.unsqueeze(-1))
+            if keys_permuted:
+                return grad.addcmul_(grad_keyed_by_stream[index].unsqueeze(-1), queries_by_stream)
+            return grad.add_((grad_keyed[index].unsqueeze(-2) * selector) @ queries)  # [..., J_key, J] @ [J, D]
+
+        grad_history = source_gradient(history, slice(0, sources), history_inv_rms)  # [S, B, T, J, D]
+        grad_partial = source_gradient(partial, sources, partial_inv_rms) if partial is not None else None
+        grad_routed = None
+        if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
+            grad_routed = grad_keyed[:sources].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
+            if partial is not None:
+                grad_routed = grad_routed + grad_keyed[sources].reshape(-1, streams).T @ partial.reshape(
+                    -1, streams * hidden
+                )
+            grad_routed = grad_routed.T
+        unused = (None,) * 6  # history_inv_rms, phase 1, routing, eps: no gradient
+        grad_history = grad_history.to(entries[0].dtype)  # each entry's gradient in its own (history) dtype
+        return (grad_routed, grad_gate, grad_partial, *unused, *grad_history.unbind(0))
+
+
+def two_phase_read(
+    routed: torch.Tensor,
+    gate: torch.Tensor,
+    state: "DepthState",
+    partial: torch.Tensor | None,
+    phase: PhaseOne,
+    key_streams: tuple[int, ...],
+    value_streams: tuple[int, ...],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2 of one read -> (u [B, T, D], depth weights [N, B, T, J]), with `_TwoPhaseRead`'s gradient when
+    training, plainly otherwise."""
+    inputs = (routed, gate, partial, *state.history)
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
+        return _TwoPhaseRead.apply(
+            routed, gate, partial, state.history_inv_rms, phase.weights, phase.log_sum_exp, phase.mean,
+            (key_streams, value_streams), eps, *state.history,
+        )
+    partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
+    branch_input, weights = phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams)
+    return branch_input, weights
+
+
+@contextmanager
+def _onloaded(module: torch.nn.Module) -> Iterator[None]:
+    """The weights of `module` and its submodules, loaded if accelerate offloaded them (`device_map` with "disk" or
+    CPU offload): accelerate's hooks load a module's weights only around its own forward, so reading them outside
+    it runs the same hooks around the read."""
+    hooked = [
+        submodule for submodule in module.modules()
+        if "_hf_hook" in submodule.__dict__
+        and any(getattr(hook, "offload", False) for hook in getattr(submodule._hf_hook, "hooks", [submodule._hf_hook]))
+    ]
+    for submodule in hooked:
+        submodule._hf_hook.pre_forward(submodule)
+    try:
+        yield
+    finally:
+        for submodule in hooked:
+            submodule._hf_hook.post_forward(submodule, None)
+
+
+def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Callable[[], torch.Tensor]):
+    """A small tensor the two-phase backend derives from a module's own parameters outside its forward (gates, folded
+    queries), in the dtype and on the device of `like`: computed with the module's weights onloaded (`_onloaded`),
+    and memoised for inference.
+
+    Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
+    the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
+    version counters and storages (an in-place update, a load or a move invalidates it) and `like`'s dtype and
+    device (so the parameter-free one-stream read gate follows the model too), and a memo hit reads no weight at
+    all. With gradients on it is always recomputed, so training is untouched, and the module's memo is dropped:
+    fused optimisers (`AdamW(fused=True)`, the Trainer's default) update parameters in place without bumping their
+    version counters, so a memo from before a training step must not survive it (evaluation between steps).
+    """
+    if torch.compiler.is_compiling():  # a compiled graph reads the parameters; no Python memo in it
+        return compute()
+    memoise = not torch.is_grad_enabled()
+    if not memoise:
+        module.__dict__.pop("_dar_fast_memo", None)
+    else:
+        stamp = (like.dtype, like.device, *((p._version, p.data_ptr()) for p in module.parameters()))
+        memo = module.__dict__.setdefault("_dar_fast_memo", {})
+        cached = memo.get(name)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+    with _onloaded(module):
+        value = compute()
+    if memoise:
+        memo[name] = (stamp, value)
+    return value
+
+
+class _BlockPartials:
+    """The partial states P_1 .. P_{K-1} of one block, rebuilt for backward from what autograd keeps anyway (the
+    branch outputs y in the model dtype and the gates) instead of being kept in float32 (DESIGN.md section 7).
+
+    `add` records one write (beta, rho, y); `rebuild(k)` replays the block's writes 0 .. k without autograd (the
+    same ops in the same order, so the same values bit for bit) and keeps them until every kept reference to the
+    block's partials has been unpacked once, so one backward replays the block once.
+    """
+
+    def __init__(self):
+        self.writes: list[tuple] = []
+        self.rebuilt: list[torch.Tensor] | None = None
+        self.pending = 0
+
+    def add(self, beta, rho, branch_output) -> int:
+        self.writes.append((beta.detach(), None if rho is None else rho.detach(), branch_output.detach()))
+        return len(self.writes) - 1
+
+    def rebuild(self, index: int) -> torch.Tensor:
+        if self.rebuilt is None or len(self.rebuilt) <= index:
+            with torch.no_grad():
+                partial, self.rebuilt = None, []
+                for beta, rho, branch_output in self.writes:
+                    partial = gated_write(partial, rho, beta, branch_output)
+                    self.rebuilt.append(partial)
+        partial = self.rebuilt[index]
+        self.pending -= 1
+        if self.pending <= 0:
+            self.rebuilt = None
+        return partial
+
+
+class _LeanPartials:
+    """Saved-tensor hooks of one training forward (eager): a kept reference to a partial state that is not committed
+    becomes a (block, index) handle, unpacked by replaying the block's writes (`_BlockPartials`). Everything else is
+    kept as autograd keeps it, through the hooks that were active around the forward (`save_on_cpu`, a memory
+    measurement), which are chained rather than replaced. Gradient checkpointing's own hooks take precedence inside a
+    checkpointed layer."""
+
+    def __init__(self):
+        self.block: _BlockPartials | None = None
+        self.partials: dict[int, tuple] = {}  # id(P) -> (weak reference to P, block, index)
+        # The enclosing saved-tensor hooks (torch keeps only the innermost active): everything else goes through them.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
+
+    def record(self, partial, beta, rho, branch_output, opens_block: bool) -> None:
+        if opens_block or self.block is None:
+            self.block = _BlockPartials()
+        index = self.block.add(beta, rho, branch_output)
+        self.partials[id(partial)] = (weakref.ref(partial), self.block, index)
+
+    def pack(self, tensor):
+        found = self.partials.get(id(tensor))
+        if found is None or found[0]() is not tensor:
+            return ("kept", tensor if self.outer_pack is None else self.outer_pack(tensor))
+        _, block, index = found
+        block.pending += 1
+        return ("rebuilt", (block, index))
+
+    def unpack(self, packed):
+        how, value = packed
+        if how == "rebuilt":
+            block, index = value
+            return block.rebuild(index)
+        return value if self.outer_unpack is None else self.outer_unpack(value)
+
+
+class TwoPhaseDepthBackend:
+    """Two-phase depth reads (DESIGN.md section 7); stateless apart from the model's configuration."""
+
+    def __init__(self, config):
+        self.eps = config.rms_norm_eps
+        self.lean: _LeanPartials | None = None
+
+    def keeping_partials_lean(self):
+        """Context of a training forward: autograd keeps no float32 partial state (only the committed entries); each
+        block's partials are rebuilt in backward from the branch outputs it keeps anyway. Eager only: a compiled
+        graph plans its own saved tensors."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return nullcontext()
+        self.lean = _LeanPartials()
+        return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
+
+    def start(self, entry: torch.Tensor) -> DepthState:
+        with torch.no_grad():  # statistics in the compute dtype, whatever the history's dtype
+            entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
+        return DepthState(self, None, (entry,), entry_inv_rms)
+
+    def _routed(self, residual, like: torch.Tensor) -> torch.Tensor:
+        attention = residual.depth_attention
+        return _derived(
+            attention, "routed_query", like,
+            lambda: routed_queries(attention.scoring_query().to(like), attention.key_streams),
+        )  # [J * D, J]
+
+    def plan(self, state: DepthState, *residuals) -> tuple[PhaseOne | None, ...]:
+        """Phase 1 of the leading residuals whose reads see the state's committed entries (up to and including the
+        first that commits); None for the rest, which plan their own read."""
+        planned = [residuals[0]]
+        for previous, residual in zip(residuals, residuals[1:]):
+            if previous.commits:
+                break
+            planned.append(residual)
+        like = state.history_inv_rms
+        with torch.autocast(like.device.type, enabled=False):  # outside no_grad: the memo is for inference only
+            routed = torch.cat([self._routed(residual, like) for residual in planned], dim=1)  # [J * D, R * J]
+        with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
+            routed = routed.detach()
+            attention = planned[0].depth_attention
+            phases = phase_one(
+                routed, torch.stack(state.history).to(like.dtype), like, attention.key_streams, attention.value_streams
+            )
+        return (*phases, *(None for _ in residuals[len(planned):]))
+
+    def read(self, residual, state: DepthState, read_partial: bool, planned: PhaseOne | None = None):
+        attention, read_gate = residual.depth_attention, residual.read_gate
+        like, num_sources = state.history_inv_rms, len(state.history) + int(read_partial)
+        if planned is None:
+            planned = self.plan(state, residual)[0]
+        with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
+            routed = self._routed(residual, like)
+            scale = read_gate.read_scale * attention.count_scale(num_sources)
+            gate = _derived(
+                read_gate, f"gate_{num_sources}", like, lambda: read_gate.stream_weights().to(like) * scale
+            )  # [J]: (alpha, 1 - alpha) times read and count scaling
+            return two_phase_read(
+                routed, gate, state, state.partial if read_partial else None, planned, attention.key_streams,
+                attention.value_streams, self.eps,
+            )
+
+    def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
+        write_gate, like = residual.write_gate, state.history_inv_rms
+        with torch.autocast(like.device.type, enabled=False):
+            if write_gate.num_streams == 1:  # AttnRes writes y unchanged: beta = 1, no transport
+                beta, rho = like.new_ones(1, 1), None
+            else:
+                beta = _derived(write_gate, "beta", like, lambda: write_gate.beta().to(like))  # [J, D]
+                rho = None
+                if state.partial is not None:
+                    rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
+            # y stays in the model dtype: autograd keeps it as the branch produced it
+            partial = gated_write(state.partial, rho, beta, branch_output)  # [B, T, J, D], compute dtype
+        if self.lean is not None and not commits and partial.requires_grad:
+            self.lean.record(partial, beta, rho, branch_output, opens_block=state.partial is None)
+        if commits:
+            entry = partial.to(state.history[0].dtype)  # stored in the history's dtype (`dar_history_dtype`)
+            with torch.no_grad():  # of the stored entry, so that every later read sees the same key
+                entry_inv_rms = inverse_rms(entry.to(like.dtype), self.eps).unsqueeze(0)  # [1, B, T, J]
+            history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
+            return DepthState(self, None, (*state.history, entry), history_inv_rms)
+        return DepthState(self, partial, state.history, state.history_inv_rms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# "fast": the fused eager path (one product per read over a depth-major buffer, shared entry gradients).
+
+
+def refuses_double_backward(backward):
+    """`once_differentiable` that refuses every second derivative: torch's attaches its error only when an incoming
+    gradient requires grad, but a hand-written backward also reads saved tensors that do (gates, queries, the shared
+    entry buffer), so a second derivative through it would otherwise be silently partial. Under `create_graph` the
+    incoming gradients are marked as requiring grad for that check (detached aliases; the values are unchanged)."""
+    checked = once_differentiable(backward)
+
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: the caller asks for a differentiable gradient
+            grads = tuple(
+                grad.detach().requires_grad_() if isinstance(grad, torch.Tensor) and grad.is_floating_point() else grad
+                for grad in grads
+            )
+        return checked(ctx, *grads)
+
+    return wrapper
 
 
 def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, value_streams):
@@ -209,6 +651,7 @@ class _Commit(torch.autograd.Function):
         return entry.view_as(entry)
 
     @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad):
         accumulated = ctx.gradients.take(ctx.slot)
         if accumulated is not None and grad is not None:
@@ -259,6 +702,7 @@ class _DepthRead(torch.autograd.Function):
         return branch_input, weights
 
     @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad_input, _grad_weights):
         routed, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
         history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
@@ -345,7 +789,7 @@ def transport_write(partial, rho, beta, branch_output):
     return torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, branch_output)
 
 
-def gated_write(partial, rho, beta, branch_output):
+def cast_gated_write(partial, rho, beta, branch_output):
     """The write of a branch output y [B, T, D] in the model dtype: beta * y at the start of a block (partial None),
     else `transport_write` -> [B, T, J, D] in beta's dtype."""
     written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D]
@@ -362,9 +806,10 @@ class _TransportWrite(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial, rho, beta, branch_output):
         ctx.save_for_backward(partial, rho, beta, branch_output)
-        return gated_write(partial, rho, beta, branch_output)
+        return cast_gated_write(partial, rho, beta, branch_output)
 
     @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad):
         partial, rho, beta, branch_output = ctx.saved_tensors
         grad_partial = grad_rho = None
@@ -383,55 +828,16 @@ class _TransportWrite(torch.autograd.Function):
         return grad_partial, grad_rho, grad_beta, grad_output
 
 
-@contextmanager
-def _onloaded(module: torch.nn.Module) -> Iterator[None]:
-    """The weights of `module` and its submodules, loaded if accelerate offloaded them (`device_map` with "disk" or
-    CPU offload): accelerate's hooks load a module's weights only around its own forward, so reading them outside
-    it runs the same hooks around the read."""
-    hooked = [
-        submodule for submodule in module.modules()
-        if "_hf_hook" in submodule.__dict__
-        and any(getattr(hook, "offload", False) for hook in getattr(submodule._hf_hook, "hooks", [submodule._hf_hook]))
-    ]
-    for submodule in hooked:
-        submodule._hf_hook.pre_forward(submodule)
-    try:
-        yield
-    finally:
-        for submodule in hooked:
-            submodule._hf_hook.post_forward(submodule, None)
-
-
-def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Callable[[], torch.Tensor]):
-    """A small tensor the fast path derives from a module's own parameters outside its forward (gates, folded
-    queries), in the dtype and on the device of `like`: computed with the module's weights onloaded (`_onloaded`),
-    and memoised for inference.
-
-    Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
-    the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
-    version counters and storages (an in-place update, a load or a move invalidates it) and `like`'s dtype and
-    device (so the parameter-free one-stream read gate follows the model too), and a memo hit reads no weight at
-    all. With gradients on it is always recomputed, so training is untouched.
-    """
-    memoise = not torch.is_grad_enabled()
-    if memoise:
-        stamp = (like.dtype, like.device, *((p._version, p.data_ptr()) for p in module.parameters()))
-        memo = module.__dict__.setdefault("_dar_fast_memo", {})
-        cached = memo.get(name)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-    with _onloaded(module):
-        value = compute()
-    if memoise:
-        memo[name] = (stamp, value)
-    return value
-
-
 class FastDepthBackend:
     """The fused eager path, one instance per forward: it owns the depth-major buffers (history [S_max, B, T, J, D],
     inverse RMS [S_max, B, T, J]) and the shared entry gradients."""
 
     def __init__(self, config):
+        if getattr(config, "dar_history_dtype", "float32") != "float32":  # also when set after the config was built
+            raise ValueError(
+                f"DARConfig.dar_history_dtype={config.dar_history_dtype!r} needs dar_implementation 'two_phase' or "
+                "'reference'; the fused 'fast' path keeps its depth buffers in float32."
+            )
         self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
         self.eps = config.rms_norm_eps
         self.history_buffer = self.inv_rms_buffer = None
@@ -442,10 +848,16 @@ class FastDepthBackend:
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
         return DepthState(self, None, (self._commit(entry, 0),))
 
+    def plan(self, state: DepthState, *residuals) -> tuple[None, ...]:
+        return (None,) * len(residuals)  # every read is one fused product over the buffer: nothing to share
+
+    def keeping_partials_lean(self):
+        return nullcontext()  # `_TransportWrite` keeps y in the model dtype and P, which the next read keeps anyway
+
     def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
         return commit_entry(entry, self.history_buffer, self.inv_rms_buffer, slot, self.eps, self.gradients)
 
-    def read(self, residual, state: DepthState, read_partial: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
         attention, read_gate = residual.depth_attention, residual.read_gate
         like, num_sources = self.history_buffer, len(state.history) + int(read_partial)
         routed = _derived(
@@ -472,7 +884,7 @@ class FastDepthBackend:
             if torch.is_grad_enabled():
                 partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
             else:
-                partial = gated_write(state.partial, rho, beta, branch_output)
+                partial = cast_gated_write(state.partial, rho, beta, branch_output)
         if commits:
             return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
         return DepthState(self, partial, state.history)
@@ -481,17 +893,23 @@ class FastDepthBackend:
 class DARDepthBackendInterface(GeneralInterface):
     """Name -> backend class, like transformers' `AttentionInterface`; `register` adds one library-wide."""
 
-    _global_mapping = {"reference": ReferenceDepthBackend, "fast": FastDepthBackend}
+    _global_mapping = {
+        "reference": ReferenceDepthBackend,
+        "fast": FastDepthBackend,
+        "two_phase": TwoPhaseDepthBackend,
+    }
 
 
 ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 
 
 def depth_backend(config):
-    """The backend of one forward. A forward traced by `torch.compile` always takes the reference equations: the
-    fast path's shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md
-    section 6), and inductor fuses the plain equations by itself."""
-    implementation = "reference" if torch.compiler.is_compiling() else config.dar_implementation
+    """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
+    shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
+    the two-phase read keeps no state outside its inputs and outputs."""
+    implementation = config.dar_implementation
+    if implementation == "fast" and torch.compiler.is_compiling():
+        implementation = "two_phase"
     return ALL_DEPTH_BACKENDS[implementation](config)
 
 
@@ -500,7 +918,10 @@ __all__ = [
     "DARDepthBackendInterface",
     "DepthState",
     "FastDepthBackend",
+    "PhaseOne",
     "ReferenceDepthBackend",
+    "TwoPhaseDepthBackend",
     "dar_compute_dtype",
+    "dar_history_dtype",
     "depth_backend",
 ]

@@ -18,13 +18,14 @@ decoder layer reads and writes a two-stream residual state through its `DARBranc
 
 Equation numbers are this docstring's, one per line of DESIGN.md section 2; the sources S^j of a read are the
 committed entries B^j_0 .. B^j_{n-1} and, inside a block, the partial P^j. The modules below say *what* is read and
-written; how (the plain equations, or the fused eager fast path) is a backend in `depth_backends.py`, picked by
-`config.dar_implementation` the way `ALL_ATTENTION_FUNCTIONS` picks token attention.
+written; how (the plain equations, the fused fast path or two-phase reads) is a backend in `depth_backends.py`,
+picked by `config.dar_implementation` the way `ALL_ATTENTION_FUNCTIONS` picks token attention.
 
 Shape legend: B batch, T tokens, D hidden, N sources of one read, J streams. History is depth-major: sources
 stacked on a leading depth axis are [N, B, T, J, D], depth weights [N, B, T, J].
 Precision policy (`dar_compute_dtype`): the DAR state, depth softmax and mixing run in float32 (float64 for a
-float64 model); the branch input u is cast once to the model dtype, the branch output y once back.
+float64 model); the branch input u is cast once to the model dtype, the branch output y once back. The committed
+entries may be stored in the model dtype instead (`config.dar_history_dtype`, `dar_history_dtype`).
 """
 
 import math
@@ -57,7 +58,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import ROUTING_KEY_VALUE_STREAMS, DARConfig
-from .depth_backends import DepthState, dar_compute_dtype, depth_backend
+from .depth_backends import DepthState, dar_history_dtype, depth_backend
 
 # Every DAR-only parameter lives under a module of one of these names; everything else keeps Llama's names. The one
 # list of them: the fp32 policy below, weight decay (`training.py`) and the converter's new parameters read it.
@@ -262,15 +263,16 @@ class DARBranchResidual(nn.Module):
         self.reads_partial = config.dar_include_partial and branch_index % block_size != 0
         self.commits = (branch_index + 1) % block_size == 0 or branch_index == config.dar_num_branches - 1
 
-    def forward(self, state: DepthState, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, state: DepthState, dtype: torch.dtype, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The read: (u [B, T, D] in `dtype`, depth weights [N, B, T, J]). A forward, so that `output_hidden_states`
-        and `output_depth_weights` record them."""
-        branch_input, weights = state.backend.read(self, state, self.reads_partial)
+        and `output_depth_weights` record them. `planned`: this read's phase 1, if the backend planned it with
+        others (`plan`)."""
+        branch_input, weights = state.backend.read(self, state, self.reads_partial, planned)
         return branch_input.to(dtype), weights
 
-    def read(self, state: DepthState, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, state: DepthState, dtype: torch.dtype, planned=None) -> torch.Tensor:
         """u [B, T, D] in the model dtype, eq. (2)-(5)."""
-        return self(state, dtype)[0]
+        return self(state, dtype, planned)[0]
 
     def write(self, state: DepthState, branch_output: torch.Tensor) -> DepthState:
         """y [B, T, D] in the model dtype -> the state after eq. (6)-(8)."""
@@ -325,8 +327,10 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple:
         state = DepthState.from_args(*state)
         dtype = self.input_layernorm.weight.dtype
+        # Phase 1 of both reads at once when the attention branch does not commit (DESIGN.md section 7).
+        attn_read, mlp_read = state.backend.plan(state, self.attn_residual, self.mlp_residual)
 
-        hidden_states = self.attn_residual.read(state, dtype)  # [B, T, D]
+        hidden_states = self.attn_residual.read(state, dtype, attn_read)  # [B, T, D]
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -338,7 +342,7 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         )
         state = self.attn_residual.write(state, hidden_states)
 
-        hidden_states = self.mlp_residual.read(state, dtype)  # [B, T, D]
+        hidden_states = self.mlp_residual.read(state, dtype, mlp_read)  # [B, T, D]
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         state = self.mlp_residual.write(state, hidden_states)
         return state.as_args()
@@ -420,7 +424,8 @@ class DARModel(DARPreTrainedModel):
         """The DAR state before branch 0, flattened for the decoder layers (`DepthState.as_args`): no partial, and
         one committed entry per stream, the embedding (times 1/J for split writes), B^j_0 [B, T, J, D]."""
         config = self.config
-        embedding = inputs_embeds.to(dar_compute_dtype(inputs_embeds.dtype)) * config.dar_embedding_scale  # [B, T, D]
+        history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
+        embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
         return depth_backend(config).start(entry).as_args()
 
@@ -462,18 +467,18 @@ class DARModel(DARPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
         state = self.initial_state(inputs_embeds)
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            state = decoder_layer(
-                *state,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                **kwargs,
-            )
-
-        readout, _ = self.final_readout(*state)  # [B, T, D], compute dtype
+        with state[0].keeping_partials_lean():  # the backend decides what backward keeps of the DAR state
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                state = decoder_layer(
+                    *state,
+                    attention_mask=causal_mask,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    past_key_values=past_key_values,
+                    use_cache=use_cache,
+                    **kwargs,
+                )
+            readout, _ = self.final_readout(*state)  # [B, T, D], compute dtype
         hidden_states = self.norm(readout.to(inputs_embeds.dtype))
         return self.output_class(last_hidden_state=hidden_states, past_key_values=past_key_values)
 

@@ -259,6 +259,7 @@ OFFLOADED_LAYERS = {**OFFLOADED_HEAD, "model.layers": "disk"}
     # Whole decoder layers on disk: accelerate loads a module's weights only around its own forward; the fast
     # backend derives gates and queries outside those forwards and onloads them itself (`_onloaded`).
     (OFFLOADED_LAYERS, "fast"),
+    (OFFLOADED_LAYERS, "two_phase"),
     (OFFLOADED_LAYERS, "reference"),
 ])
 def test_offloaded_loading_generates_the_tokens_of_a_plain_load(tmp_path, device_map, implementation):
