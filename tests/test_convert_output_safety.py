@@ -344,12 +344,19 @@ def test_signal_after_the_staging_folder_is_written_removes_it(tmp_path, tiny_so
         os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(output_module, "_apply_umask", then_signal)
-    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    code, stderr = run_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    # Ctrl-C as an interactive run has it: a job started in the background by a non-interactive shell (as a CI runner
+    # may start the tests) inherits SIGINT ignored, which Python and the CLI respect, so the test sets Python's own.
+    inherited_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+        code, stderr = run_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+        handlers_after = {number: signal.getsignal(number) for number in handlers}
+    finally:
+        signal.signal(signal.SIGINT, inherited_sigint)
     assert code == 128 + signum
     assert messages(stderr)[-1] == f"dar convert: interrupted by {signal.Signals(signum).name}; nothing was written."
     assert list(tmp_path.iterdir()) == []
-    assert {number: signal.getsignal(number) for number in handlers} == handlers  # the CLI's handlers are gone
+    assert handlers_after == handlers  # the CLI's handlers are gone
 
 
 def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp_path, tiny_source, caplog):
