@@ -139,11 +139,11 @@ def test_depth_read_saves_only_per_token_scalars():
     assert len(per_token) == 2  # softmax weights and key dots, [N, B, T, J]
 
 
-def _perturbed_tiny_dar(block_size):
+def _perturbed_tiny_dar(block_size, implementation="fast"):
     torch.manual_seed(0)
     config = DARConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, dar_block_size=block_size, dar_implementation="fast",
+        vocab_size=64, dar_block_size=block_size, dar_implementation=implementation,
     )
     model = DARForCausalLM(config).eval()
     with torch.no_grad():
@@ -153,10 +153,11 @@ def _perturbed_tiny_dar(block_size):
     return model
 
 
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])  # both optimised backends memoise their gates
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_parameter_memo_follows_in_place_updates(block_size):
+def test_parameter_memo_follows_in_place_updates(block_size, implementation):
     """No-grad forwards memoise gates; an in-place update (an optimiser step, a load) must invalidate them."""
-    model = _perturbed_tiny_dar(block_size)
+    model = _perturbed_tiny_dar(block_size, implementation)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(ids)  # fills the memo
@@ -174,8 +175,9 @@ def test_parameter_memo_follows_in_place_updates(block_size):
     assert (after_load - memoised).abs().max() > 1e-4  # the load changed the function, and the memo saw it
 
 
-def test_parameter_memo_follows_dtype_changes():
-    model = _perturbed_tiny_dar(2)
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
+def test_parameter_memo_follows_dtype_changes(implementation):
+    model = _perturbed_tiny_dar(2, implementation)
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         float32_logits = model(ids).logits

@@ -183,36 +183,7 @@ def test_write_keeps_the_branch_output_in_the_model_dtype():
         torch.testing.assert_close(grad.float(), expected.float(), rtol=1e-2, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_size", [1, 3])
-def test_parameter_memo_follows_in_place_updates(block_size):
-    """No-grad forwards memoise gates; an in-place update (an optimiser step, a load) must invalidate them."""
-    model = _perturbed_tiny_dar(block_size)
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(ids)  # fills the memo
-        for name, parameter in model.named_parameters():
-            if "_residual" in name or "final_readout" in name:
-                parameter.mul_(-1.5)
-        memoised = model(ids).logits
-    recomputed = model(ids).logits.detach()  # gradients on: nothing is memoised
-    torch.testing.assert_close(memoised, recomputed, rtol=0, atol=0)
-    with torch.no_grad():
-        state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-        model.load_state_dict({name: tensor * 0.5 if "gate" in name else tensor for name, tensor in state.items()})
-        after_load = model(ids).logits
-    torch.testing.assert_close(after_load, model(ids).logits.detach(), rtol=0, atol=0)
-    assert (after_load - memoised).abs().max() > 1e-4  # the load changed the function, and the memo saw it
-
-
-def test_parameter_memo_follows_dtype_changes():
-    model = _perturbed_tiny_dar(2)
-    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        float32_logits = model(ids).logits
-        model.double()
-        float64_logits = model(ids).logits
-    assert float64_logits.dtype == torch.float64
-    torch.testing.assert_close(float64_logits.float(), float32_logits, rtol=1e-4, atol=1e-4)
+# The memo's in-place and dtype tests run for both backends in test_fast_path.py.
 
 
 def test_depth_mixing_stays_float32_under_bf16_autocast():
