@@ -14,6 +14,10 @@ COMPAT_STAMP := $(COMPAT_VENV)/.installed
 # library-load warnings on stderr (the CLI's one-line errors would no longer be one line).
 QUANT_VENV ?= .venv-quant
 QUANT_STAMP := $(QUANT_VENV)/.installed
+# pytest-xdist workers for the CPU suites: one per core of the 2-core CI machine (tests/conftest.py gives each worker
+# its share of torch's threads). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: install test test-default test-upstream test-compat test-quant test-slow demo bench clean
 
@@ -59,18 +63,18 @@ install: $(STAMP)
 test: test-default test-upstream test-compat test-quant
 
 test-default: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 test-upstream: $(STAMP)
 	$(call fetch_common_tests,$(VENV))
-	$(PY) -m pytest -q -m "upstream and not slow"
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "upstream and not slow"
 
 test-quant: $(QUANT_STAMP)
 	$(QUANT_VENV)/bin/python -m pytest -q -m quant tests/test_quantization.py
 
 test-compat: $(COMPAT_STAMP)
 	$(call fetch_common_tests,$(COMPAT_VENV))
-	DAR_EXPECTED_TRANSFORMERS=$(COMPAT_TRANSFORMERS) $(COMPAT_VENV)/bin/python -m pytest -q \
+	DAR_EXPECTED_TRANSFORMERS=$(COMPAT_TRANSFORMERS) $(COMPAT_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) \
 		-m "(compat or upstream) and not slow"
 
 test-slow: $(STAMP)

@@ -9,9 +9,12 @@ Two tiny shapes, both built from random weights in a fraction of a second:
 Keyword overrides of any config field are accepted where a builder takes `**overrides`.
 """
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -34,11 +37,17 @@ from transformers import (
 )
 
 from dar_transformers import DARConfig, DARForCausalLM, DARMoeConfig, DARMoeForCausalLM
+from dar_transformers.cli import main as cli_main
 from dar_transformers.modeling_dar import DAR_MODULE_NAMES
 
 # torchao lives only in .venv-quant (`make test-quant`, part of `make test`): installed beside the package it is
 # imported by every transformers import, so the default venv does not have it and does not collect its test.
 collect_ignore = [] if importlib.util.find_spec("torchao") else ["test_quantization.py"]
+
+# Under pytest-xdist (`make test-default` runs `-n 2`) each worker gets its share of the cores: torch's default of
+# one thread per core in every worker would oversubscribe them (the subprocesses tests start inherit this count).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 TINY_LLAMA_FIELDS = dict(
     vocab_size=97,
@@ -202,6 +211,20 @@ def assert_same_state(model_a: torch.nn.Module, model_b: torch.nn.Module) -> Non
 
 def tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def run_convert_in_process(*args, cwd: Path) -> tuple[int, str]:
+    """`dar convert ARGS` through the CLI's `main` in this process, from `cwd` -> (exit code, stderr): the CLI's own
+    code path without an interpreter start-up, for the cases where a fresh process is not the point."""
+    stderr = io.StringIO()
+    previous = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            code = cli_main(["convert", *map(str, args)])
+    finally:
+        os.chdir(previous)
+    return code, stderr.getvalue()
 
 
 def logits(model, input_ids) -> torch.Tensor:

@@ -31,7 +31,7 @@ DEVICE = torch.device(os.environ.get("DAR_TEST_DEVICE", "cpu"))
 
 def tiny(kind: str = "dar", dtype=torch.float64, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    fields = {**TINY_LLAMA_FIELDS, "num_hidden_layers": 3, **overrides}
+    fields = {**TINY_LLAMA_FIELDS, **overrides}  # 2 layers, M = 4 branches: tracing time grows with the layers
     if kind == "dar":
         model = DARForCausalLM(DARConfig(**fields))
     else:
@@ -84,8 +84,8 @@ GRID = [
     # one stream (AttnRes), split writes.
     (1, "dar", 2, "duplicate"),
     (2, "dar", 2, "duplicate"),
-    (None, "dar", 2, "duplicate"),  # about 8 blocks: with 6 branches, K = 1
-    (6, "dar", 2, "duplicate"),  # one block (K = M)
+    (None, "dar", 2, "duplicate"),  # about 8 blocks: with 4 branches, K = 1
+    (4, "dar", 2, "duplicate"),  # one block (K = M)
     (2, "selfkv", 2, "duplicate"),
     (2, "crossv", 2, "split"),
     (2, "fixedkv", 2, "duplicate"),
@@ -106,12 +106,16 @@ def test_compiled_dar_moe_gradients_equal_eager_float64(block_size):
     assert compiled_matches_eager(model).frame_count == 1
 
 
-@pytest.mark.parametrize("kind", ["dar", "moe"])
+# Inductor compiles C++ kernels with a C compiler: about 50 s on a cold cache for two layers here, so the default
+# suite compiles one layer of DAR (a block of two branches: the partial's read, a commit, the readout) and DAR-MoE's
+# experts only in the slow target; aot_eager checks DAR-MoE's compiled gradients in float64 above.
+@pytest.mark.parametrize("kind", ["dar", pytest.param("moe", marks=pytest.mark.slow)])
 def test_inductor_gradients_equal_eager_float32(kind):
     """As users compile: inductor, float32. The tolerance is a small multiple of the reference's own float32
     error against float64 (two evaluation orders of the same sums; DESIGN.md section 4)."""
-    model64 = tiny(kind, dar_block_size=2)
-    model = tiny(kind, dtype=torch.float32, dar_block_size=2)
+    layers = 1 if kind == "dar" else 2
+    model64 = tiny(kind, dar_block_size=2, num_hidden_layers=layers)
+    model = tiny(kind, dtype=torch.float32, dar_block_size=2, num_hidden_layers=layers)
     input_ids = token_batch()
     _, exact = loss_and_gradients(model64, model64, input_ids)
     _, eager = loss_and_gradients(model, model, input_ids)
@@ -239,6 +243,6 @@ def test_a_traced_forward_takes_a_backend_that_compiles(monkeypatch, configured,
     assert type(depth_backends.depth_backend(config)) is depth_backends.ALL_DEPTH_BACKENDS[traced]
 
 
-@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
-def test_compiled_two_phase_equals_eager_of_either_backend(implementation):
-    compiled_matches_eager(tiny(dar_block_size=2, dar_implementation=implementation), steps=1)
+def test_compiled_two_phase_equals_eager_two_phase():
+    """The eager twin on two-phase reads too (GRID compares against the eager default, the fused fast path)."""
+    compiled_matches_eager(tiny(dar_block_size=2, dar_implementation="two_phase"), steps=1)

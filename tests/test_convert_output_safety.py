@@ -8,7 +8,6 @@ cases replay the issue's reproductions."""
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from dar_transformers.cli import main as cli_main
+from conftest import run_convert_in_process
 from dar_transformers.conversion import output as output_module
 from dar_transformers.conversion.output import STAGING_MARKER, check_output_folder
 
@@ -99,19 +98,6 @@ def run_dar(*args, cwd: Path, **popen) -> subprocess.CompletedProcess:
                           timeout=600, stdin=subprocess.DEVNULL, **popen)
 
 
-def run_in_process(*args, cwd: Path) -> tuple[int, str]:
-    """The CLI's `main` in this process (the same code path, without the interpreter start-up)."""
-    stderr = io.StringIO()
-    previous = os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
-            code = cli_main(["convert", *map(str, args)])
-    finally:
-        os.chdir(previous)
-    return code, stderr.getvalue()
-
-
 def assert_complete_output(folder: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -166,7 +152,7 @@ def test_cli_refuses_negative_max_new_tokens_in_one_line(tmp_path, tiny_source, 
         completed = run_dar("convert", *args, cwd=tmp_path)
         code, stderr = completed.returncode, completed.stderr
     else:
-        code, stderr = run_in_process(*args, cwd=tmp_path)
+        code, stderr = run_convert_in_process(*args, cwd=tmp_path)
     assert code == 1
     assert stderr.strip().splitlines() == [
         "dar convert: error: --max-new-tokens must be 0 (no greedy continuations) or more, got -5."
@@ -175,7 +161,7 @@ def test_cli_refuses_negative_max_new_tokens_in_one_line(tmp_path, tiny_source, 
 
 
 def test_max_new_tokens_zero_reports_no_continuations_truthfully(tmp_path, tiny_source):
-    code, stderr = run_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    code, stderr = run_convert_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
     card = (tmp_path / "out" / "README.md").read_text()
     assert "no full greedy continuations (none asked for: max new tokens 0)" in card
@@ -220,7 +206,7 @@ def test_cli_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_path, tin
 @pytest.mark.skipif(not _can_mount(), reason="needs root and mount(8) for a read-only tmpfs")
 def test_read_only_output_is_one_line_and_leaves_nothing(tmp_path, tiny_source):
     with mounted_tmpfs(tmp_path / "ro", "size=1m,ro") as disk:
-        code, stderr = run_in_process(tiny_source, disk / "a" / "out", cwd=tmp_path)
+        code, stderr = run_convert_in_process(tiny_source, disk / "a" / "out", cwd=tmp_path)
         assert code == 1
         (line,) = messages(stderr)
         assert f"Could not write {disk / 'a' / 'out'}: Read-only file system" in line
@@ -234,7 +220,7 @@ def test_no_space_simulated_in_process_leaves_nothing(tmp_path, tiny_source, mon
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model-00001-of-00002.safetensors"))
 
     monkeypatch.setattr(output_module, "_apply_umask", full)
-    code, stderr = run_in_process(tiny_source, tmp_path / "new" / "deeper" / "out", cwd=tmp_path)
+    code, stderr = run_convert_in_process(tiny_source, tmp_path / "new" / "deeper" / "out", cwd=tmp_path)
     assert code == 1
     (line,) = messages(stderr)
     assert "Could not write" in line and "No space left on device" in line and "nothing was written" in line
@@ -243,12 +229,12 @@ def test_no_space_simulated_in_process_leaves_nothing(tmp_path, tiny_source, mon
 
 def test_immutable_previous_output_is_refused_at_the_swap_and_kept(tmp_path, tiny_source):
     out = tmp_path / "out"
-    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     before = tree_state(tmp_path)
     if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i needs root on a file system with attributes")
     try:
-        code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+        code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     finally:
         subprocess.run(["chattr", "-i", str(out)], check=True)
     assert code == 1
@@ -261,11 +247,11 @@ def test_a_previous_output_that_cannot_be_removed_is_named_until_it_can(tmp_path
     """An immutable file in the replaced output: the new output is in place (exit 0), the old one stays in its marked
     folder, named by this run and by the next ones, which remove it once they can."""
     out = tmp_path / "out"
-    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     if subprocess.run(["chattr", "+i", str(out / "config.json")], capture_output=True).returncode != 0:
         pytest.skip("chattr +i needs root on a file system with attributes")
     try:
-        code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+        code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
         assert code == 0, stderr
         assert_complete_output(out)
         (retired,) = tmp_path.glob(".out.*.old")
@@ -276,13 +262,13 @@ def test_a_previous_output_that_cannot_be_removed_is_named_until_it_can(tmp_path
         finished = subprocess.Popen(["true"])
         finished.wait()
         (retired / STAGING_MARKER).write_text(json.dumps({**marker, "pid": finished.pid}))  # as if run elsewhere
-        assert run_in_process(tiny_source, tmp_path / "other", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+        assert run_convert_in_process(tiny_source, tmp_path / "other", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
         assert f"Could not remove {retired}" in caplog.text and retired.is_dir()
     finally:
         for config in [out / "config.json", *tmp_path.glob(".out.*.old/out/config.json")]:
             if config.exists():
                 subprocess.run(["chattr", "-i", str(config)], check=True)
-    assert run_in_process(tiny_source, tmp_path / "third", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert run_convert_in_process(tiny_source, tmp_path / "third", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["other", "out", "third"]
 
 
@@ -290,10 +276,10 @@ def test_output_under_a_file_or_in_sys_is_one_line(tmp_path, tiny_source):
     (tmp_path / "file").write_text("x")
     for output, expected in [(tmp_path / "file" / "out", "which is not a folder"),
                              (tmp_path / "file", "exists and is not a folder")]:
-        code, stderr = run_in_process(tiny_source, output, cwd=tmp_path)
+        code, stderr = run_convert_in_process(tiny_source, output, cwd=tmp_path)
         assert code == 1 and expected in stderr and len(stderr.strip().splitlines()) == 1
     if Path("/sys/kernel").is_dir():
-        code, stderr = run_in_process(tiny_source, "/sys/dar-out", cwd=tmp_path)
+        code, stderr = run_convert_in_process(tiny_source, "/sys/dar-out", cwd=tmp_path)
         assert code == 1
         (line,) = messages(stderr)
         assert line.startswith("dar convert: error: Could not write /sys/dar-out")
@@ -349,7 +335,7 @@ def test_signal_after_the_staging_folder_is_written_removes_it(tmp_path, tiny_so
     inherited_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-        code, stderr = run_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+        code, stderr = run_convert_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
         handlers_after = {number: signal.getsignal(number) for number in handlers}
     finally:
         signal.signal(signal.SIGINT, inherited_sigint)
@@ -373,7 +359,7 @@ def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp
     running.mkdir()
     (running / STAGING_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
                                                       "output": str(tmp_path / "out")}))
-    code, stderr = run_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
     assert f"Removing {stale}, left behind by an earlier conversion (process {pid}, no longer running)." in caplog.text
     assert f"{running} belongs to a conversion that may still be running" in caplog.text
@@ -383,9 +369,9 @@ def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp
 
 def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tiny_source):
     out = tmp_path / "out"
-    assert run_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     (out / "old-only.txt").write_text("from the previous conversion")
-    code, stderr = run_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
     assert_complete_output(out)
     assert not (out / "old-only.txt").exists() and leftovers(tmp_path) == []
@@ -393,7 +379,7 @@ def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tin
     user.mkdir()
     (user / "notes.txt").write_text("user data")
     (user / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    code, stderr = run_in_process(tiny_source, user, "--overwrite", cwd=tmp_path)
+    code, stderr = run_convert_in_process(tiny_source, user, "--overwrite", cwd=tmp_path)
     assert code == 1 and "is not a previous conversion output" in stderr and len(stderr.strip().splitlines()) == 1
     assert (user / "notes.txt").read_text() == "user data"
 
@@ -420,13 +406,13 @@ def test_a_symlink_in_the_source_protects_its_target(tmp_path, tiny_source):
     """A source whose tokenizer is a symlink into another folder (as a Hub cache snapshot links into blobs/): that
     folder is the source's too, even when it looks like a previous conversion output."""
     previous = tmp_path / "previous"
-    assert run_in_process(tiny_source, previous, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert run_convert_in_process(tiny_source, previous, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     source = tmp_path / "source"
     shutil.copytree(tiny_source, source)
     (source / "tokenizer.json").unlink()
     (source / "tokenizer.json").symlink_to(previous / "tokenizer.json")
     before = tree_state(tmp_path)
-    code, stderr = run_in_process(source, previous, "--overwrite", cwd=tmp_path)
+    code, stderr = run_convert_in_process(source, previous, "--overwrite", cwd=tmp_path)
     assert code == 1 and "contains the target of the source's symlink tokenizer.json" in stderr
     assert tree_state(tmp_path) == before
 
@@ -507,7 +493,7 @@ def test_property_the_source_is_never_touched(tmp_path_factory, tiny_source, sou
     expected = expected_to_write(root, source, output, overwrite)
     event("writes" if expected else "refused")
 
-    code, stderr = run_in_process(source, output_argument, *(["--overwrite"] if overwrite else []),
+    code, stderr = run_convert_in_process(source, output_argument, *(["--overwrite"] if overwrite else []),
                                   "--max-new-tokens", "0", cwd=root)
 
     assert source_bytes(root / "a" / "src") == source_before

@@ -152,6 +152,7 @@ print("remote:", type(model).__module__)
 """
 
 
+@pytest.mark.slow  # test_remote_code.py (saved_dar) loads such a folder through every Auto class in its shared process
 def test_saved_folder_loads_with_trust_remote_code_where_the_package_is_absent(dar, tmp_path):
     folder = tmp_path / "checkpoint"
     dar.save_pretrained(folder)

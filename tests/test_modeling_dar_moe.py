@@ -240,6 +240,7 @@ REMOTE_CODE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # test_remote_code.py (saved_dar_moe) loads such a folder through every Auto class
 def test_remote_code_loading_in_a_fresh_process_without_the_package(tmp_path):
     model = tiny_dar_moe(**INIT)
     perturb_dar_parameters(model, scale=0.3, seed=1)

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`dar convert` on broken and untrusted sources, run as a user runs it: a fresh process with stdin closed (no step
-may wait on a prompt), a tiny Llama source with a tokenizer, the source's bytes hashed before and after.
+"""`dar convert` on broken and untrusted sources: a tiny Llama source with a tokenizer, the source's bytes hashed before
+and after. Where what runs in a fresh process is the point (code in the source, the card's snippets, the DAR-MoE kind
+without a prior import), as a user runs it: a fresh process with stdin closed (no step may wait on a prompt); the
+refusals run the CLI's `main` in this process.
 
 A broken source (a NaN weight, an invalid config) is one line on stderr and exit 1 with nothing written; a custom
 model type is refused before transformers sees it; code in the source (an `auto_map` of the config or of the
@@ -17,7 +19,7 @@ import textwrap
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, save_source, tree_digest
+from conftest import REPO, run_convert_in_process, save_source, tree_digest
 
 EVIL_CODE = """
 import pathlib
@@ -34,12 +36,12 @@ def run_dar(*args, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
-def assert_refused_in_one_line(completed: subprocess.CompletedProcess, *patterns: str) -> None:
-    """Exit 1, no traceback, no prompt, and the last stderr line is the error, matching every pattern."""
-    assert completed.returncode == 1, completed.stderr[-3000:]
-    assert "Traceback" not in completed.stderr and PROMPT not in completed.stdout + completed.stderr
-    error = completed.stderr.strip().splitlines()[-1]
-    assert error.startswith("dar convert: error: "), completed.stderr[-3000:]
+def assert_refused_in_one_line(code: int, stderr: str, *patterns: str) -> None:
+    """Exit 1, no traceback, and the last stderr line is the error, matching every pattern."""
+    assert code == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("dar convert: error: "), stderr[-3000:]
     for pattern in patterns:
         assert re.search(pattern, error), (pattern, error)
 
@@ -54,8 +56,8 @@ def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):
     state["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(state, source / "model.safetensors", metadata={"format": "pt"})
     before = tree_digest(source)
-    completed = run_dar("convert", source, tmp_path / "out", cwd=tmp_path)
-    assert_refused_in_one_line(completed, r"'model\.layers\.1\.mlp\.up_proj\.weight' holds NaN or infinite values")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"'model\.layers\.1\.mlp\.up_proj\.weight' holds NaN or infinite values")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # nothing written, nothing staged
     assert tree_digest(source) == before
 
@@ -69,7 +71,7 @@ def test_an_invalid_source_config_is_one_line_naming_the_file_and_the_field(tmp_
     source = save_source(tmp_path / "source")
     edit_json(source / "config.json", **fields)
     before = tree_digest(source)
-    assert_refused_in_one_line(run_dar("convert", source, tmp_path / "out", cwd=tmp_path), *patterns)
+    assert_refused_in_one_line(*run_convert_in_process(source, tmp_path / "out", cwd=tmp_path), *patterns)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
     assert tree_digest(source) == before
 
@@ -80,8 +82,8 @@ def test_a_custom_model_type_is_refused_before_any_code_runs(tmp_path):
     edit_json(source / "config.json", model_type="evil_llama",
               auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
     before = tree_digest(source)
-    completed = run_dar("convert", source, tmp_path / "out", cwd=tmp_path)
-    assert_refused_in_one_line(completed, r"model_type 'evil_llama'", r"\['llama', 'mistral', 'qwen2', 'qwen3'\]")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"model_type 'evil_llama'", r"\['llama', 'mistral', 'qwen2', 'qwen3'\]")
     assert not (source / "EVIL_CODE_RAN").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
     assert tree_digest(source) == before

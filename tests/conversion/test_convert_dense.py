@@ -98,6 +98,7 @@ def test_tied_llama_folder_converts_exactly_and_writes_a_complete_repo(converted
     assert (logits(reloaded, ids) - logits(source_model, ids)).abs().max() <= 1e-5
 
 
+@pytest.mark.slow  # test_remote_code.py (converted_dar) loads a converted folder through every Auto class
 def test_converted_folder_loads_with_remote_code_where_the_package_is_not_importable(converted_llama, tmp_path):
     root, _, _, result = converted_llama
     model = AutoModelForCausalLM.from_pretrained(root / "out").eval()
