@@ -10,6 +10,7 @@ Keyword overrides of any config field are accepted where a builder takes `**over
 """
 
 import contextlib
+import copy
 import hashlib
 import importlib.util
 import io
@@ -211,6 +212,17 @@ def assert_same_state(model_a: torch.nn.Module, model_b: torch.nn.Module) -> Non
 
 def tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def memo_free_logits(model, input_ids) -> torch.Tensor:
+    """Logits of a gradient-free forward of a copy of `model` with every memoised derived tensor dropped (the
+    optimised backends memoise gates and folded queries per module, `depth_backends._derived`): what a memo hit
+    must reproduce exactly."""
+    fresh = copy.deepcopy(model)
+    for module in fresh.modules():
+        module.__dict__.pop("_dar_fast_memo", None)
+    with torch.no_grad():
+        return fresh(input_ids).logits
 
 
 def run_convert_in_process(*args, cwd: Path) -> tuple[int, str]:

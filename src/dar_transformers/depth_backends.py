@@ -6,7 +6,8 @@ token attention.
 The paper modules (`modeling_dar.py`) say *what* a branch reads and writes (DESIGN.md section 2); a backend says
 *how*. Every backend has the same methods over the same state (`DepthState`):
 
-  Backend(config).start(entry)           -> state with history (B_0,) and no partial        (B_0 = the embedding)
+  Backend(config).start(entry, keep_weights) -> state with history (B_0,) and no partial    (B_0 = the embedding;
+                                            keep_weights=False: no caller records depth weights, read may return None)
   plan(state, *residuals)                -> phase 1 of the leading reads that see the same committed entries
   read(residual, state, read_partial, planned) -> (u [B, T, D], depth weights [N, B, T, J])   eq. (2)-(5)
   write(residual, state, y, commits)     -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
@@ -21,6 +22,8 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
     configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
     than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
+  - An eager forward with gradients off runs `InferenceDepthBackend` for either "fast" or "two_phase" (`depth_backend`):
+    two-phase reads without autograd in the fewest operations per branch (decoding is bound by them).
   - "two_phase" (opt-in eagerly, for its leaner backward; what compiled forwards run): two-phase depth reads
     (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
     computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
@@ -49,11 +52,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers.utils.generic import GeneralInterface
+
+from .configuration_dar import dar_routing
 
 
 def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -106,7 +112,7 @@ class ReferenceDepthBackend:
     def __init__(self, config):
         pass
 
-    def start(self, entry: torch.Tensor) -> DepthState:
+    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
         return DepthState(self, None, (entry,))
 
     def plan(self, state: DepthState, *residuals) -> tuple[None, ...]:
@@ -372,6 +378,21 @@ def _onloaded(module: torch.nn.Module) -> Iterator[None]:
             submodule._hf_hook.post_forward(submodule, None)
 
 
+class _OptimizerSteps:
+    """Counts every optimiser step in the process (a global post-step hook, registered once): part of every memo
+    stamp, because fused optimisers (`AdamW(fused=True)`, the Trainer's default on GPU) update parameters in place
+    without bumping their version counters, in eager and compiled training alike."""
+
+    count = 0
+
+    @classmethod
+    def hook(cls, optimizer, args, kwargs) -> None:
+        cls.count += 1
+
+
+register_optimizer_step_post_hook(_OptimizerSteps.hook)
+
+
 def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Callable[[], torch.Tensor]):
     """A small tensor the two-phase backend derives from a module's own parameters outside its forward (gates, folded
     queries), in the dtype and on the device of `like`: computed with the module's weights onloaded (`_onloaded`),
@@ -379,11 +400,11 @@ def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Ca
 
     Decoding runs every branch once per token on tiny tensors, where recomputing sigmoids and stacks costs more than
     the depth mixing itself. With gradients off, a derived tensor is memoised under a key of the parameters'
-    version counters and storages (an in-place update, a load or a move invalidates it) and `like`'s dtype and
+    version counters and storages (an in-place update, a load or a move invalidates it), the number of optimiser
+    steps taken in the process (`_OptimizerSteps`: fused optimisers bump no version counter) and `like`'s dtype and
     device (so the parameter-free one-stream read gate follows the model too), and a memo hit reads no weight at
-    all. With gradients on it is always recomputed, so training is untouched, and the module's memo is dropped:
-    fused optimisers (`AdamW(fused=True)`, the Trainer's default) update parameters in place without bumping their
-    version counters, so a memo from before a training step must not survive it (evaluation between steps).
+    all. With gradients on it is always recomputed, so training is untouched, and the module's memo is dropped.
+    What no stamp sees is a write through `.data` outside an optimiser (`p.data.mul_(2)`): it bumps no version.
     """
     if torch.compiler.is_compiling():  # a compiled graph reads the parameters; no Python memo in it
         return compute()
@@ -391,7 +412,14 @@ def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Ca
     if not memoise:
         module.__dict__.pop("_dar_fast_memo", None)
     else:
-        stamp = (like.dtype, like.device, *((p._version, p.data_ptr()) for p in module.parameters()))
+        # The submodules are listed once (walking `parameters()` costs more than a decode step's mixing); their
+        # parameters are read from each submodule at every lookup, so a replaced parameter changes the stamp.
+        submodules = module.__dict__.get("_dar_memo_modules")
+        if submodules is None:
+            submodules = module.__dict__["_dar_memo_modules"] = tuple(module.modules())
+        stamp = (like.dtype, like.device, _OptimizerSteps.count, *(
+            (p._version, p.data_ptr()) for sub in submodules for p in sub._parameters.values() if p is not None
+        ))
         memo = module.__dict__.setdefault("_dar_fast_memo", {})
         cached = memo.get(name)
         if cached is not None and cached[0] == stamp:
@@ -471,6 +499,21 @@ class _LeanPartials:
         return value if self.outer_unpack is None else self.outer_unpack(value)
 
 
+def reads_planned_together(residuals) -> list:
+    """The leading residuals whose reads see the same committed entries: up to and including the first that commits."""
+    planned = [residuals[0]]
+    for previous, residual in zip(residuals, residuals[1:]):
+        if previous.commits:
+            break
+        planned.append(residual)
+    return planned
+
+
+def _without_autocast(device_type: str):
+    """The precision policy also under autocast: autocast off around depth mixing (a no-op context when it is off)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
+
+
 class TwoPhaseDepthBackend:
     """Two-phase depth reads (DESIGN.md section 7); stateless apart from the model's configuration."""
 
@@ -487,7 +530,7 @@ class TwoPhaseDepthBackend:
         self.lean = _LeanPartials()
         return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
 
-    def start(self, entry: torch.Tensor) -> DepthState:
+    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
         with torch.no_grad():  # statistics in the compute dtype, whatever the history's dtype
             entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
         return DepthState(self, None, (entry,), entry_inv_rms)
@@ -502,11 +545,7 @@ class TwoPhaseDepthBackend:
     def plan(self, state: DepthState, *residuals) -> tuple[PhaseOne | None, ...]:
         """Phase 1 of the leading residuals whose reads see the state's committed entries (up to and including the
         first that commits); None for the rest, which plan their own read."""
-        planned = [residuals[0]]
-        for previous, residual in zip(residuals, residuals[1:]):
-            if previous.commits:
-                break
-            planned.append(residual)
+        planned = reads_planned_together(residuals)
         like = state.history_inv_rms
         with torch.autocast(like.device.type, enabled=False):  # outside no_grad: the memo is for inference only
             routed = torch.cat([self._routed(residual, like) for residual in planned], dim=1)  # [J * D, R * J]
@@ -555,6 +594,183 @@ class TwoPhaseDepthBackend:
             history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
             return DepthState(self, None, (*state.history, entry), history_inv_rms)
         return DepthState(self, partial, state.history, state.history_inv_rms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inference: two-phase reads with gradients off, in the fewest operations per branch.
+
+
+class _InferenceConstants(NamedTuple):
+    """What one read and write of a residual needs from its parameters, derived once per parameter version
+    (`_derived`): the routed queries scaled by sqrt(D), transposed [J, J * D] (a score is then a dot times
+    rsqrt(sum h^2 + D eps), the inverse RMS without a mean; and `wide_product` takes the weight wide), the read gate
+    times read and count scaling [J], and the write gates beta [J, D] and rho (1,) (None where the branch has none)."""
+
+    routed_t: torch.Tensor
+    gate: torch.Tensor
+    beta: torch.Tensor | None
+    rho: torch.Tensor | None
+
+
+class _PlannedRead(NamedTuple):  # a NamedTuple: decoding builds two per layer, and a frozen dataclass costs more
+    """Phase 1 of one read with the read gate applied: gated [B, T, D] = sum_j gate_j Obar^j (the branch input when
+    the partial is not read), Obar [B, T, J, D], log-sum-exp L [B, T, J], softmax weights [S, B, T, J]."""
+
+    gated: torch.Tensor
+    mean: torch.Tensor
+    log_sum_exp: torch.Tensor
+    weights: torch.Tensor
+
+
+def wide_product(rows: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """rows [n, k] @ weight_t.T for a narrow weight (weight_t [r, k], r a few columns): computed as
+    (weight_t @ rows.T).T, a view [n, r]. CPU BLAS takes a [k, r] right operand several times slower per row than
+    the same product with the wide operand on the right (1.4 us against 0.3 us per row at k = 1152, r = 4)."""
+    return (weight_t @ rows.T).T
+
+
+class InferenceDepthBackend:
+    """Two-phase reads (DESIGN.md section 7) with gradients off: what an eager forward without autograd runs when
+    "fast" or "two_phase" is configured (`depth_backend`): `generate`, pipelines, evaluation, vLLM's eager mode.
+
+    Decoding runs every branch on a few tokens, where a branch costs the operations it dispatches, so this backend
+    spends as few as the equations allow (about 15 per branch where a decode step of Llama spends about 35 per
+    layer): committed entries live in one depth-major buffer (no stack per read), with the per-token
+    1 / sqrt(sum h^2 + D eps) of each entry computed at its commit; per residual, the folded queries, gates and write
+    gates are derived once per parameter version (`_InferenceConstants`); phase 1 of a decoder layer's reads is one
+    product, one log-sum-exp and one batched value sum, with the read gate folded in, so a read that does not see the
+    partial costs nothing more; a read of the partial adds its score, the log-sum-exp merge and one batched product,
+    u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j); the depth weights are formed only
+    when a caller records them (`keep_weights`). Phase 1 is per decoder layer, as in "two_phase", so that a layer
+    reads no other layer's parameters.
+    """
+
+    def __init__(self, config):
+        self.eps = config.rms_norm_eps
+        self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
+        self.key_streams = dar_routing(config)[0]
+        self.keep_weights = True
+        self.history_buffer = self.inv_rms_buffer = None
+        self.constants: dict[torch.nn.Module, _InferenceConstants] = {}  # this forward's, by residual
+
+    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
+        """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights."""
+        self.keep_weights = keep_weights
+        compute_dtype = dar_compute_dtype(entry.dtype)
+        self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
+        self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1], dtype=compute_dtype)  # [S_max, B, T, J]
+        return DepthState(self, None, (self._commit(entry, 0),))
+
+    def plan(self, state: DepthState, *residuals) -> tuple[_PlannedRead | None, ...]:
+        """Phase 1 of the leading residuals whose reads see the state's committed entries (`reads_planned_together`);
+        None for the rest, which plan their own read."""
+        planned = reads_planned_together(residuals)
+        with _without_autocast(self.history_buffer.device.type):
+            phases = self._phase_one(state, planned)
+        return (*phases, *(None for _ in residuals[len(planned):]))
+
+    def keeping_partials_lean(self):
+        return nullcontext()
+
+    def _key_scale(self, entry: torch.Tensor) -> torch.Tensor:
+        """1 / sqrt(sum_d h^2 + D eps) [..., J] of entries [..., J, D]: the inverse RMS divided by sqrt(D)."""
+        return torch.linalg.vecdot(entry, entry).add_(entry.shape[-1] * self.eps).rsqrt_()
+
+    def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
+        """Store a committed entry and its key scale, by target stream: slot j holds the scale of j's key stream."""
+        stored = self.history_buffer[slot]
+        stored.copy_(entry)  # in the history's dtype; the statistics are of the stored value
+        self.inv_rms_buffer[slot] = _streams(self._key_scale(stored.to(self.inv_rms_buffer.dtype)), self.key_streams, 2)
+        return stored
+
+    def _constants(self, residual, num_sources: int) -> _InferenceConstants:
+        """The residual's constants, looked up once per forward (its read and write see the same sources count)."""
+        constants = self.constants.get(residual)
+        if constants is None:
+            constants = self.constants[residual] = self._derive_constants(residual, num_sources)
+        return constants
+
+    def _derive_constants(self, residual, num_sources: int) -> _InferenceConstants:
+        attention, read_gate = residual.depth_attention, residual.read_gate
+        write_gate = getattr(residual, "write_gate", None)  # the final readout has none
+        like = self.inv_rms_buffer
+
+        def compute():
+            scale = math.sqrt(attention.pseudo_query.shape[-1])
+            routed_t = (routed_queries(attention.scoring_query().to(like), attention.key_streams) * scale).T.contiguous()
+            gate = read_gate.stream_weights().to(like) * (read_gate.read_scale * attention.count_scale(num_sources))
+            beta = rho = None
+            if write_gate is not None and write_gate.num_streams == 2:
+                beta = write_gate.beta().to(like)
+                rho = write_gate.rho().to(like) if hasattr(write_gate, "transport_logit") else None
+            return _InferenceConstants(routed_t, gate, beta, rho)
+
+        return _derived(residual, f"inference_{num_sources}", like, compute)
+
+    def _phase_one(self, state: DepthState, residuals) -> list[_PlannedRead]:
+        """Phase 1 of the reads of `residuals` (all see the state's committed entries) in one pass over the buffer."""
+        sources = len(state.history)
+        history = self.history_buffer[:sources].to(self.inv_rms_buffer.dtype)  # [S, B, T, J, D], no copy in float32
+        _, batch, tokens, streams, hidden = history.shape
+        attention = residuals[0].depth_attention
+        constants = [self._constants(r, sources + int(getattr(r, "reads_partial", False))) for r in residuals]
+        routed_t = constants[0].routed_t if len(constants) == 1 else torch.cat([c.routed_t for c in constants])
+        reads = len(constants)
+        key_dots = wide_product(history.view(-1, streams * hidden), routed_t).view(sources, batch, tokens, reads, streams)
+        scores = key_dots * self.inv_rms_buffer[:sources].unsqueeze(3)  # [S, B, T, R, J]
+        # softmax over depth with its log-sum-exp (fewer dispatches than logsumexp, which costs 15 us on a few values)
+        top = scores.amax(0)  # [B, T, R, J]
+        weights = scores.sub_(top).exp_()  # [S, B, T, R, J], unnormalised
+        total = weights.sum(0)
+        weights.div_(total)
+        log_sum_exp = total.log_().add_(top)  # [B, T, R, J]
+        means = _value_sums(weights, history, attention.value_streams)  # [B, T, J, R, D]
+        gates = constants[0].gate.unsqueeze(0) if reads == 1 else torch.stack([c.gate for c in constants])  # [R, J]
+        gated = (means * gates.T.unsqueeze(-1)).sum(2)  # [B, T, R, D]: sum_j gate_j Obar^j
+        return list(map(_PlannedRead, gated.unbind(2), means.unbind(3), log_sum_exp.unbind(2), weights.unbind(3)))
+
+    def read(self, residual, state: DepthState, read_partial: bool, planned: _PlannedRead | None = None):
+        if planned is None:
+            planned = self.plan(state, residual)[0]
+        if not read_partial:
+            return planned.gated, (planned.weights if self.keep_weights else None)
+        with _without_autocast(self.history_buffer.device.type):
+            return self._read_with_partial(residual, state, planned)
+
+    def _read_with_partial(self, residual, state: DepthState, planned: _PlannedRead):
+        attention, partial = residual.depth_attention, state.partial
+        constants = self._constants(residual, len(state.history) + 1)
+        batch, tokens, streams, hidden = partial.shape
+        partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t).view(batch, tokens, streams)
+        score = partial_dots * _streams(self._key_scale(partial), attention.key_streams, 2)  # z [B, T, J]
+        share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
+        values = _streams(partial, attention.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
+        # u = sum_j gate_j Obar^j + sum_j gate_j share_j (P^{nu(j)} - Obar^j): one batched product over the streams
+        branch_input = torch.baddbmm(
+            planned.gated.view(-1, 1, hidden), (share * constants.gate).view(-1, 1, streams),
+            (values - planned.mean).view(-1, streams, hidden),
+        ).view(batch, tokens, hidden)
+        weights = None
+        if self.keep_weights:
+            weights = torch.cat([planned.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
+        return branch_input, weights
+
+    def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
+        constants = self._constants(residual, len(state.history) + int(residual.reads_partial))
+        with _without_autocast(self.history_buffer.device.type):
+            partial = self._write(constants, state.partial, branch_output.unsqueeze(-2))  # y [B, T, 1, D], model dtype
+        if commits:
+            return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
+        return DepthState(self, partial, state.history)
+
+    def _write(self, constants: _InferenceConstants, partial, written) -> torch.Tensor:
+        if constants.beta is None:  # one stream (AttnRes): y unchanged
+            partial = written.to(self.inv_rms_buffer.dtype) if partial is None else partial + written
+        elif partial is None:
+            partial = constants.beta * written  # [B, T, J, D], promoted to the compute dtype
+        else:  # [[rho, 1-rho], [1-rho, rho]] P + beta * y
+            partial = torch.lerp(partial.flip(-2), partial, constants.rho).addcmul_(constants.beta, written)
+        return partial
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -843,7 +1059,7 @@ class FastDepthBackend:
         self.history_buffer = self.inv_rms_buffer = None
         self.gradients = DepthGradients()
 
-    def start(self, entry: torch.Tensor) -> DepthState:
+    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
         return DepthState(self, None, (self._commit(entry, 0),))
@@ -906,10 +1122,14 @@ ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 def depth_backend(config):
     """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
     shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
-    the two-phase read keeps no state outside its inputs and outputs."""
+    the two-phase read keeps no state outside its inputs and outputs. An eager forward with gradients off reads
+    either as `InferenceDepthBackend`: the same two-phase equations without autograd, in fewer operations."""
     implementation = config.dar_implementation
-    if implementation == "fast" and torch.compiler.is_compiling():
-        implementation = "two_phase"
+    if torch.compiler.is_compiling():
+        if implementation == "fast":
+            implementation = "two_phase"
+    elif implementation in ("fast", "two_phase") and not torch.is_grad_enabled():
+        return InferenceDepthBackend(config)
     return ALL_DEPTH_BACKENDS[implementation](config)
 
 
@@ -918,6 +1138,7 @@ __all__ = [
     "DARDepthBackendInterface",
     "DepthState",
     "FastDepthBackend",
+    "InferenceDepthBackend",
     "PhaseOne",
     "ReferenceDepthBackend",
     "TwoPhaseDepthBackend",

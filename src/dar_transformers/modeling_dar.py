@@ -57,7 +57,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_dar import ROUTING_KEY_VALUE_STREAMS, DARConfig
+from .configuration_dar import DARConfig, dar_routing
 from .depth_backends import DepthState, dar_history_dtype, depth_backend
 
 # Every DAR-only parameter lives under a module of one of these names; everything else keeps Llama's names. The one
@@ -100,14 +100,6 @@ def _register_optional_families() -> None:
 
 
 _register_optional_families()
-
-
-def dar_routing(config: DARConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(key streams kappa(j), value streams nu(j)) indexed by target stream j (DESIGN.md section 2, "routing")."""
-    if config.dar_num_streams == 1:
-        return (0,), (0,)
-    pairs = ROUTING_KEY_VALUE_STREAMS[config.dar_routing]
-    return tuple(key for key, _ in pairs), tuple(value for _, value in pairs)
 
 
 @dataclass
@@ -420,14 +412,15 @@ class DARModel(DARPreTrainedModel):
 
         self.post_init()
 
-    def initial_state(self, inputs_embeds: torch.Tensor) -> tuple:
+    def initial_state(self, inputs_embeds: torch.Tensor, keep_depth_weights: bool = True) -> tuple:
         """The DAR state before branch 0, flattened for the decoder layers (`DepthState.as_args`): no partial, and
-        one committed entry per stream, the embedding (times 1/J for split writes), B^j_0 [B, T, J, D]."""
+        one committed entry per stream, the embedding (times 1/J for split writes), B^j_0 [B, T, J, D].
+        `keep_depth_weights=False` lets an inference backend skip forming depth weights nobody records."""
         config = self.config
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
-        return depth_backend(config).start(entry).as_args()
+        return depth_backend(config).start(entry, keep_weights=keep_depth_weights).as_args()
 
     @merge_with_config_defaults
     @capture_outputs
@@ -466,7 +459,8 @@ class DARModel(DARPreTrainedModel):
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
-        state = self.initial_state(inputs_embeds)
+        recorded = kwargs.get("output_depth_weights", getattr(self.config, "output_depth_weights", False))
+        state = self.initial_state(inputs_embeds, keep_depth_weights=bool(recorded))
         with state[0].keeping_partials_lean():  # the backend decides what backward keeps of the DAR state
             for decoder_layer in self.layers[: self.config.num_hidden_layers]:
                 state = decoder_layer(

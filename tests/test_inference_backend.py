@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The inference depth backend (`depth_backends.InferenceDepthBackend`): what an eager forward with gradients off
+runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager mode).
+
+- It is the backend of exactly those forwards: not with gradients on, not while compiling, not for "reference".
+- Float64 logits and depth weights equal the reference backend's to 1e-12 relative for every block size (1, 2, 3,
+  about 8 blocks, one block), routing, stream count, write mode and `dar_include_partial`, with random DAR
+  parameters; in float32 it is no further from float64 than a small multiple of the reference's own error
+  (DESIGN.md section 4). Not forming the depth weights changes no logit.
+- bf16 weights with float32 DAR parameters (as `from_pretrained(dtype=bfloat16)` loads them), both history dtypes:
+  the logits of the training path (gradients on) within bf16 rounding.
+- Negative control: a read that leaves out the partial's merge is caught by the float64 comparison.
+"""
+
+import pytest
+import torch
+from conftest import perturb_dar_parameters, random_input_ids, tiny_dar_config, tiny_llama, upcycled_dar
+
+from dar_transformers import DARForCausalLM, depth_backends
+from dar_transformers.depth_backends import InferenceDepthBackend, depth_backend
+
+NUM_LAYERS = 3  # M = 6 branches: K = 4 leaves a short last block, K = 6 is a single block
+
+# (block size, routing, streams, write mode, include partial)
+GRID = [
+    (1, "dar", 2, "duplicate", True),
+    (2, "dar", 2, "duplicate", True),
+    (3, "crossv", 2, "split", True),
+    (4, "fixedkv", 2, "duplicate", True),
+    (None, "dar", 2, "duplicate", True),  # about 8 blocks: K = 1 with 6 branches
+    (6, "selfkv", 2, "duplicate", True),  # one block
+    (3, "selfkv", 1, "duplicate", True),  # one stream (AttnRes)
+    (2, "dar", 2, "split", False),
+    (3, "crossv", 2, "duplicate", False),
+]
+
+
+def perturbed_dar(dtype: torch.dtype, implementation: str, block_size, routing, streams, write_mode, include_partial):
+    llama = tiny_llama(num_hidden_layers=NUM_LAYERS, dtype=dtype)
+    dar = upcycled_dar(
+        llama, dar_implementation=implementation, dar_block_size=block_size, dar_routing=routing,
+        dar_num_streams=streams, dar_write_mode=write_mode, dar_include_partial=include_partial,
+        dar_gate_delta=0.0 if routing == "fixedkv" else 0.7,
+    )
+    perturb_dar_parameters(dar, scale=0.5, seed=1)
+    return dar
+
+
+def logits_and_depth_weights(model, input_ids, **kwargs):
+    output = model(input_ids, output_depth_weights=True, **kwargs)
+    return output.logits, output.depth_weights
+
+
+def max_relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("implementation", ["fast", "two_phase", "reference"])
+def test_the_inference_backend_runs_exactly_when_gradients_are_off_in_eager(monkeypatch, implementation):
+    config = tiny_dar_config(dar_implementation=implementation)
+    configured = depth_backends.ALL_DEPTH_BACKENDS[implementation]
+    inference = InferenceDepthBackend if implementation != "reference" else configured
+    assert type(depth_backend(config)) is configured
+    with torch.no_grad():
+        assert type(depth_backend(config)) is inference
+    with torch.inference_mode():
+        assert type(depth_backend(config)) is inference
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = depth_backends.TwoPhaseDepthBackend if implementation != "reference" else configured
+    with torch.no_grad():
+        assert type(depth_backend(config)) is traced  # a compiled graph keeps the two-phase equations
+
+
+@pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID)
+def test_inference_matches_the_reference_in_float64(block_size, routing, streams, write_mode, include_partial):
+    fields = (block_size, routing, streams, write_mode, include_partial)
+    reference = perturbed_dar(torch.float64, "reference", *fields)
+    model = perturbed_dar(torch.float64, "fast", *fields)
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        expected_logits, expected_weights = logits_and_depth_weights(reference, input_ids)
+        logits, weights = logits_and_depth_weights(model, input_ids)
+        without_weights = model(input_ids).logits  # the depth weights are not formed
+    assert max_relative_diff(expected_logits, tiny_llama(num_hidden_layers=NUM_LAYERS, dtype=torch.float64)(
+        input_ids).logits) > 1e-3  # the perturbation matters: no read is at its upcycling init
+    assert max_relative_diff(logits, expected_logits) <= 1e-12  # DESIGN.md section 7
+    assert torch.equal(without_weights, logits)
+    assert len(weights) == len(expected_weights) == 2 * NUM_LAYERS + 1  # every branch read and the readout
+    for got, expected in zip(weights, expected_weights):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID[:4])
+def test_inference_float32_error_is_within_the_references(block_size, routing, streams, write_mode, include_partial):
+    fields = (block_size, routing, streams, write_mode, include_partial)
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        exact = perturbed_dar(torch.float64, "reference", *fields)(input_ids).logits
+        reference = perturbed_dar(torch.float32, "reference", *fields)(input_ids).logits
+        inference = perturbed_dar(torch.float32, "two_phase", *fields)(input_ids).logits
+    reference_error = max_relative_diff(reference, exact)
+    assert 0.0 < reference_error < 1e-5
+    assert max_relative_diff(inference, exact) <= 10 * reference_error + 1e-7
+
+
+@pytest.mark.parametrize("history_dtype", ["float32", "model"])
+def test_bf16_inference_gives_the_training_paths_logits(history_dtype):
+    """bf16 weights, DAR parameters float32: the inference read against two-phase with gradients on (the same
+    equations with autograd), both storing committed entries in `history_dtype`."""
+    torch.manual_seed(0)
+    model = DARForCausalLM(tiny_dar_config(num_hidden_layers=NUM_LAYERS, dar_block_size=2,
+                                           dar_implementation="two_phase", dar_history_dtype=history_dtype))
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    model = model.to(torch.bfloat16)
+    for name, parameter in model.named_parameters():
+        if any(part in name for part in ("attn_residual", "mlp_residual", "final_readout")):
+            parameter.data = parameter.data.float()
+    input_ids = random_input_ids()
+    trained_logits = model(input_ids).logits.detach()  # gradients on: `TwoPhaseDepthBackend`
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert logits.dtype == torch.bfloat16
+    # Both round the branch inputs to bf16 before the same bf16 branches; the depth mixing differs in float32
+    # evaluation order only, which moves a branch input across a bf16 rounding boundary now and then.
+    torch.testing.assert_close(logits.float(), trained_logits.float(), rtol=2e-2, atol=2e-2)
+    assert (logits == trained_logits).float().mean() > 0.5  # most logits identical
+
+
+def test_negative_control_a_read_without_the_partial_merge_is_caught(monkeypatch):
+    """The float64 comparison can fail: an inference read that ignores the partial block state."""
+    monkeypatch.setattr(InferenceDepthBackend, "_read_with_partial", lambda self, residual, state, planned: (
+        planned.gated, None))
+    with pytest.raises(AssertionError):
+        test_inference_matches_the_reference_in_float64(2, "dar", 2, "duplicate", True)
