@@ -133,3 +133,26 @@ def test_negative_control_a_read_without_the_partial_merge_is_caught(monkeypatch
         planned.gated, None))
     with pytest.raises(AssertionError):
         test_inference_matches_the_reference_in_float64(2, "dar", 2, "duplicate", True)
+
+
+def test_phase_one_reads_the_history_once_per_block(monkeypatch):
+    """K = 3 of 6 branches: two blocks and the readout, three passes over the history (per decoder layer: five, as
+    the second layer's attention branch commits); the values do not depend on how the reads are grouped."""
+    calls = []
+    phase_one = InferenceDepthBackend._phase_one
+
+    def counted(self, state, residuals):
+        calls.append(len(residuals))
+        return phase_one(self, state, residuals)
+
+    monkeypatch.setattr(InferenceDepthBackend, "_phase_one", counted)
+    model = perturbed_dar(torch.float64, "fast", 3, "dar", 2, "duplicate", True)
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        assert calls == [3, 3, 1]  # block 0 (branches 0-2), block 1 (3-5), the readout
+        calls.clear()
+        monkeypatch.setattr(InferenceDepthBackend, "_reads_ahead", lambda self, first: [])
+        per_layer = model(input_ids).logits
+        assert calls == [2, 1, 1, 2, 1]
+    assert max_relative_diff(per_layer, logits) <= 1e-12

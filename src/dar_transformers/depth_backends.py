@@ -6,8 +6,9 @@ token attention.
 The paper modules (`modeling_dar.py`) say *what* a branch reads and writes (DESIGN.md section 2); a backend says
 *how*. Every backend has the same methods over the same state (`DepthState`):
 
-  Backend(config).start(entry, keep_weights) -> state with history (B_0,) and no partial    (B_0 = the embedding;
-                                            keep_weights=False: no caller records depth weights, read may return None)
+  Backend(config).start(entry, keep_weights, residuals) -> state with history (B_0,) and no partial (B_0 = the
+                                           embedding; keep_weights=False: no caller records depth weights, read may
+                                           return None; residuals: the model's branch residuals in order)
   plan(state, *residuals)                -> phase 1 of the leading reads that see the same committed entries
   read(residual, state, read_partial, planned) -> (u [B, T, D], depth weights [N, B, T, J])   eq. (2)-(5)
   write(residual, state, y, commits)     -> state after transport+write and, if `commits`, commit   eq. (6)-(8)
@@ -112,7 +113,7 @@ class ReferenceDepthBackend:
     def __init__(self, config):
         pass
 
-    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
+    def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
         return DepthState(self, None, (entry,))
 
     def plan(self, state: DepthState, *residuals) -> tuple[None, ...]:
@@ -530,7 +531,7 @@ class TwoPhaseDepthBackend:
         self.lean = _LeanPartials()
         return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
 
-    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
+    def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
         with torch.no_grad():  # statistics in the compute dtype, whatever the history's dtype
             entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
         return DepthState(self, None, (entry,), entry_inv_rms)
@@ -652,22 +653,42 @@ class InferenceDepthBackend:
         self.keep_weights = True
         self.history_buffer = self.inv_rms_buffer = None
         self.constants: dict[torch.nn.Module, _InferenceConstants] = {}  # this forward's, by residual
+        self.planned: dict[torch.nn.Module, _PlannedRead] = {}  # phase 1 of reads ahead in the open block
+        self.block_size = config.dar_block_size
+        self.residuals: tuple = ()
 
-    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
-        """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights."""
-        self.keep_weights = keep_weights
+    def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
+        """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights;
+        `residuals`: the model's branch residuals in order (empty: phase 1 per decoder layer only)."""
+        self.keep_weights, self.residuals = keep_weights, tuple(residuals)
         compute_dtype = dar_compute_dtype(entry.dtype)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1], dtype=compute_dtype)  # [S_max, B, T, J]
         return DepthState(self, None, (self._commit(entry, 0),))
 
     def plan(self, state: DepthState, *residuals) -> tuple[_PlannedRead | None, ...]:
-        """Phase 1 of the leading residuals whose reads see the state's committed entries (`reads_planned_together`);
-        None for the rest, which plan their own read."""
-        planned = reads_planned_together(residuals)
-        with _without_autocast(self.history_buffer.device.type):
-            phases = self._phase_one(state, planned)
-        return (*phases, *(None for _ in residuals[len(planned):]))
+        """Phase 1 of `residuals` that see the state's committed entries; None for the rest, which plan their own
+        read. A read not planned yet plans the rest of its block with it (`_reads_ahead`)."""
+        first = residuals[0]
+        if first not in self.planned:
+            group = self._reads_ahead(first) or reads_planned_together(residuals)
+            with _without_autocast(self.history_buffer.device.type):
+                self.planned.update(zip(group, self._phase_one(state, group)))
+        return tuple(self.planned.pop(residual, None) for residual in residuals)
+
+    def _reads_ahead(self, first) -> list:
+        """The reads from `first` to the end of its block (they see the same committed entries), when the model gave
+        its residuals and their parameters are here (not on the meta device of a layer-streamed or offloaded model):
+        the history is then read once per block instead of once per decoder layer. At most as many reads as the
+        history has slots, so that phase 1's sums [B, T, J, R, D] never outgrow the history buffer."""
+        index = getattr(first, "branch_index", None)
+        if index is None or index >= len(self.residuals) or self.residuals[index] is not first:
+            return []
+        block_end = min((index // self.block_size + 1) * self.block_size, len(self.residuals))
+        group = list(self.residuals[index : min(block_end, index + max(2, self.num_slots))])
+        if any(residual.depth_attention.pseudo_query.is_meta for residual in group):
+            return []
+        return group
 
     def keeping_partials_lean(self):
         return nullcontext()
@@ -1059,7 +1080,7 @@ class FastDepthBackend:
         self.history_buffer = self.inv_rms_buffer = None
         self.gradients = DepthGradients()
 
-    def start(self, entry: torch.Tensor, keep_weights: bool = True) -> DepthState:
+    def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
         return DepthState(self, None, (self._commit(entry, 0),))

@@ -420,7 +420,11 @@ class DARModel(DARPreTrainedModel):
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
-        return depth_backend(config).start(entry, keep_weights=keep_depth_weights).as_args()
+        residuals = [
+            residual for layer in self.layers[: config.num_hidden_layers]
+            for residual in (layer.attn_residual, layer.mlp_residual)
+        ]
+        return depth_backend(config).start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
 
     @merge_with_config_defaults
     @capture_outputs
