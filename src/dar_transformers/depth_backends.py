@@ -23,8 +23,9 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
     configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
     than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
-  - An eager forward with gradients off runs `InferenceDepthBackend` for either "fast" or "two_phase" (`depth_backend`):
-    two-phase reads without autograd in the fewest operations per branch (decoding is bound by them).
+  - An eager forward with gradients off runs `InferenceDepthBackend` for "fast" and "two_phase" (`depth_backend`):
+    two-phase reads without autograd, phase 1 once per block, in few operations per branch (decoding is bound by
+    them).
   - "two_phase" (opt-in eagerly, for its leaner backward; what compiled forwards run): two-phase depth reads
     (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
     computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
@@ -634,16 +635,19 @@ class InferenceDepthBackend:
     """Two-phase reads (DESIGN.md section 7) with gradients off: what an eager forward without autograd runs when
     "fast" or "two_phase" is configured (`depth_backend`): `generate`, pipelines, evaluation, vLLM's eager mode.
 
-    Decoding runs every branch on a few tokens, where a branch costs the operations it dispatches, so this backend
-    spends as few as the equations allow (about 15 per branch where a decode step of Llama spends about 35 per
-    layer): committed entries live in one depth-major buffer (no stack per read), with the per-token
-    1 / sqrt(sum h^2 + D eps) of each entry computed at its commit; per residual, the folded queries, gates and write
-    gates are derived once per parameter version (`_InferenceConstants`); phase 1 of a decoder layer's reads is one
-    product, one log-sum-exp and one batched value sum, with the read gate folded in, so a read that does not see the
-    partial costs nothing more; a read of the partial adds its score, the log-sum-exp merge and one batched product,
-    u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j); the depth weights are formed only
-    when a caller records them (`keep_weights`). Phase 1 is per decoder layer, as in "two_phase", so that a layer
-    reads no other layer's parameters.
+    Decoding runs every branch on a few tokens, where a branch costs the operations it dispatches, and prefill on
+    many, where it costs the bytes it moves; so:
+    - committed entries live in one depth-major buffer allocated per forward (no stack per read), each with the
+      per-token key scale 1 / sqrt(sum h^2 + D eps) of its key stream, computed once at its commit;
+    - per residual, the folded queries (times sqrt(D)), the read gate with its count scaling and the write gates are
+      derived once per parameter version (`_InferenceConstants`, `_derived`) and looked up once per forward;
+    - phase 1 runs once per block for the block's reads that are still ahead (`_reads_ahead`; once per decoder layer
+      where the model's later parameters are not at hand): one product for the scores, a softmax that yields its
+      log-sum-exp, one batched value sum, and the read gate folded in, so a read that does not see the partial costs
+      nothing more;
+    - a read of the partial adds its score and the log-sum-exp merge,
+      u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
+    - the depth weights are formed only when a caller records them (`keep_weights`).
     """
 
     def __init__(self, config):
@@ -663,7 +667,8 @@ class InferenceDepthBackend:
         self.keep_weights, self.residuals = keep_weights, tuple(residuals)
         compute_dtype = dar_compute_dtype(entry.dtype)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
-        self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1], dtype=compute_dtype)  # [S_max, B, T, J]
+        # [S_max, B, T, J], in the compute dtype
+        self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1], dtype=compute_dtype)
         return DepthState(self, None, (self._commit(entry, 0),))
 
     def plan(self, state: DepthState, *residuals) -> tuple[_PlannedRead | None, ...]:
@@ -701,7 +706,8 @@ class InferenceDepthBackend:
         """Store a committed entry and its key scale, by target stream: slot j holds the scale of j's key stream."""
         stored = self.history_buffer[slot]
         stored.copy_(entry)  # in the history's dtype; the statistics are of the stored value
-        self.inv_rms_buffer[slot] = _streams(self._key_scale(stored.to(self.inv_rms_buffer.dtype)), self.key_streams, 2)
+        key_scale = self._key_scale(stored.to(self.inv_rms_buffer.dtype))  # [B, T, J] by stream
+        self.inv_rms_buffer[slot] = _streams(key_scale, self.key_streams, 2)
         return stored
 
     def _constants(self, residual, num_sources: int) -> _InferenceConstants:
@@ -718,7 +724,8 @@ class InferenceDepthBackend:
 
         def compute():
             scale = math.sqrt(attention.pseudo_query.shape[-1])
-            routed_t = (routed_queries(attention.scoring_query().to(like), attention.key_streams) * scale).T.contiguous()
+            routed = routed_queries(attention.scoring_query().to(like), attention.key_streams) * scale  # [J * D, J]
+            routed_t = routed.T.contiguous()
             gate = read_gate.stream_weights().to(like) * (read_gate.read_scale * attention.count_scale(num_sources))
             beta = rho = None
             if write_gate is not None and write_gate.num_streams == 2:
@@ -737,7 +744,8 @@ class InferenceDepthBackend:
         constants = [self._constants(r, sources + int(getattr(r, "reads_partial", False))) for r in residuals]
         routed_t = constants[0].routed_t if len(constants) == 1 else torch.cat([c.routed_t for c in constants])
         reads = len(constants)
-        key_dots = wide_product(history.view(-1, streams * hidden), routed_t).view(sources, batch, tokens, reads, streams)
+        key_dots = wide_product(history.view(-1, streams * hidden), routed_t)
+        key_dots = key_dots.view(sources, batch, tokens, reads, streams)
         scores = key_dots * self.inv_rms_buffer[:sources].unsqueeze(3)  # [S, B, T, R, J]
         # softmax over depth with its log-sum-exp (fewer dispatches than logsumexp, which costs 15 us on a few values)
         top = scores.amax(0)  # [B, T, R, J]
@@ -766,7 +774,8 @@ class InferenceDepthBackend:
         attention, partial = residual.depth_attention, state.partial
         constants = self._constants(residual, len(state.history) + 1)
         batch, tokens, streams, hidden = partial.shape
-        partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t).view(batch, tokens, streams)
+        partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
+        partial_dots = partial_dots.view(batch, tokens, streams)
         score = partial_dots * _streams(self._key_scale(partial), attention.key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
         values = _streams(partial, attention.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
