@@ -60,7 +60,6 @@ def _must_be_one_of(field: str, value, allowed) -> None:
         raise ValueError(f"DARConfig.{field} must be one of {list(allowed)}, got {value!r}.")
 
 
-
 def dar_routing(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(key streams kappa(j), value streams nu(j)) indexed by target stream j (DESIGN.md section 2, "routing")."""
     if config.dar_num_streams == 1:
