@@ -2,7 +2,9 @@
 """The inference depth backend (`depth_backends.InferenceDepthBackend`): what an eager forward with gradients off
 runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager mode).
 
-- It is the backend of exactly those forwards: not with gradients on, not while compiling, not for "reference".
+- It is the backend of exactly the forwards with gradients off, eager and compiled (vLLM's compiled mode, HF's
+  compiled static-cache decoding, `torch.export`), and not for "reference"; a compiled no-grad forward is one
+  graph (fullgraph) with the eager values.
 - Float64 logits and depth weights equal the reference backend's to 1e-12 relative for every block size (1, 2, 3,
   about 8 blocks, one block), routing, stream count, write mode and `dar_include_partial`, with random DAR
   parameters; in float32 it is no further from float64 than a small multiple of the reference's own error
@@ -56,7 +58,7 @@ def max_relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("implementation", ["fast", "two_phase", "reference"])
-def test_the_inference_backend_runs_exactly_when_gradients_are_off_in_eager(monkeypatch, implementation):
+def test_the_inference_backend_runs_exactly_when_gradients_are_off(monkeypatch, implementation):
     config = tiny_dar_config(dar_implementation=implementation)
     configured = depth_backends.ALL_DEPTH_BACKENDS[implementation]
     inference = InferenceDepthBackend if implementation != "reference" else configured
@@ -66,9 +68,10 @@ def test_the_inference_backend_runs_exactly_when_gradients_are_off_in_eager(monk
     with torch.inference_mode():
         assert type(depth_backend(config)) is inference
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    traced = depth_backends.TwoPhaseDepthBackend if implementation != "reference" else configured
     with torch.no_grad():
-        assert type(depth_backend(config)) is traced  # a compiled graph keeps the two-phase equations
+        assert type(depth_backend(config)) is inference  # compiled inference too (vLLM's compiled mode, export)
+    traced = depth_backends.TwoPhaseDepthBackend if implementation != "reference" else configured
+    assert type(depth_backend(config)) is traced  # a compiled training graph keeps the two-phase autograd function
 
 
 @pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID)
@@ -156,3 +159,20 @@ def test_phase_one_reads_the_history_once_per_block(monkeypatch):
         per_layer = model(input_ids).logits
         assert calls == [2, 1, 1, 2, 1]
     assert max_relative_diff(per_layer, logits) <= 1e-12
+
+
+@pytest.mark.parametrize("block_size", [2, None])
+def test_a_compiled_inference_forward_is_one_graph_with_the_eager_values(block_size):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = perturbed_dar(torch.float64, "fast", block_size, "dar", 2, "duplicate", True)
+    input_ids = random_input_ids()
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.inference_mode():
+        expected = model(input_ids).logits
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(2):
+                torch.testing.assert_close(compiled(input_ids).logits, expected, rtol=1e-12, atol=0)
+    assert counter.frame_count == 1

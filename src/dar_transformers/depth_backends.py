@@ -1161,11 +1161,10 @@ def depth_backend(config):
     the two-phase read keeps no state outside its inputs and outputs. An eager forward with gradients off reads
     either as `InferenceDepthBackend`: the same two-phase equations without autograd, in fewer operations."""
     implementation = config.dar_implementation
-    if torch.compiler.is_compiling():
-        if implementation == "fast":
-            implementation = "two_phase"
-    elif implementation in ("fast", "two_phase") and not torch.is_grad_enabled():
+    if implementation in ("fast", "two_phase") and not torch.is_grad_enabled():
         return InferenceDepthBackend(config)
+    if implementation == "fast" and torch.compiler.is_compiling():
+        implementation = "two_phase"
     return ALL_DEPTH_BACKENDS[implementation](config)
 
 
