@@ -5,12 +5,13 @@ A compiled forward and backward must give the eager model's values and *every* p
 DAR-MoE, every block size, routing, stream count and write mode, with `fullgraph=True`; a training run with fixed
 shapes compiles once; `Trainer(torch_compile=True)` gives the eager loss curve; HF's compiled static-cache decoding
 gives the eager greedy tokens. Most checks compile with `aot_eager` (dynamo + AOTAutograd, the stages where a side
-channel between autograd nodes goes missing); one per model kind compiles with inductor, as users run it.
+channel between autograd nodes goes missing); DAR also compiles with inductor, as users run it.
 
-A compiled forward runs two-phase reads ("two_phase"; its custom autograd function holds no state outside its
-inputs and outputs, so dynamo traces it), also when the eager default "fast" is configured: the eager twin then runs
-the fused fast path, so these checks also compare the two backends. The exactness tests pin both to the reference
-equations; here float64 agreement is to 1e-10 relative.
+A compiled training forward runs two-phase reads ("two_phase"; its custom autograd function holds no state outside
+its inputs and outputs, so dynamo traces it), also when the eager default "fast" is configured: the eager twin then
+runs the fused fast path, so these checks also compare the two backends. A compiled forward with gradients off (the
+static-cache decoding below) runs the inference backend, as eager decoding does. The exactness tests pin all of them
+to the reference equations; here float64 agreement is to 1e-10 relative.
 """
 
 import copy

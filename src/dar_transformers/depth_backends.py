@@ -23,10 +23,10 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
     configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
     than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
-  - An eager forward with gradients off runs `InferenceDepthBackend` for "fast" and "two_phase" (`depth_backend`):
-    two-phase reads without autograd, phase 1 once per block, in few operations per branch (decoding is bound by
-    them).
-  - "two_phase" (opt-in eagerly, for its leaner backward; what compiled forwards run): two-phase depth reads
+  - A forward with gradients off, eager or compiled, runs `InferenceDepthBackend` for "fast" and "two_phase"
+    (`depth_backend`): two-phase reads without autograd, phase 1 once per block, in few operations per branch
+    (eager decoding is bound by them; a compiled graph reads the history once per block).
+  - "two_phase" (opt-in eagerly, for its leaner backward; what compiled training forwards run): two-phase depth reads
     (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
     computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
     see the same committed entries (the attention and MLP branches inside a block): the folded queries w * gamma of
@@ -632,8 +632,9 @@ def wide_product(rows: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
 
 
 class InferenceDepthBackend:
-    """Two-phase reads (DESIGN.md section 7) with gradients off: what an eager forward without autograd runs when
-    "fast" or "two_phase" is configured (`depth_backend`): `generate`, pipelines, evaluation, vLLM's eager mode.
+    """Two-phase reads (DESIGN.md section 7) with gradients off: what a forward without autograd runs, eager or
+    compiled, when "fast" or "two_phase" is configured (`depth_backend`): `generate`, pipelines, evaluation, vLLM
+    (eager and compiled), HF's compiled static-cache decoding, `torch.export`.
 
     Decoding runs every branch on a few tokens, where a branch costs the operations it dispatches, and prefill on
     many, where it costs the bytes it moves; so:
@@ -1158,8 +1159,8 @@ ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 def depth_backend(config):
     """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
     shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
-    the two-phase read keeps no state outside its inputs and outputs. An eager forward with gradients off reads
-    either as `InferenceDepthBackend`: the same two-phase equations without autograd, in fewer operations."""
+    the two-phase read keeps no state outside its inputs and outputs. A forward with gradients off, eager or traced,
+    reads either as `InferenceDepthBackend`: the same two-phase equations without autograd, in fewer operations."""
     implementation = config.dar_implementation
     if implementation in ("fast", "two_phase") and not torch.is_grad_enabled():
         return InferenceDepthBackend(config)
