@@ -39,6 +39,7 @@ from transformers import (
 
 from dar_transformers import DARConfig, DARForCausalLM, DARMoeConfig, DARMoeForCausalLM
 from dar_transformers.cli import main as cli_main
+from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
 from dar_transformers.modeling_dar import DAR_MODULE_NAMES
 
 # torchao lives only in .venv-quant (`make test-quant`, part of `make test`): installed beside the package it is
@@ -361,3 +362,52 @@ def word_tokenizer(vocab_size: int = TINY_LLAMA_FIELDS["vocab_size"]) -> PreTrai
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Depth-read building blocks shared by test_fast_path.py and test_two_phase.py.
+
+DEPTH_ROUTINGS = {name: tuple(zip(*pairs)) for name, pairs in ROUTING_KEY_VALUE_STREAMS.items()}
+DEPTH_ROUTINGS["one-stream"] = ((0,), (0,))
+DEPTH_EPS = 1e-6
+
+
+def depth_read_inputs(num_streams, num_sources=4, with_partial=True, batch=2, tokens=3, hidden=6, seed=0):
+    """Entries, partial, folded query [J, D] and gate [J] in float64, all requiring gradients."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    entries = [leaf(batch, tokens, num_streams, hidden) for _ in range(num_sources)]
+    partial = leaf(batch, tokens, num_streams, hidden) if with_partial else None
+    return entries, partial, leaf(num_streams, hidden), leaf(num_streams)
+
+
+def loop_depth_read(query, gate, sources, key_streams, value_streams):
+    """The read written out per target stream: x^j = sum_n softmax_n(q_j . k_n / rms(k_n)) V_n, u = sum_j gate_j x^j.
+
+    query [J, D] is the pseudo-query already multiplied by the key-norm weight; sources [B, T, N, J, D].
+    """
+    branch_input = 0
+    for target, (key_stream, value_stream) in enumerate(zip(key_streams, value_streams)):
+        keys = sources[:, :, :, key_stream]  # [B, T, N, D]
+        scores = (keys @ query[target]) * torch.rsqrt(keys.pow(2).mean(-1) + DEPTH_EPS)  # [B, T, N]
+        extraction = torch.einsum("btn,btnd->btd", scores.softmax(-1), sources[:, :, :, value_stream])
+        branch_input = branch_input + gate[target] * extraction
+    return branch_input  # [B, T, D]
+
+
+def perturbed_tiny_dar(block_size, implementation: str) -> DARForCausalLM:
+    """A tiny DAR model (vocabulary 64) in eval mode with every DAR parameter moved off its init."""
+    torch.manual_seed(0)
+    config = DARConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, dar_block_size=block_size, dar_implementation=implementation,
+    )
+    model = DARForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "_residual" in name or "final_readout" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return model

@@ -7,9 +7,14 @@ tensors."""
 import pytest
 import torch
 
-from conftest import memo_free_logits
-from dar_transformers import DARConfig, DARForCausalLM
-from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
+from conftest import (
+    DEPTH_EPS,
+    DEPTH_ROUTINGS,
+    depth_read_inputs,
+    loop_depth_read,
+    memo_free_logits,
+    perturbed_tiny_dar,
+)
 from dar_transformers.depth_backends import (
     DepthGradients,
     _depth_read_forward,
@@ -22,60 +27,29 @@ from dar_transformers.depth_backends import (
     transport_write,
 )
 
-ROUTINGS = {name: tuple(zip(*pairs)) for name, pairs in ROUTING_KEY_VALUE_STREAMS.items()}
-ROUTINGS["one-stream"] = ((0,), (0,))
-EPS = 1e-6
-
-
-def _read_inputs(num_streams, num_sources=4, with_partial=True, batch=2, tokens=3, hidden=6, seed=0):
-    """Entries, partial, folded query [J, D] and gate [J] in float64, all requiring gradients."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def leaf(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
-
-    entries = [leaf(batch, tokens, num_streams, hidden) for _ in range(num_sources)]
-    partial = leaf(batch, tokens, num_streams, hidden) if with_partial else None
-    return entries, partial, leaf(num_streams, hidden), leaf(num_streams)
-
-
 def _commit_all(entries, spare_slots=2):
     """What the model does: commit the entries into a larger depth-major buffer (copies and inverse RMS; unused
     slots NaN so that a read past the committed ones shows) -> (committed entries, buffers, shared gradients)."""
     history_buffer = entries[0].new_full((len(entries) + spare_slots, *entries[0].shape), float("nan"))
     inv_rms_buffer = history_buffer[..., 0].clone()
     gradients = DepthGradients()
-    committed = [commit_entry(entry, history_buffer, inv_rms_buffer, slot, EPS, gradients)
+    committed = [commit_entry(entry, history_buffer, inv_rms_buffer, slot, DEPTH_EPS, gradients)
                  for slot, entry in enumerate(entries)]
     return committed, history_buffer, inv_rms_buffer, gradients
-
-
-def _loop_read(query, gate, sources, key_streams, value_streams):
-    """The read written out per target stream: x^j = sum_n softmax_n(q_j . k_n / rms(k_n)) V_n, u = sum_j gate_j x^j.
-
-    query [J, D] is the pseudo-query already multiplied by the key-norm weight; sources [B, T, N, J, D].
-    """
-    branch_input = 0
-    for target, (key_stream, value_stream) in enumerate(zip(key_streams, value_streams)):
-        keys = sources[:, :, :, key_stream]  # [B, T, N, D]
-        scores = (keys @ query[target]) * torch.rsqrt(keys.pow(2).mean(-1) + EPS)  # [B, T, N]
-        extraction = torch.einsum("btn,btnd->btd", scores.softmax(-1), sources[:, :, :, value_stream])
-        branch_input = branch_input + gate[target] * extraction
-    return branch_input  # [B, T, D]
 
 
 def _fast_read(entries, partial, query, gate, key_streams, value_streams):
     committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
     routed = routed_queries(query, key_streams)
     return depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
-                      EPS, gradients)[0]
+                      DEPTH_EPS, gradients)[0]
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("routing", sorted(DEPTH_ROUTINGS))
 def test_depth_read_gradcheck(routing, with_partial):
-    key_streams, value_streams = ROUTINGS[routing]
-    entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial)
+    key_streams, value_streams = DEPTH_ROUTINGS[routing]
+    entries, partial, query, gate = depth_read_inputs(len(key_streams), with_partial=with_partial)
     inputs = [query, gate, *entries] + ([partial] if with_partial else [])
 
     def function(query, gate, *sources):  # the model copies an entry into the buffer when it commits it
@@ -86,19 +60,19 @@ def test_depth_read_gradcheck(routing, with_partial):
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("routing", sorted(DEPTH_ROUTINGS))
 def test_depth_read_matches_the_loop_and_plain_autograd(routing, with_partial):
     """Values and gradients against the per-stream loop, and against autograd through the same fused math."""
-    key_streams, value_streams = ROUTINGS[routing]
-    entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial, seed=1)
+    key_streams, value_streams = DEPTH_ROUTINGS[routing]
+    entries, partial, query, gate = depth_read_inputs(len(key_streams), with_partial=with_partial, seed=1)
     inputs = [query, gate, *entries] + ([partial] if with_partial else [])
     fast = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert fast.grad_fn is not None and type(fast.grad_fn).__name__ == "_DepthReadBackward"
     sources = torch.stack([*entries, partial] if with_partial else entries, dim=2)  # [B, T, N, J, D]
-    loop = _loop_read(query, gate, sources, key_streams, value_streams)
+    loop = loop_depth_read(query, gate, sources, key_streams, value_streams)
     history = torch.stack([*entries, partial] if with_partial else entries)  # [N, B, T, J, D]
     plain, *_ = _depth_read_forward(
-        routed_queries(query, key_streams), gate, history, inverse_rms(history, EPS), key_streams,
+        routed_queries(query, key_streams), gate, history, inverse_rms(history, DEPTH_EPS), key_streams,
         value_streams,
     )
     torch.testing.assert_close(fast, loop, rtol=1e-12, atol=1e-12)
@@ -112,53 +86,39 @@ def test_depth_read_matches_the_loop_and_plain_autograd(routing, with_partial):
 
 def test_depth_read_negative_control_stale_buffer():
     """The forward reads the buffer, not the entries: a buffer out of sync with the entries must show."""
-    key_streams, value_streams = ROUTINGS["dar"]
-    entries, partial, query, gate = _read_inputs(2, seed=2)
+    key_streams, value_streams = DEPTH_ROUTINGS["dar"]
+    entries, partial, query, gate = depth_read_inputs(2, seed=2)
     committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
     history_buffer[1] += 1.0
     routed = routed_queries(query, key_streams)
     stale = depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
-                       EPS, gradients)[0]
+                       DEPTH_EPS, gradients)[0]
     fresh = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert (stale - fresh).abs().max() > 1e-2
 
 
 def test_depth_read_saves_only_per_token_scalars():
     """Memory contract of #7: besides the inputs it already holds, the read saves nothing entry-sized."""
-    key_streams, value_streams = ROUTINGS["dar"]
-    entries, partial, query, gate = _read_inputs(2, num_sources=5, hidden=64, seed=3)
+    key_streams, value_streams = DEPTH_ROUTINGS["dar"]
+    entries, partial, query, gate = depth_read_inputs(2, num_sources=5, hidden=64, seed=3)
     entry_numel = partial.numel()
     saved = []
     committed, history_buffer, inv_rms_buffer, gradients = _commit_all(entries)
     routed = routed_queries(query, key_streams).detach().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
-        depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams, EPS,
-                   gradients)
+        depth_read(routed, gate, history_buffer, inv_rms_buffer, committed, partial, key_streams, value_streams,
+                   DEPTH_EPS, gradients)
     large = [tuple(tensor.shape) for tensor in saved if tensor.numel() >= entry_numel and tensor is not partial]
     assert large == [], large
     per_token = [tensor for tensor in saved if tensor.dim() == 4 and tensor.shape[0] == len(entries) + 1]
     assert len(per_token) == 2  # softmax weights and key dots, [N, B, T, J]
 
 
-def _perturbed_tiny_dar(block_size, implementation="fast"):
-    torch.manual_seed(0)
-    config = DARConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, dar_block_size=block_size, dar_implementation=implementation,
-    )
-    model = DARForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "_residual" in name or "final_readout" in name:
-                parameter.add_(0.3 * torch.randn_like(parameter))
-    return model
-
-
 @pytest.mark.parametrize("implementation", ["fast", "two_phase"])  # both optimised backends memoise their gates
 @pytest.mark.parametrize("block_size", [1, 3])
 def test_parameter_memo_follows_in_place_updates(block_size, implementation):
     """No-grad forwards memoise gates; an in-place update (an optimiser step, a load) must invalidate them."""
-    model = _perturbed_tiny_dar(block_size, implementation)
+    model = perturbed_tiny_dar(block_size, implementation)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(ids)  # fills the memo
@@ -177,7 +137,7 @@ def test_parameter_memo_follows_in_place_updates(block_size, implementation):
 
 @pytest.mark.parametrize("implementation", ["fast", "two_phase"])
 def test_parameter_memo_follows_dtype_changes(implementation):
-    model = _perturbed_tiny_dar(2, implementation)
+    model = perturbed_tiny_dar(2, implementation)
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         float32_logits = model(ids).logits
@@ -189,7 +149,7 @@ def test_parameter_memo_follows_dtype_changes(implementation):
 
 def test_depth_mixing_stays_float32_under_bf16_autocast():
     """The precision policy holds under mixed precision: autocast must not push the depth products to bf16."""
-    model = _perturbed_tiny_dar(3)
+    model = perturbed_tiny_dar(3, "fast")
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
     records = []
 
@@ -200,10 +160,10 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids)
     handle.remove()
-    entries, partial, query, gate = _read_inputs(2, seed=3)
+    entries, partial, query, gate = depth_read_inputs(2, seed=3)
     entries, partial = [entry.detach().float() for entry in entries], partial.detach().float()
     query, gate = query.detach().float(), gate.detach().float()
-    key_streams, value_streams = ROUTINGS["dar"]
+    key_streams, value_streams = DEPTH_ROUTINGS["dar"]
     plain = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast = _fast_read(entries, partial, query, gate, key_streams, value_streams)
@@ -257,11 +217,13 @@ def test_transport_write_keeps_the_branch_output_in_the_model_dtype():
         torch.testing.assert_close(grad, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_shared_entry_gradients_start_clean_for_a_second_backward(block_size):
-    """The reads add the entries' gradients into one shared buffer that the commits empty: a second backward through
-    the same graph (retain_graph) must give the same gradients, not twice them."""
-    model = _perturbed_tiny_dar(block_size).train()
+def test_shared_entry_gradients_start_clean_for_a_second_backward(block_size, implementation):
+    """The fast reads add the entries' gradients into one shared buffer that the commits empty: a second backward
+    through the same graph (retain_graph) must give the same gradients, not twice them (two-phase too, whose
+    backward rebuilds each block's partials)."""
+    model = perturbed_tiny_dar(block_size, implementation).train()
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
     loss = model(ids, labels=ids).loss
     loss.backward(retain_graph=True)
@@ -273,11 +235,13 @@ def test_shared_entry_gradients_start_clean_for_a_second_backward(block_size):
     assert first["model.embed_tokens.weight"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_second_backward_with_a_frozen_embedding(block_size):
-    """As under LoRA: with the embedding frozen, entry 0 has no commit node to empty its slot; a second backward
-    through the same graph must still give the first one's gradients."""
-    model = _perturbed_tiny_dar(block_size).train()
+def test_second_backward_with_a_frozen_embedding(block_size, implementation):
+    """As under LoRA: with the embedding frozen, entry 0 needs no gradient (the fast path has no commit node to empty
+    its slot); every trainable parameter gets its gradient, and a second backward through the same graph gives the
+    first one's."""
+    model = perturbed_tiny_dar(block_size, implementation).train()
     model.model.embed_tokens.weight.requires_grad_(False)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
     loss = model(ids, labels=ids).loss
@@ -300,13 +264,13 @@ def _refuses_a_second_derivative(first_derivative):
 def test_depth_read_refuses_double_backward():
     """Issue 16 item 5: the hand-written backwards (read, commit) fail loudly on a second derivative instead of
     computing it wrong."""
-    key_streams, value_streams = ROUTINGS["dar"]
-    entries, partial, query, gate = _read_inputs(2, seed=4)
+    key_streams, value_streams = DEPTH_ROUTINGS["dar"]
+    entries, partial, query, gate = depth_read_inputs(2, seed=4)
     branch_input = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     assert type(branch_input.grad_fn).__name__ == "_DepthReadBackward"
     (grad_query,) = torch.autograd.grad(branch_input.pow(2).sum(), query, create_graph=True)
     _refuses_a_second_derivative(grad_query)
-    entries, partial, query, gate = _read_inputs(2, seed=5)  # the commits' backward: an entry's gradient
+    entries, partial, query, gate = depth_read_inputs(2, seed=5)  # the commits' backward: an entry's gradient
     branch_input = _fast_read(entries, partial, query, gate, key_streams, value_streams)
     (grad_entry,) = torch.autograd.grad(branch_input.pow(2).sum(), entries[0], create_graph=True)
     _refuses_a_second_derivative(grad_entry)
@@ -328,7 +292,7 @@ def test_model_training_refuses_double_backward():
     autograd) computes it (eager token attention: SDPA on CPU has no double backward of its own)."""
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(10))
     for implementation in ("reference", "fast"):
-        model = _perturbed_tiny_dar(2).train()
+        model = perturbed_tiny_dar(2, "fast").train()
         model.config.dar_implementation = implementation
         model.set_attn_implementation("eager")
         loss = model(ids, labels=ids).loss

@@ -8,8 +8,17 @@ gradient)."""
 
 import pytest
 import torch
-from conftest import perturb_dar_parameters, random_input_ids, tiny_dar_config, tiny_llama, upcycled_dar
-from test_two_phase import EPS, ROUTINGS, _loop_read, _read_inputs
+from conftest import (
+    DEPTH_EPS,
+    DEPTH_ROUTINGS,
+    depth_read_inputs,
+    loop_depth_read,
+    perturb_dar_parameters,
+    random_input_ids,
+    tiny_dar_config,
+    tiny_llama,
+    upcycled_dar,
+)
 
 from dar_transformers import DARForCausalLM
 from dar_transformers.depth_backends import DepthState, inverse_rms, phase_one, routed_queries, two_phase_read
@@ -102,23 +111,23 @@ def test_two_phase_read_of_bf16_entries_matches_the_loop_over_upcast_sources(rou
     """One read of bf16 entries (float32 partial, query and gate): the two-phase read and the plain loop over the
     upcast sources agree to float32 rounding in values and in the query, gate and partial gradients; the entries'
     gradients are bf16 in both, equal up to the last bf16 bit."""
-    key_streams, value_streams = ROUTINGS[routing]
-    entries, partial, query, gate = _read_inputs(2, with_partial=with_partial, hidden=16, seed=5)
+    key_streams, value_streams = DEPTH_ROUTINGS[routing]
+    entries, partial, query, gate = depth_read_inputs(2, with_partial=with_partial, hidden=16, seed=5)
     entries = [entry.detach().bfloat16().requires_grad_() for entry in entries]
     partial, query, gate = (None if x is None else x.detach().float().requires_grad_() for x in (partial, query, gate))
     inputs = [query, gate, *entries] + ([partial] if with_partial else [])
     upstream = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(7))
 
     sources = [entry.float() for entry in entries] + ([partial] if with_partial else [])
-    expected = _loop_read(query, gate, torch.stack(sources, dim=2), key_streams, value_streams)
+    expected = loop_depth_read(query, gate, torch.stack(sources, dim=2), key_streams, value_streams)
     expected_grads = torch.autograd.grad((expected * upstream).sum(), inputs)
     with torch.no_grad():  # as the backend: statistics and phase 1 of the stored (bf16) entries, upcast
-        history_inv_rms = torch.stack([inverse_rms(entry.float(), EPS) for entry in entries])  # [S, B, T, J]
+        history_inv_rms = torch.stack([inverse_rms(entry.float(), DEPTH_EPS) for entry in entries])  # [S, B, T, J]
         routed = routed_queries(query, key_streams)
         phase = phase_one(routed, torch.stack(entries).float(), history_inv_rms, key_streams, value_streams)[0]
     state = DepthState(None, partial, tuple(entries), history_inv_rms)
     branch_input = two_phase_read(routed_queries(query, key_streams), gate, state, partial, phase, key_streams,
-                                  value_streams, EPS)[0]
+                                  value_streams, DEPTH_EPS)[0]
     assert branch_input.dtype == torch.float32
     grads = torch.autograd.grad((branch_input * upstream).sum(), inputs)
     torch.testing.assert_close(branch_input, expected, rtol=1e-5, atol=1e-5)

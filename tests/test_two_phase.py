@@ -9,9 +9,14 @@ import contextlib
 import pytest
 import torch
 
-from conftest import memo_free_logits
-from dar_transformers import DARConfig, DARForCausalLM
-from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
+from conftest import (
+    DEPTH_EPS,
+    DEPTH_ROUTINGS,
+    depth_read_inputs,
+    loop_depth_read,
+    memo_free_logits,
+    perturbed_tiny_dar,
+)
 from dar_transformers.depth_backends import (
     DepthState,
     TwoPhaseDepthBackend,
@@ -21,54 +26,23 @@ from dar_transformers.depth_backends import (
     two_phase_read,
 )
 
-ROUTINGS = {name: tuple(zip(*pairs)) for name, pairs in ROUTING_KEY_VALUE_STREAMS.items()}
-ROUTINGS["one-stream"] = ((0,), (0,))
-EPS = 1e-6
-
-
-def _read_inputs(num_streams, num_sources=4, with_partial=True, batch=2, tokens=3, hidden=6, seed=0):
-    """Entries, partial, folded query [J, D] and gate [J] in float64, all requiring gradients."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def leaf(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
-
-    entries = [leaf(batch, tokens, num_streams, hidden) for _ in range(num_sources)]
-    partial = leaf(batch, tokens, num_streams, hidden) if with_partial else None
-    return entries, partial, leaf(num_streams, hidden), leaf(num_streams)
-
-
-def _loop_read(query, gate, sources, key_streams, value_streams):
-    """The read written out per target stream: x^j = sum_n softmax_n(q_j . k_n / rms(k_n)) V_n, u = sum_j gate_j x^j.
-
-    query [J, D] is the pseudo-query already multiplied by the key-norm weight; sources [B, T, N, J, D].
-    """
-    branch_input = 0
-    for target, (key_stream, value_stream) in enumerate(zip(key_streams, value_streams)):
-        keys = sources[:, :, :, key_stream]  # [B, T, N, D]
-        scores = (keys @ query[target]) * torch.rsqrt(keys.pow(2).mean(-1) + EPS)  # [B, T, N]
-        extraction = torch.einsum("btn,btnd->btd", scores.softmax(-1), sources[:, :, :, value_stream])
-        branch_input = branch_input + gate[target] * extraction
-    return branch_input  # [B, T, D]
-
-
 def _two_phase(entries, partial, query, gate, key_streams, value_streams, other_queries=()):
     """What the backend does: inverse RMS at each commit, phase 1 (planned together with `other_queries`, as a decoder
     layer plans its attention and MLP reads) without autograd, phase 2 with the read's gradient."""
     with torch.no_grad():
-        history_inv_rms = torch.stack([inverse_rms(entry, EPS) for entry in entries])  # [S, B, T, J]
+        history_inv_rms = torch.stack([inverse_rms(entry, DEPTH_EPS) for entry in entries])  # [S, B, T, J]
         routed_all = torch.cat([routed_queries(q, key_streams) for q in (query, *other_queries)], dim=1)
         phase = phase_one(routed_all, torch.stack(entries), history_inv_rms, key_streams, value_streams)[0]
     state = DepthState(None, partial, tuple(entries), history_inv_rms)
     return two_phase_read(routed_queries(query, key_streams), gate, state, partial, phase, key_streams, value_streams,
-                          EPS)
+                          DEPTH_EPS)
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("routing", sorted(DEPTH_ROUTINGS))
 def test_two_phase_read_gradcheck(routing, with_partial):
-    key_streams, value_streams = ROUTINGS[routing]
-    entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial)
+    key_streams, value_streams = DEPTH_ROUTINGS[routing]
+    entries, partial, query, gate = depth_read_inputs(len(key_streams), with_partial=with_partial)
     inputs = [query, gate, *entries] + ([partial] if with_partial else [])
 
     def function(query, gate, *sources):
@@ -79,18 +53,18 @@ def test_two_phase_read_gradcheck(routing, with_partial):
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("routing", sorted(DEPTH_ROUTINGS))
 def test_two_phase_read_matches_the_loop(routing, with_partial):
     """Values, depth weights and every gradient against the per-stream softmax over all N sources, float64 to
     1e-12; phase 1 planned together with another read's query, as in a decoder layer."""
-    key_streams, value_streams = ROUTINGS[routing]
-    entries, partial, query, gate = _read_inputs(len(key_streams), with_partial=with_partial, seed=1)
+    key_streams, value_streams = DEPTH_ROUTINGS[routing]
+    entries, partial, query, gate = depth_read_inputs(len(key_streams), with_partial=with_partial, seed=1)
     other_query = torch.randn_like(query)
     inputs = [query, gate, *entries] + ([partial] if with_partial else [])
     fast, weights = _two_phase(entries, partial, query, gate, key_streams, value_streams, (other_query,))
     assert type(fast.grad_fn).__name__ == "_TwoPhaseReadBackward"
     sources = torch.stack([*entries, partial] if with_partial else entries, dim=2)  # [B, T, N, J, D]
-    loop = _loop_read(query, gate, sources, key_streams, value_streams)
+    loop = loop_depth_read(query, gate, sources, key_streams, value_streams)
     torch.testing.assert_close(fast, loop, rtol=1e-12, atol=1e-12)
     assert weights.shape == (sources.shape[2], *fast.shape[:2], len(key_streams))  # [N, B, T, J]
     torch.testing.assert_close(weights.sum(0), torch.ones_like(weights[0]), rtol=1e-12, atol=1e-12)
@@ -102,23 +76,23 @@ def test_two_phase_read_matches_the_loop(routing, with_partial):
 
 def test_negative_control_phase_one_must_see_the_entries():
     """Phase 2 trusts phase 1: a phase 1 of other entries (a stale plan) must change the read."""
-    key_streams, value_streams = ROUTINGS["dar"]
-    entries, partial, query, gate = _read_inputs(2, seed=2)
+    key_streams, value_streams = DEPTH_ROUTINGS["dar"]
+    entries, partial, query, gate = depth_read_inputs(2, seed=2)
     fresh = _two_phase(entries, partial, query, gate, key_streams, value_streams)[0]
     stale_entries = [entries[0], *(entry + 1.0 for entry in entries[1:])]
     with torch.no_grad():
-        history_inv_rms = torch.stack([inverse_rms(entry, EPS) for entry in stale_entries])
+        history_inv_rms = torch.stack([inverse_rms(entry, DEPTH_EPS) for entry in stale_entries])
         routed = routed_queries(query, key_streams)
         stale_phase = phase_one(routed, torch.stack(stale_entries), history_inv_rms, key_streams, value_streams)[0]
     state = DepthState(None, partial, tuple(entries), history_inv_rms)
-    stale = two_phase_read(routed, gate, state, partial, stale_phase, key_streams, value_streams, EPS)[0]
+    stale = two_phase_read(routed, gate, state, partial, stale_phase, key_streams, value_streams, DEPTH_EPS)[0]
     assert (stale - fresh).abs().max() > 1e-2
 
 
 def test_two_phase_read_refuses_double_backward():
     """The backward is hand-written: a second derivative must fail loudly, not come out wrong."""
-    key_streams, value_streams = ROUTINGS["dar"]
-    entries, partial, query, gate = _read_inputs(2, seed=4)
+    key_streams, value_streams = DEPTH_ROUTINGS["dar"]
+    entries, partial, query, gate = depth_read_inputs(2, seed=4)
     branch_input = _two_phase(entries, partial, query, gate, key_streams, value_streams)[0]
     (grad_query,) = torch.autograd.grad(branch_input.pow(2).sum(), query, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|twice"):
@@ -128,8 +102,8 @@ def test_two_phase_read_refuses_double_backward():
 def test_two_phase_read_saves_only_per_token_scalars():
     """What backward keeps of a read (DESIGN.md section 7): the entries and the partial (alive anyway) and per-token
     statistics; no stacked history, no Obar, nothing else entry-sized."""
-    key_streams, value_streams = ROUTINGS["dar"]
-    entries, partial, query, gate = _read_inputs(2, num_sources=5, hidden=64, seed=3)
+    key_streams, value_streams = DEPTH_ROUTINGS["dar"]
+    entries, partial, query, gate = depth_read_inputs(2, num_sources=5, hidden=64, seed=3)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda tensor: tensor):
         _two_phase(entries, partial, query, gate, key_streams, value_streams)
@@ -140,24 +114,10 @@ def test_two_phase_read_saves_only_per_token_scalars():
     assert len(per_token) == 1  # the softmax weights [N, B, T, J]; key dots are recomputed
 
 
-def _perturbed_tiny_dar(block_size, implementation="two_phase"):
-    torch.manual_seed(0)
-    config = DARConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, dar_block_size=block_size, dar_implementation=implementation,
-    )
-    model = DARForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "_residual" in name or "final_readout" in name:
-                parameter.add_(0.3 * torch.randn_like(parameter))
-    return model
-
-
 def test_write_keeps_the_branch_output_in_the_model_dtype():
     """bf16 training: the write keeps y as the branch produced it (bf16) for backward, not a float32 copy, and the
     partial once (the transport is one product with P)."""
-    model = _perturbed_tiny_dar(3).train()
+    model = perturbed_tiny_dar(3, "two_phase").train()
     residual = model.model.layers[0].mlp_residual  # branch 1: inside a block, so it transports the partial
     backend = TwoPhaseDepthBackend(model.config)
     generator = torch.Generator().manual_seed(6)
@@ -189,7 +149,7 @@ def test_write_keeps_the_branch_output_in_the_model_dtype():
 
 def test_depth_mixing_stays_float32_under_bf16_autocast():
     """The precision policy holds under mixed precision: autocast must not push the depth products to bf16."""
-    model = _perturbed_tiny_dar(3)
+    model = perturbed_tiny_dar(3, "two_phase")
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
     records = []
 
@@ -200,7 +160,7 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids)
     handle.remove()
-    entries, partial, _, _ = _read_inputs(2, hidden=32, seed=3)
+    entries, partial, _, _ = depth_read_inputs(2, hidden=32, seed=3)
     entries, partial = [entry.detach().float() for entry in entries], partial.detach().float()
     backend = TwoPhaseDepthBackend(model.config)
     history_inv_rms = torch.stack([inverse_rms(entry, model.config.rms_norm_eps) for entry in entries])
@@ -214,31 +174,7 @@ def test_depth_mixing_stays_float32_under_bf16_autocast():
     torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("block_size", [1, 3])
-def test_a_second_backward_gives_the_same_gradients(block_size):
-    """retain_graph: a second backward through the same graph gives the first one's gradients, not twice them."""
-    model = _perturbed_tiny_dar(block_size).train()
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
-    loss = model(ids, labels=ids).loss
-    loss.backward(retain_graph=True)
-    first = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    for name, parameter in model.named_parameters():
-        torch.testing.assert_close(parameter.grad, first[name], rtol=0, atol=0, msg=name)
-    assert first["model.embed_tokens.weight"].abs().sum() > 0
-
-
-@pytest.mark.parametrize("block_size", [1, 3])
-def test_training_with_a_frozen_embedding(block_size):
-    """As under LoRA: entry 0 needs no gradient; the reads still give every trainable parameter its gradient."""
-    model = _perturbed_tiny_dar(block_size).train()
-    model.model.embed_tokens.weight.requires_grad_(False)
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
-    model(ids, labels=ids).loss.backward()
-    assert model.model.embed_tokens.weight.grad is None
-    assert all(parameter.grad is not None for parameter in model.parameters() if parameter.requires_grad)
-    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+# A second backward and training with a frozen embedding run for both backends in test_fast_path.py.
 
 
 def _saved_storages(model, ids):
@@ -259,7 +195,7 @@ def test_backward_keeps_no_float32_partial_state(block_size):
     """DESIGN.md section 7: of the DAR state, backward keeps the committed entries only; the partial states of a block
     are rebuilt from the branch outputs it keeps anyway. Gradients are those of keeping them (bit for bit), and the
     enclosing saved-tensor hooks (here the recording) still see everything that is kept."""
-    model = _perturbed_tiny_dar(block_size).train()
+    model = perturbed_tiny_dar(block_size, "two_phase").train()
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(8))
     loss, saved = _saved_storages(model, ids)
     state_sized = [tensor for tensor in saved.values() if tensor.shape == (2, 7, 2, 32) and tensor.dtype == torch.float32]
@@ -287,7 +223,7 @@ def test_parameter_memo_does_not_survive_a_fused_optimiser_step(implementation):
     """`AdamW(fused=True)` (the Trainer's default) updates parameters without bumping their version counters: an
     evaluation after a training step must see the new parameters (it read stale memoised gates once). Both
     memoising backends share `_derived`."""
-    model = _perturbed_tiny_dar(2, implementation)
+    model = perturbed_tiny_dar(2, implementation)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(9))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-1, fused=True)
     with torch.no_grad():
