@@ -7,9 +7,10 @@ shapes compiles once; `Trainer(torch_compile=True)` gives the eager loss curve; 
 gives the eager greedy tokens. Most checks compile with `aot_eager` (dynamo + AOTAutograd, the stages where a side
 channel between autograd nodes goes missing); DAR also compiles with inductor, as users run it.
 
-A compiled training forward runs two-phase reads ("two_phase"; its custom autograd function holds no state outside
-its inputs and outputs, so dynamo traces it), also when the eager default "fast" is configured: the eager twin then
-runs the fused fast path, so these checks also compare the two backends. A compiled forward with gradients off (the
+A compiled training forward runs two-phase reads ("two_phase", each read as plain differentiable code inside an
+activation checkpoint, autograd deriving its gradient), also when the eager default "fast" is configured: the eager
+twin then runs the fused fast path or the hand-written two-phase backward, so these checks also compare the
+backends. A compiled forward with gradients off (the
 static-cache decoding below) runs the inference backend, as eager decoding does. The exactness tests pin all of them
 to the reference equations; here float64 agreement is to 1e-10 relative.
 """
@@ -163,6 +164,43 @@ def test_training_compiles_once_for_fixed_shapes():
             compiled(input_ids=input_ids, labels=input_ids).loss.backward()
             optimizer.step()
     assert counter.frame_count == 1
+
+
+def depth_state_tensors_saved_by_compiled_training(model) -> int:
+    """How many tensors of a depth state's shape ([B, T, J, D], any dtype) the compiled training forward keeps for
+    backward (the outputs of AOTAutograd's forward graph, partitioned as inductor partitions it)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    input_ids = token_batch()
+    state_shape = (*input_ids.shape, 2, model.config.hidden_size)
+    counted = []
+
+    def forward_compiler(graph_module, example_inputs):
+        def run(*args):
+            outputs = graph_module(*args)
+            counted.append(sum(isinstance(o, torch.Tensor) and tuple(o.shape) == state_shape for o in outputs))
+            return outputs
+
+        return run
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda graph_module, _: graph_module,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(input_ids=input_ids, labels=input_ids).loss.backward()
+    return counted[0]
+
+
+def test_compiled_training_keeps_the_reads_inputs_only(monkeypatch):
+    """A traced training read runs inside an activation checkpoint (`_recomputed_read`): the compiled forward keeps
+    no depth-state-sized tensor for backward beyond the committed entries and the partials, which the forward holds
+    anyway (B_0 and one commit per block; one partial per branch that does not commit). Negative control: the same
+    reads without the checkpoint keep their phase-1 sums and merges too."""
+    model = tiny(dtype=torch.float32, dar_block_size=2)  # M = 4: B_0 + 2 commits, 2 partials that are not commits
+    kept = depth_state_tensors_saved_by_compiled_training(model)
+    assert 0 < kept <= 3 + 2
+    monkeypatch.setattr(depth_backends, "checkpoint", lambda function, *args, **kwargs: function(*args))
+    assert depth_state_tensors_saved_by_compiled_training(model) > kept
 
 
 class _ReferenceWithoutCountScaling(depth_backends.ReferenceDepthBackend):
