@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The two-phase backend ("two_phase", what compiled forwards run): its building blocks against plain autograd and a
-readable loop: phase 1 + phase 2 against the per-stream softmax over all sources (values and every gradient, float64, every routing, with and without the
-partial), gradcheck of the hand-written backward, its refusal of double backward, what it keeps for backward, the
-write's model-dtype branch output, and the inference memo of parameter-derived tensors."""
+"""The two-phase backend ("two_phase"; eagerly here, its traced training reads are checked in test_compile.py): its
+building blocks against plain autograd and a readable loop: phase 1 + phase 2 against the per-stream softmax over all
+sources (values and every gradient, float64, every routing, with and without the partial), gradcheck of the
+hand-written backward, its refusal of double backward, what it keeps for backward, the write's model-dtype branch
+output, and the inference memo of parameter-derived tensors."""
 
 import contextlib
 

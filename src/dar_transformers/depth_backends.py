@@ -204,14 +204,8 @@ def phase_one(
     sources, batch, tokens, streams, hidden = history.shape
     reads = routed.shape[1] // streams
     key_dots = (history.view(-1, streams * hidden) @ routed).view(sources, batch, tokens, reads, streams)
-    scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, R, J]
-    log_sum_exp = scores.logsumexp(0)  # [B, T, R, J]
-    weights = torch.exp(scores - log_sum_exp)  # [S, B, T, R, J]
-    means = _value_sums(weights, history, value_streams)  # [B, T, J, R, D]
-    return [
-        PhaseOne(weights[:, :, :, read], log_sum_exp[:, :, read], means[:, :, :, read])
-        for read in range(reads)
-    ]
+    weights, log_sum_exp = _depth_softmax(key_dots, history_inv_rms, key_streams)
+    return _by_read(weights, log_sum_exp, _value_sums(weights, history, value_streams))
 
 
 def phase_one_by_entry(
@@ -224,17 +218,28 @@ def phase_one_by_entry(
     reads = routed.shape[1] // streams
     key_dots = torch.stack([entry.to(routed.dtype).reshape(-1, streams * hidden) @ routed for entry in entries])
     key_dots = key_dots.view(len(entries), batch, tokens, reads, streams)
-    scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)  # [S, B, T, R, J]
-    log_sum_exp = scores.logsumexp(0)  # [B, T, R, J]
-    weights = torch.exp(scores - log_sum_exp)  # [S, B, T, R, J]
+    weights, log_sum_exp = _depth_softmax(key_dots, history_inv_rms, key_streams)
     means = sum(  # [B, T, J, R, D]: Obar^j_r = sum_s weights[s, .., r, j] B_s^{nu(j)}
         weights[source].transpose(-1, -2).unsqueeze(-1)
         * _streams(entry.to(routed.dtype), value_streams, 2).unsqueeze(-2)
         for source, entry in enumerate(entries)
     )
+    return _by_read(weights, log_sum_exp, means)
+
+
+def _depth_softmax(key_dots, history_inv_rms, key_streams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key dots [S, B, T, R, J] times the key stream's inverse RMS [S, B, T, J] -> softmax weights over depth
+    [S, B, T, R, J] and the log-sum-exp L of the scores [B, T, R, J]."""
+    scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)
+    log_sum_exp = scores.logsumexp(0)
+    return torch.exp(scores - log_sum_exp), log_sum_exp
+
+
+def _by_read(weights, log_sum_exp, means) -> list[PhaseOne]:
+    """Phase 1 of R reads (weights [S, B, T, R, J], L [B, T, R, J], Obar [B, T, J, R, D]) -> one `PhaseOne` each."""
     return [
         PhaseOne(weights[:, :, :, read], log_sum_exp[:, :, read], means[:, :, :, read])
-        for read in range(reads)
+        for read in range(weights.shape[3])
     ]
 
 
@@ -389,6 +394,11 @@ def two_phase_read(
     partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
     branch_input, weights = phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams)
     return branch_input, weights
+
+
+def _traced_training() -> bool:
+    """A forward traced by `torch.compile` with gradients on: its reads run `_recomputed_read` in a checkpoint."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
 def _recomputed_read(routed, gate, partial, routing, eps, *entries):
@@ -590,7 +600,7 @@ class TwoPhaseDepthBackend:
     def plan(self, state: DepthState, *residuals) -> tuple[PhaseOne | None, ...]:
         """Phase 1 of the leading residuals whose reads see the state's committed entries (up to and including the
         first that commits); None for the rest, which plan their own read."""
-        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+        if _traced_training():
             return (None,) * len(residuals)  # traced training: each read computes its phase 1 in its own region
         planned = reads_planned_together(residuals)
         like = state.history_inv_rms
@@ -607,7 +617,7 @@ class TwoPhaseDepthBackend:
     def read(self, residual, state: DepthState, read_partial: bool, planned: PhaseOne | None = None):
         attention, read_gate = residual.depth_attention, residual.read_gate
         like, num_sources = state.history_inv_rms, len(state.history) + int(read_partial)
-        traced = torch.compiler.is_compiling() and torch.is_grad_enabled()
+        traced = _traced_training()
         if planned is None and not traced:
             planned = self.plan(state, residual)[0]
         with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
