@@ -11,6 +11,8 @@
   in direction at init and their queries get different gradients.
 """
 
+import re
+
 import pytest
 import torch
 from conftest import (
@@ -202,6 +204,18 @@ def test_fast_path_matches_reference_in_float64(float64_llama_norms, probe, bloc
         assert _max_relative_diff(fast_gradients[name], gradient) <= 1e-10, name
 
 
+def _by_parameter_kind(gradients: dict) -> list[tuple[list[str], torch.Tensor]]:
+    """Gradients grouped by parameter name without its layer index (every layer's `read_gate.logit` together),
+    each group with its names and its gradients flattened into one vector. A relative error is then taken like a
+    tensor's: against the group's largest |gradient|. A single scalar's relative error is ill-conditioned: a read
+    gate's gradient sums g . (x^0 - x^1) over tokens and can cancel to 1e-2 of its neighbours', so fp32 rounding of
+    1e-6 on it reads as 1e-4 relative whichever evaluation order produced it."""
+    groups: dict[str, list[str]] = {}
+    for name in gradients:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", name), []).append(name)
+    return [(names, torch.cat([gradients[name].flatten() for name in names])) for names in groups.values()]
+
+
 @pytest.mark.parametrize("implementation", ["fast", "two_phase"])
 @pytest.mark.parametrize("block_size,routing,num_streams,include_partial", FAST_VS_REFERENCE_GRID)
 def test_fast_path_fp32_error_is_within_reference_fp32_error(float64_llama_norms, probe, block_size, routing,
@@ -216,7 +230,10 @@ def test_fast_path_fp32_error_is_within_reference_fp32_error(float64_llama_norms
     fast_logits, fast_gradients = _logits_and_gradients(llama32, implementation, probe, **fields)
 
     def gradient_error(gradients):
-        return max(_max_relative_diff(gradients[name], exact) for name, exact in exact_gradients.items())
+        return max(
+            _max_relative_diff(torch.cat([gradients[name].flatten() for name in names]), exact)
+            for names, exact in _by_parameter_kind(exact_gradients)
+        )
 
     reference_error = _max_relative_diff(reference_logits, exact_logits)
     assert 0.0 < reference_error < 1e-5  # fp32 rounding, measurable and small
