@@ -705,8 +705,6 @@ class _PlannedRead(NamedTuple):  # a NamedTuple: decoding builds two per layer, 
     weights: torch.Tensor
 
 
-
-
 class InferenceDepthBackend:
     """Two-phase reads (DESIGN.md section 7) with gradients off: what a forward without autograd runs, eager or
     compiled, when "fast" or "two_phase" is configured (`depth_backend`): `generate`, pipelines, evaluation, vLLM
