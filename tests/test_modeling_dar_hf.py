@@ -41,6 +41,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    DynamicCache,
     Trainer,
     TrainingArguments,
 )
@@ -523,3 +524,23 @@ def test_task_heads_are_registered_and_reduce_exactly_to_llamas(auto_class, dar_
     with torch.no_grad():
         for name in output_names:
             assert torch.equal(getattr(reloaded(input_ids), name), getattr(got, name))
+
+
+def test_the_kv_cache_is_taken_under_either_name():
+    """transformers 5.24 passes the KV cache as `cache`, 5.23 as `past_key_values`: a decoding step through either
+    name gives the same logits as through the other, and both at once is refused."""
+    torch.manual_seed(0)
+    model = DARForCausalLM(tiny_dar_config(num_hidden_layers=2)).eval()
+    prompt, step = torch.randint(0, 90, (1, 6)), torch.randint(0, 90, (1, 1))
+    logits = {}
+    with torch.no_grad():
+        for name in ("past_key_values", "cache"):
+            cache = DynamicCache(config=model.config)
+            model(prompt, **{name: cache}, use_cache=True)
+            assert cache.get_seq_length() == 6  # the prompt went into the given cache
+            logits[name] = model(step, **{name: cache}, use_cache=True).logits
+        full = model(torch.cat([prompt, step], dim=1)).logits[:, -1:]
+        with pytest.raises(ValueError, match="both `cache` and `past_key_values`"):
+            model(step, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+    torch.testing.assert_close(logits["cache"], logits["past_key_values"], rtol=0, atol=0)
+    torch.testing.assert_close(logits["cache"], full, rtol=1e-5, atol=1e-5)

@@ -84,6 +84,23 @@ DAR_BRANCH_MODULES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
 }
 
 
+def dar_parameter_dtype() -> torch.dtype:
+    """The dtype DAR's parameters are created in: float32, or float64 when that is the default dtype (the float64
+    exactness checks), never a half dtype even when the model is built under one. Set in `__init__`, as transformers
+    5.24 checks of every `_keep_in_fp32_modules_strict` parameter."""
+    return torch.promote_types(torch.get_default_dtype(), torch.float32)
+
+
+def kv_cache_argument(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
+    """The KV cache, whichever name the installed transformers passes it under: `past_key_values` up to 5.23,
+    `cache` from 5.24 (`generate` and the heads pass `cache=`; Llama's modules still take the old name, with a
+    deprecation shim). Popped from `kwargs`, so that it reaches the decoder layers once, under the old name."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None:
+        raise ValueError("DARModel.forward got both `cache` and `past_key_values`; pass the KV cache once.")
+    return past_key_values if past_key_values is not None else cache
+
+
 def _register_branch_family(name: str, attention_class: type[nn.Module], mlp_class: type[nn.Module]) -> None:
     DAR_BRANCH_MODULES[name] = (attention_class, mlp_class)
 
@@ -128,7 +145,7 @@ class DARStreamRMSNorm(nn.Module):
 
     def __init__(self, num_streams: int, hidden_size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(num_streams, hidden_size))
+        self.weight = nn.Parameter(torch.ones(num_streams, hidden_size, dtype=dar_parameter_dtype()))
         self.variance_epsilon = eps
 
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
@@ -147,7 +164,8 @@ class DARDepthAttention(nn.Module):
     def __init__(self, config: DARConfig):
         super().__init__()
         self.num_streams = config.dar_num_streams
-        self.pseudo_query = nn.Parameter(torch.zeros(config.dar_num_streams, config.hidden_size))
+        streams, hidden = config.dar_num_streams, config.hidden_size
+        self.pseudo_query = nn.Parameter(torch.zeros(streams, hidden, dtype=dar_parameter_dtype()))
         self.key_norm = DARStreamRMSNorm(config.dar_num_streams, config.hidden_size, config.rms_norm_eps)
         self.key_streams, self.value_streams = dar_routing(config)
         self.count_scaling = config.dar_count_scaling
@@ -180,7 +198,8 @@ class DARReadGate(nn.Module):
         super().__init__()
         self.read_scale = config.dar_read_scale
         if config.dar_num_streams == 2:
-            self.logit = nn.Parameter(torch.zeros(1))  # shape (1,), not (): FSDP2 cannot shard 0-dim parameters
+            # (1,), not (): FSDP2 cannot shard 0-dim parameters
+            self.logit = nn.Parameter(torch.zeros(1, dtype=dar_parameter_dtype()))
 
     def stream_weights(self) -> torch.Tensor:
         """(alpha, 1 - alpha) [2], or (1,) for one stream: each stream's extraction's weight in u / eta."""
@@ -213,9 +232,9 @@ class DARWriteGate(nn.Module):
         self.write_scale = config.dar_write_scale
         self.starts_block = branch_index % config.dar_block_size == 0
         if config.dar_num_streams == 2:
-            self.logit = nn.Parameter(torch.zeros(2, config.hidden_size))
+            self.logit = nn.Parameter(torch.zeros(2, config.hidden_size, dtype=dar_parameter_dtype()))
             if not self.starts_block:
-                self.transport_logit = nn.Parameter(torch.zeros(1))
+                self.transport_logit = nn.Parameter(torch.zeros(1, dtype=dar_parameter_dtype()))
 
     def beta(self) -> torch.Tensor:
         """(7) beta [J, D] = c * sigmoid(b)."""
@@ -345,7 +364,7 @@ class DARPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DARDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # "cache" from transformers 5.24
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -440,6 +459,7 @@ class DARModel(DARPreTrainedModel):
     ) -> DARModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        past_key_values = kv_cache_argument(past_key_values, kwargs)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
