@@ -58,7 +58,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import DARConfig, dar_routing
-from .depth_backends import DepthState, dar_history_dtype, depth_backend
+from .depth_backends import DepthState, dar_compute_dtype, dar_history_dtype, depth_backend
 
 # Every DAR-only parameter lives under a module of one of these names; everything else keeps Llama's names. The one
 # list of them: the fp32 policy below, weight decay (`training.py`) and the converter's new parameters read it.
@@ -85,10 +85,11 @@ DAR_BRANCH_MODULES: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
 
 
 def dar_parameter_dtype() -> torch.dtype:
-    """The dtype DAR's parameters are created in: float32, or float64 when that is the default dtype (the float64
-    exactness checks), never a half dtype even when the model is built under one. Set in `__init__`, as transformers
-    5.24 checks of every `_keep_in_fp32_modules_strict` parameter."""
-    return torch.promote_types(torch.get_default_dtype(), torch.float32)
+    """The dtype DAR's parameters are created in: the compute dtype of the default dtype (`dar_compute_dtype`:
+    float32, or float64 under a float64 default, as in the exactness checks), never a half dtype even when the model
+    is built under one. Set in `__init__`, as transformers 5.24 checks of every `_keep_in_fp32_modules_strict`
+    parameter."""
+    return dar_compute_dtype(torch.get_default_dtype())
 
 
 def kv_cache_argument(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
