@@ -398,12 +398,12 @@ def loop_depth_read(query, gate, sources, key_streams, value_streams):
     return branch_input  # [B, T, D]
 
 
-def perturbed_tiny_dar(block_size, implementation: str) -> DARForCausalLM:
+def perturbed_tiny_dar(block_size, implementation: str, **config_overrides) -> DARForCausalLM:
     """A tiny DAR model (vocabulary 64) in eval mode with every DAR parameter moved off its init."""
     torch.manual_seed(0)
     config = DARConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, dar_block_size=block_size, dar_implementation=implementation,
+        vocab_size=64, dar_block_size=block_size, dar_implementation=implementation, **config_overrides,
     )
     model = DARForCausalLM(config).eval()
     with torch.no_grad():

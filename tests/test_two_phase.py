@@ -191,17 +191,14 @@ def _saved_storages(model, ids):
     return loss, saved
 
 
-@pytest.mark.parametrize("block_size", [2, 3, 4])
-def test_backward_keeps_no_float32_partial_state(block_size):
-    """DESIGN.md section 7: of the DAR state, backward keeps the committed entries only; the partial states of a block
-    are rebuilt from the branch outputs it keeps anyway. Gradients are those of keeping them (bit for bit), and the
-    enclosing saved-tensor hooks (here the recording) still see everything that is kept."""
-    model = perturbed_tiny_dar(block_size, "two_phase").train()
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(8))
+def _kept_and_lean_gradients_agree(model, ids, state_shape, dtype) -> tuple[int, int]:
+    """(state-sized tensors kept with the lean hooks, without them), after checking that both backwards give the same
+    parameter gradients bit for bit."""
+    def state_sized(saved):
+        return [tensor for tensor in saved.values() if tensor.shape == state_shape and tensor.dtype == dtype]
+
     loss, saved = _saved_storages(model, ids)
-    state_sized = [tensor for tensor in saved.values() if tensor.shape == (2, 7, 2, 32) and tensor.dtype == torch.float32]
-    num_entries = 1 + -(-model.config.dar_num_branches // block_size)  # the embedding, then one per block
-    assert len(state_sized) == num_entries
+    lean_kept = len(state_sized(saved))
     loss.backward()
     lean = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
@@ -210,13 +207,38 @@ def test_backward_keeps_no_float32_partial_state(block_size):
     TwoPhaseDepthBackend.keeping_partials_lean = lambda self: contextlib.nullcontext()
     try:
         loss, saved = _saved_storages(model, ids)  # negative control: without the rebuild the partials are kept
-        kept = [tensor for tensor in saved.values() if tensor.shape == (2, 7, 2, 32) and tensor.dtype == torch.float32]
+        kept = len(state_sized(saved))
         loss.backward()
     finally:
         TwoPhaseDepthBackend.keeping_partials_lean = original
-    assert len(kept) > num_entries
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(lean[name], parameter.grad, rtol=0, atol=0, msg=name)
+    return lean_kept, kept
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4])
+def test_backward_keeps_no_float32_partial_state(block_size):
+    """DESIGN.md section 7: of the DAR state, backward keeps the committed entries only; the partial states of a block
+    are rebuilt from the branch outputs it keeps anyway, and so is the entry of a block of one write (beta * y: Full
+    DAR's every entry; with 4 branches, block size 3 ends with one). Gradients are those of keeping them (bit for
+    bit), and the enclosing saved-tensor hooks (here the recording) still see everything that is kept."""
+    model = perturbed_tiny_dar(block_size, "two_phase").train()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(8))
+    num_branches = model.config.dar_num_branches
+    blocks = [min(block_size, num_branches - start) for start in range(0, num_branches, block_size)]
+    num_entries = 1 + sum(size > 1 for size in blocks)  # the embedding, then one per block of two writes or more
+    lean_kept, kept = _kept_and_lean_gradients_agree(model, ids, (2, 7, 2, 32), torch.float32)
+    assert lean_kept == num_entries
+    assert kept == 1 + len(blocks) + sum(size - 1 for size in blocks)  # every entry and every partial
+
+
+def test_full_dar_entries_kept_in_the_model_dtype_are_rebuilt_too():
+    """With the history in the model dtype (`dar_history_dtype="model"`, bf16 here) a block of one write commits
+    (beta * y) cast to bf16: rebuilt in that dtype, gradients bit for bit those of keeping it."""
+    model = perturbed_tiny_dar(1, "two_phase", dar_history_dtype="model").to(torch.bfloat16).train()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(8))
+    lean_kept, kept = _kept_and_lean_gradients_agree(model, ids, (2, 7, 2, 32), torch.bfloat16)
+    assert (lean_kept, kept) == (1, 5)  # the embedding entry only, against it and the 4 commits
 
 
 @pytest.mark.parametrize("implementation", ["two_phase", "fast"])

@@ -512,13 +512,15 @@ class _BlockPartials:
 
     `add` records one write (beta, rho, y); `rebuild(k)` replays the block's writes 0 .. k without autograd (the
     same ops in the same order, so the same values bit for bit) and keeps them until every kept reference to the
-    block's partials has been unpacked once, so one backward replays the block once.
+    block's partials has been unpacked once, so one backward replays the block once. `dtype`: that of a committed
+    entry rebuilt this way (a block of one write, `_LeanPartials.record_entry`), None for partials.
     """
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype | None = None):
         self.writes: list[tuple] = []
         self.rebuilt: list[torch.Tensor] | None = None
         self.pending = 0
+        self.dtype = dtype
 
     def add(self, beta, rho, branch_output) -> int:
         self.writes.append((beta.detach(), None if rho is None else rho.detach(), branch_output.detach()))
@@ -530,7 +532,7 @@ class _BlockPartials:
                 partial, self.rebuilt = None, []
                 for beta, rho, branch_output in self.writes:
                     partial = gated_write(partial, rho, beta, branch_output)
-                    self.rebuilt.append(partial)
+                    self.rebuilt.append(partial if self.dtype is None else partial.to(self.dtype))
         partial = self.rebuilt[index]
         self.pending -= 1
         if self.pending <= 0:
@@ -540,7 +542,8 @@ class _BlockPartials:
 
 class _LeanPartials:
     """Saved-tensor hooks of one training forward (eager): a kept reference to a partial state that is not committed
-    becomes a (block, index) handle, unpacked by replaying the block's writes (`_BlockPartials`). Everything else is
+    becomes a (block, index) handle, unpacked by replaying the block's writes (`_BlockPartials`); so does a committed
+    entry written by one branch alone (`record_entry`: Full DAR's every entry, beta * y). Everything else is
     kept as autograd keeps it, through the hooks that were active around the forward (`save_on_cpu`, a memory
     measurement), which are chained rather than replaced. Gradient checkpointing's own hooks take precedence inside a
     checkpointed layer."""
@@ -557,6 +560,13 @@ class _LeanPartials:
             self.block = _BlockPartials()
         index = self.block.add(beta, rho, branch_output)
         self.partials[id(partial)] = (weakref.ref(partial), self.block, index)
+
+    def record_entry(self, entry, beta, branch_output) -> None:
+        """A committed entry that one write made alone (a block of one branch): (beta * y) in the history's dtype,
+        rebuilt from the y autograd keeps anyway. Every later read keeps a reference to it, so the rebuild is done
+        at the first unpack in backward and dropped after the last (`_BlockPartials.pending`)."""
+        block = _BlockPartials(entry.dtype)
+        self.partials[id(entry)] = (weakref.ref(entry), block, block.add(beta, None, branch_output))
 
     def pack(self, tensor):
         found = self.partials.get(id(tensor))
@@ -597,9 +607,9 @@ class TwoPhaseDepthBackend:
         self.lean: _LeanPartials | None = None
 
     def keeping_partials_lean(self):
-        """Context of a training forward: autograd keeps no float32 partial state (only the committed entries); each
-        block's partials are rebuilt in backward from the branch outputs it keeps anyway. Eager only: a compiled
-        graph plans its own saved tensors."""
+        """Context of a training forward: autograd keeps no float32 partial state (only the committed entries, and
+        not those of blocks of one write, which are beta * y); each block's partials are rebuilt in backward from the
+        branch outputs it keeps anyway. Eager only: a compiled graph plans its own saved tensors."""
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return nullcontext()
         self.lean = _LeanPartials()
@@ -668,10 +678,13 @@ class TwoPhaseDepthBackend:
                     rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
             # y stays in the model dtype: autograd keeps it as the branch produced it
             partial = gated_write(state.partial, rho, beta, branch_output)  # [B, T, J, D], compute dtype
-        if self.lean is not None and not commits and partial.requires_grad:
+        lean = self.lean is not None and partial.requires_grad
+        if lean and not commits:
             self.lean.record(partial, beta, rho, branch_output, opens_block=state.partial is None)
         if commits:
             entry = partial.to(state.history[0].dtype)  # stored in the history's dtype (`dar_history_dtype`)
+            if lean and state.partial is None:  # a block of one write: the entry is beta * y
+                self.lean.record_entry(entry, beta, branch_output)
             with torch.no_grad():  # of the stored entry, so that every later read sees the same key
                 entry_inv_rms = inverse_rms(entry.to(like.dtype), self.eps).unsqueeze(0)  # [1, B, T, J]
             history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
