@@ -13,7 +13,8 @@ matmul FLOPs and bytes, and the DAR/Llama ratios this projects on an H100-class 
                     (history dtype) and the inverse-RMS table [S + 1, J]
      read backward  `_TwoPhaseRead.backward`: dY, weights, the S entries, P, statistics; out a gradient for each of
                     the S entries (history dtype) and for P
-     rebuild        once per block (`_BlockPartials`): the kept y in, every partial of the block out
+     rebuild        once per block (`_BlockPartials`): the kept y in, every partial of the block out (a block of
+                    one write: its entry, history dtype)
      gradient sums  autograd's sum of an entry's gradients over the reads that see it (each read returns all S: one
                     add per entry and extra read) and of a partial's two gradients (next read, next write)
      write backward dP' (and P) with y in, dy (and dP) out: the fused minimum; eager runs it node by node.
@@ -110,6 +111,8 @@ def dar_bytes(config: DARConfig, model_bytes: int, history_bytes: int) -> dict[s
         if not branch["commits"]:  # backward: the block's partials rebuilt from the kept y
             totals["rebuild"] += hidden * model_bytes + state
             partial_sums += config.dar_include_partial  # dP from the next read and from the next write: one add
+        elif branch["opens"]:  # a block of one write: its entry (beta * y) rebuilt from the kept y
+            totals["rebuild"] += hidden * model_bytes + entry
         # the write's backward at its fused minimum: dP' (and P) in with y; dy (and dP) out
         totals["write backward"] += state + 2 * hidden * model_bytes + 2 * (not branch["opens"]) * state
     # autograd sums the gradients of an entry over the reads that see it: one add (two in, one out) per extra read
@@ -244,12 +247,18 @@ def measured_bytes(config: DARConfig, dtype: torch.dtype, tokens: int) -> dict[s
         setattr(backend, method, counter.region(name, getattr(backend, method)))
     original_backward, original_rebuild = depth_backends._TwoPhaseRead.backward, depth_backends._BlockPartials.rebuild
     depth_backends._TwoPhaseRead.backward = staticmethod(counter.region("read backward", original_backward))
-    depth_backends._BlockPartials.rebuild = counter.region("rebuild", original_rebuild)
+    rebuilding = {}
+
+    def rebuild(block, index):
+        rebuilding["entry"] = block.dtype is not None  # an entry (returned in the history dtype), not partials
+        return original_rebuild(block, index)
+
+    depth_backends._BlockPartials.rebuild = counter.region("rebuild", rebuild)
     original_write = depth_backends.gated_write
 
     def gated_write(*args):  # a rebuild materialises every partial of its block: all of them leave it
         partial = original_write(*args)
-        if counter.stack and counter.stack[-1]["name"] == "rebuild":
+        if counter.stack and counter.stack[-1]["name"] == "rebuild" and not rebuilding["entry"]:
             counter.stack[-1].setdefault("also_leaving", []).append(partial)
         return partial
 
