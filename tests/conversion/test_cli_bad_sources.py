@@ -17,9 +17,12 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
 
 from conftest import REPO, run_convert_in_process, save_source, tree_digest
+from dar_transformers.conversion import upcycle_model
 
 EVIL_CODE = """
 import pathlib
@@ -73,6 +76,61 @@ def test_an_invalid_source_config_is_one_line_naming_the_file_and_the_field(tmp_
     before = tree_digest(source)
     assert_refused_in_one_line(*run_convert_in_process(source, tmp_path / "out", cwd=tmp_path), *patterns)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    assert tree_digest(source) == before
+
+
+def written_tensors(folder) -> dict:
+    return {name: tensor for file in folder.glob("*.safetensors") for name, tensor in load_file(file).items()}
+
+
+def test_a_trained_head_under_a_tied_config_is_refused_not_dropped(tmp_path):
+    """config.json ties the head (`tie_word_embeddings`) but the checkpoint holds its own, different `lm_head.weight`
+    (an untied fine-tune under a copied config): transformers loads it untied and keeps that head; a conversion that
+    tied it would drop it (and verify against its own tied reading of the source). Refused, naming the field; the same
+    head equal to the embedding (a tied head written out) converts, and so does the folder once the config says
+    untied. The in-memory path refuses the same model."""
+    source = save_source(tmp_path / "source", tied=False)
+    state = load_file(source / "model.safetensors")
+    assert not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    edit_json(source / "config.json", tie_word_embeddings=True)
+    before = tree_digest(source)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"tie_word_embeddings=true", r"lm_head\.weight differs from "
+                               r"model\.embed_tokens\.weight", r'"tie_word_embeddings": false')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    assert tree_digest(source) == before
+
+    model = LlamaForCausalLM.from_pretrained(source)  # untied by transformers (the values differ)
+    model.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs"):
+        upcycle_model(model)
+
+    edit_json(source / "config.json", tie_word_embeddings=False)  # the fix the message names
+    code, stderr = run_convert_in_process(source, tmp_path / "untied", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert torch.equal(written_tensors(tmp_path / "untied")["lm_head.weight"], state["lm_head.weight"])
+
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # a tied head written out: equal, dropped
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    edit_json(source / "config.json", tie_word_embeddings=True)
+    code, stderr = run_convert_in_process(source, tmp_path / "tied", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "lm_head.weight" not in written_tensors(tmp_path / "tied")
+
+
+def test_a_folder_with_both_a_single_file_and_shards_is_refused_naming_both(tmp_path):
+    """model.safetensors next to model.safetensors.index.json and its shards (two revisions downloaded into one
+    folder): transformers reads model.safetensors, a converter reading the shards would convert (and verify) other
+    weights than the ones the user runs. Refused, naming both; nothing written."""
+    source = save_source(tmp_path / "source", shard="20KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    other = save_source(tmp_path / "other")
+    (other / "model.safetensors").rename(source / "model.safetensors")
+    before = tree_digest(source)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"holds two checkpoints: model\.safetensors and the shards of "
+                               r"model\.safetensors\.index\.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "source"]
     assert tree_digest(source) == before
 
 

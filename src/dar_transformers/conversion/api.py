@@ -23,7 +23,7 @@ from .families import source_family
 from .options import ConversionOptions
 from .output import check_output_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
-from .plan import cast_model, check_finite, logging_level_error, plan_conversion, upcycle_model
+from .plan import cast_model, check_finite, check_tied_output_head, logging_level_error, plan_conversion, upcycle_model
 from .report import VerificationReport
 from .sources import Source, display_name, load_source_config, open_source, source_storage_dtype
 from .targets import TargetKind, dar_moe_target_kind
@@ -87,10 +87,13 @@ def upcycle(
     # Validate the target config before opening any weight.
     target.build_config(source_config, branch_family, options.storage_dtype or torch.float32, options.fields)
 
+    if in_memory:  # the state dict as the model holds it (open_source drops a tied head)
+        check_tied_output_head(StateDictCheckpoint(source.state_dict()), source_config, "the in-memory model")
     loaded = open_source(source, source_config, tokenizer)
     if in_memory:
         loaded.model = source
     try:
+        check_tied_output_head(loaded.checkpoint, source_config, loaded.checkpoint.description)
         storage_dtype = options.storage_dtype or source_storage_dtype(loaded.checkpoint)
         config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
         plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,

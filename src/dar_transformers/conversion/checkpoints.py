@@ -125,6 +125,13 @@ class SafetensorsCheckpoint(Checkpoint):
         self.description = f"safetensors in {self.folder}"
         if files is None:
             index = self.folder / INDEX_NAME
+            single = self.folder / "model.safetensors"
+            if index.is_file() and single.is_file():
+                raise ValueError(
+                    f"Source folder {self.folder} holds two checkpoints: {single.name} and the shards of "
+                    f"{index.name}. transformers' from_pretrained reads {single.name}; move the one you do not mean "
+                    "out of the folder, so that the conversion reads the weights you use."
+                )
             if index.is_file():
                 try:
                     files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -22,6 +22,7 @@ from .keymaps import TensorInfo, TensorPlan, check_keys
 from .targets import TargetKind, target_kind
 
 FINITE_CHECK_BYTES = 64 * 2**20  # rows of a source tensor checked for NaN/inf per read
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def meta_model(model_class: type[PreTrainedModel], config: PreTrainedConfig) -> PreTrainedModel:
@@ -116,6 +117,37 @@ def check_finite(checkpoint: Checkpoint, description: str = "the source") -> Non
             require_finite(chunk, name, description, start if info.shape else None)
 
 
+def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, description: str = "the source") -> None:
+    """Refuse a source whose config ties the output head to the input embedding (`tie_word_embeddings`) while its
+    checkpoint holds an `lm_head.weight` that differs from the embedding: the conversion plans a tied head (the
+    embedding) and would drop that one, which transformers keeps (it loads such a folder untied, with a warning).
+    An equal head is the tied one written out, and is dropped as before. Compared in row chunks of about
+    `FINITE_CHECK_BYTES` each, as `check_finite` reads."""
+    infos = checkpoint.infos()
+    if not getattr(config, "tie_word_embeddings", False) or HEAD not in infos or EMBEDDING not in infos:
+        return
+    head, embedding = infos[HEAD], infos[EMBEDDING]
+    fix = ('set "tie_word_embeddings": false in its config.json to convert both as they are, or remove '
+           f"{HEAD} from the checkpoint if the embedding is the head you mean")
+    if head.shape != embedding.shape:
+        raise ValueError(f"{description}: config.json ties {HEAD} to {EMBEDDING}, but their shapes differ "
+                         f"({head.shape} and {embedding.shape}): {fix}.")
+    rows = head.shape[0] if head.shape else 1
+    step = max(1, FINITE_CHECK_BYTES // max(1, head.nbytes // max(rows, 1)))
+    for start in range(0, rows, step):
+        rows_read = slice(start, start + step) if head.shape else None
+        head_rows = checkpoint.read(HEAD, rows_read).double()
+        embedding_rows = checkpoint.read(EMBEDDING, rows_read).double()
+        if not torch.equal(head_rows, embedding_rows):
+            difference = (head_rows - embedding_rows).abs().max().item()
+            raise ValueError(
+                f"{description}: config.json says tie_word_embeddings=true, but its {HEAD} differs from {EMBEDDING} "
+                f"(max |difference| {difference:.3g} in rows {start}..{min(start + step, rows) - 1}). Converting "
+                f"would drop that trained head (a tied model's head is the embedding), and transformers loads this "
+                f"source untied, keeping it: {fix}."
+            )
+
+
 def materialise(plan: TensorPlan, checkpoint: Checkpoint) -> torch.Tensor:
     """The planned tensor in memory (its storage dtype)."""
     if plan.value is not None:
@@ -138,6 +170,7 @@ def upcycle_model(
     dtype = dtype or source_model.dtype
     config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
     checkpoint = StateDictCheckpoint(source_model.state_dict())
+    check_tied_output_head(checkpoint, source_model.config, "the in-memory model")
     plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model")
     # Cloned: the target never shares storage with the source (training one must not change the other).
     state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
@@ -178,5 +211,5 @@ def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
 
 
 
-__all__ = ["cast_model", "check_finite", "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
+__all__ = ["cast_model", "check_finite", "check_tied_output_head", "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
            "upcycle_model"]
