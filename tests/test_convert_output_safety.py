@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import run_convert_in_process
 from dar_transformers.conversion import output as output_module
@@ -384,6 +384,27 @@ def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tin
     assert (user / "notes.txt").read_text() == "user data"
 
 
+def test_overwrite_never_replaces_a_dar_model_the_user_saved(tmp_path, tiny_source):
+    """A DAR model saved by `save_pretrained` (after training: a DAR config.json, but no conversion's model card) and a
+    conversion output that has since gained a folder (a Trainer's checkpoint-N/) are not previous conversion outputs:
+    --overwrite refuses both in one line, naming why, and every file stays."""
+    out = tmp_path / "out"
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    trained = tmp_path / "trained"
+    AutoModelForCausalLM.from_pretrained(out).save_pretrained(trained)
+    (trained / "checkpoint-500").mkdir()
+    (trained / "checkpoint-500" / "optimizer.pt").write_bytes(b"optimizer state")
+    (trained / "notes.txt").write_text("user data")
+    for folder, reason in [(trained, "no README.md model card of a conversion"),
+                           (out, "holds folders a conversion never writes: checkpoint-500")]:
+        if folder == out:
+            (out / "checkpoint-500").mkdir()
+        before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+        code, stderr = run_convert_in_process(tiny_source, folder, "--overwrite", cwd=tmp_path)
+        assert code == 1 and reason in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before
+
+
 def test_a_gguf_source_is_its_file(tmp_path):
     """For a file source, the output may be next to it but may not be the file, or a folder holding it or the
     symlink through which it was named (checked before anything is read)."""
@@ -441,6 +462,7 @@ def build_layout(root: Path, tiny_source: Path, linked_tokenizer: bool) -> None:
     for name in ("x", "empty", "prev", "user"):
         (root / "a" / name).mkdir()
     (root / "a" / "prev" / "config.json").write_text(json.dumps({"model_type": "dar"}))
+    (root / "a" / "prev" / "README.md").write_text("---\ntags:\n- dar\n- upcycled\n---\n")  # a conversion's card
     shutil.copy(src / "tokenizer.json", root / "a" / "prev" / "tokenizer.json")
     (root / "a" / "user" / "thesis.txt").write_text("weeks of work")
     (root / "a" / "file.txt").write_text("a file")
@@ -468,8 +490,10 @@ def expected_to_write(root: Path, source: str, output: str, overwrite: bool) -> 
         return False
     if not os.listdir(output_path):
         return True
-    config = Path(output_path) / "config.json"
-    return overwrite and config.is_file() and json.loads(config.read_text()).get("model_type") in ("dar", "dar_moe")
+    config, card = Path(output_path) / "config.json", Path(output_path) / "README.md"
+    return (overwrite and config.is_file() and json.loads(config.read_text()).get("model_type") in ("dar", "dar_moe")
+            and card.is_file() and "\n- upcycled\n" in card.read_text()
+            and not any(entry.is_dir() for entry in Path(output_path).iterdir()))
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, database=None,

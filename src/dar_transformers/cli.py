@@ -82,8 +82,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", default=None, help="Hub id of the source, for the model card")
     parser.add_argument(
         "--overwrite", action="store_true",
-        help="replace a previous conversion output (a folder whose config.json has model_type dar or dar_moe), "
-        "only once the new one is written and verified; never the source or a folder around or inside it",
+        help="replace a previous conversion output (a DAR config.json, the model card a conversion writes and no "
+        "subfolder), only once the new one is written and verified; never the source or a folder around or inside it",
     )
 
 

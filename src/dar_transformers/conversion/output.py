@@ -70,22 +70,36 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
                 f"Output folder {shown} exists and is not empty; choose a new or empty folder, or pass --overwrite "
                 "(overwrite=True) to replace a previous conversion output."
             )
-        if not is_conversion_output(output):
+        reason = not_a_conversion_output(output)
+        if reason:
             raise FileExistsError(
-                f"Output folder {shown} is not empty and is not a previous conversion output (no config.json with "
-                f"model_type {' or '.join(map(repr, DAR_MODEL_TYPES))}); --overwrite replaces only those. Choose a new "
-                "or empty folder, or move this one away yourself."
+                f"Output folder {shown} is not empty and is not a previous conversion output ({reason}); --overwrite "
+                "replaces only those. Choose a new or empty folder, or move this one away yourself."
             )
     return output
 
 
-def is_conversion_output(folder: Path) -> bool:
-    """True for a folder whose config.json is a DAR kind (what a conversion writes)."""
+def not_a_conversion_output(folder: Path) -> str | None:
+    """Why `folder` is not what a conversion writes (None if it is): a config.json of a DAR kind, the model card a
+    conversion writes last (README.md tagged "upcycled"), and no subfolder (a conversion writes none; a Trainer's
+    checkpoint-N/ or a user's own data would be). A DAR model saved by `save_pretrained` after training has the
+    config but not the card, so --overwrite never replaces it."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") in DAR_MODEL_TYPES
+        config = None
+    if not isinstance(config, dict) or config.get("model_type") not in DAR_MODEL_TYPES:
+        return f"no config.json with model_type {' or '.join(map(repr, DAR_MODEL_TYPES))}"
+    try:
+        card = (folder / "README.md").read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        card = ""
+    if "\n- upcycled\n" not in card:
+        return "no README.md model card of a conversion, tagged upcycled"
+    subfolders = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+    if subfolders:
+        return f"it holds folders a conversion never writes: {', '.join(subfolders[:5])}"
+    return None
 
 
 def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike) -> None:
