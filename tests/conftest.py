@@ -261,8 +261,9 @@ GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.no
                      "lm_head.weight": "output.weight"}
 
 
-def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> Path:
-    """A float32 Llama GGUF with a BPE ("gpt2") tokenizer and chat template, as llama.cpp's converter writes it."""
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, extra_tensors=None) -> Path:
+    """A float32 Llama GGUF with a BPE ("gpt2") tokenizer and chat template, as llama.cpp's converter writes it;
+    `extra_tensors` ({GGUF name: array}) are written after the model's."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
@@ -301,6 +302,8 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTo
         elif module == "self_attn.k_proj":
             array = llama_cpp_permute(array, config.num_key_value_heads)
         writer.add_tensor(f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight", array)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -2,12 +2,13 @@
 """Sources (CPU): bad weights, corrupt GGUF files and missing tokenizers are refused naming the file, and a GGUF
 file is read tensor by tensor exactly as transformers loads it."""
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from dar_transformers.conversion import api, checkpoints, plan, upcycle
+from dar_transformers.conversion import VerificationError, api, checkpoints, plan, upcycle
 from dar_transformers.conversion.checkpoints import GGUFCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.sources import plain_config
@@ -108,6 +109,37 @@ def test_a_gguf_conversion_dequantises_each_tensor_once_before_verifying(tmp_pat
             progress=False)
     (dequantised, tensors, counted), = at_verification
     assert tensors == 3 + 3 * 9 and dequantised == counted == tensors  # embedding, norm, head; 9 per layer (3)
+
+
+def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp_path):
+    """A Llama GGUF with attention biases (which a Llama config without attention_bias has no parameter for):
+    transformers' GGUF loader skips them, and so did the converter, verifying PASSED against the same bias-less
+    reading. Refused like a safetensors source's unplaceable tensors, naming them; nothing written."""
+    (tmp_path / "gguf").mkdir()
+    biases = {f"blk.{layer}.attn_{name}.bias": np.full(rows, 0.5, dtype=np.float32)
+              for layer in range(2) for name, rows in (("q", 32), ("k", 16))}
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
+                                extra_tensors=biases)
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"holds 4 tensor\(s\) that LlamaForCausalLM of its config has no parameter "
+                                         r"for: \['blk\.0\.attn_q\.bias', 'blk\.0\.attn_k\.bias'"):
+        upcycle(gguf_path, tmp_path / "out", dar_block_size=2, progress=False)
+    assert_nothing_written(tmp_path, before)
+
+
+def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dtype(tmp_path):
+    """bf16 matrices with float32 norms under the default dtype ("auto": the dtype of most bytes, bf16) round the norms,
+    which verification refuses; the refusal names the rounded tensors and --dtype float32, which converts exactly
+    (before, it suggested only a larger tolerance, which writes the rounded norms)."""
+    source = save_source(tmp_path / "source")
+    state = {name: tensor if "norm" in name else tensor.to(torch.bfloat16)
+             for name, tensor in load_file(source / "model.safetensors").items()}
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(VerificationError, match=r"source tensor\(s\) are stored in another dtype than bfloat16 "
+                                                r"\(model\.layers\.0\.input_layernorm\.weight.*--dtype float32"):
+        upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False)
+    assert not (tmp_path / "out").exists()
+    upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False, dtype=torch.float32)
 
 
 def test_a_nan_in_a_source_is_refused_at_planning_naming_the_tensor(tmp_path):

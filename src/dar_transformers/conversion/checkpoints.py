@@ -245,14 +245,24 @@ class GGUFCheckpoint(Checkpoint):
         self._tensors = {}
         self._last: tuple[str, torch.Tensor] | None = None  # (name, the whole dequantised tensor)
         self.dequantised = 0  # tensors dequantised so far (each once per run of reads)
+        unplaced = []  # tensors the model of this config has no parameter for
         for tensor in reader.tensors:
             hf_name = key_map.get(tensor.name)
             if hf_name is None:
+                unplaced.append(tensor.name)
                 continue
             info = TensorInfo(tuple(int(n) for n in reversed(tensor.shape.tolist())), torch.float32)
             self._tensors[hf_name] = (tensor.name, tensor.tensor_type, tensor.data.dtype, tensor.data.shape,
                                       int(tensor.data_offset), int(tensor.n_bytes), info)
         del reader
+        if unplaced:  # refused as a safetensors source's unplaceable tensors are (`keymaps.check_keys`)
+            self.close()
+            raise ValueError(
+                f"the file holds {len(unplaced)} tensor(s) that {type(meta_model).__name__} of its config "
+                f"has no parameter for: {unplaced[:8]}{' ...' if len(unplaced) > 8 else ''}. transformers' GGUF "
+                "loader skips them (for example attention biases, or llama3 rope_freqs), so neither it nor a "
+                "conversion would compute what this file's model computes; nothing is converted."
+            )
 
     def infos(self) -> dict[str, TensorInfo]:
         return {name: entry[-1] for name, entry in self._tensors.items()}

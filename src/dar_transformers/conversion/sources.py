@@ -233,4 +233,12 @@ def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
     return max(totals, key=totals.get) if totals else torch.float32
 
 
-__all__ = ["Source", "display_name", "load_source", "load_source_config", "open_source", "source_storage_dtype"]
+def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
+    """(name, dtype) of the source's floating tensors stored in another dtype than `storage_dtype`, which a
+    conversion to it rounds (a mixed-precision source under "auto": bf16 matrices, float32 norms)."""
+    return [(name, info.dtype) for name, info in checkpoint.infos().items()
+            if info.dtype.is_floating_point and info.dtype != storage_dtype]
+
+
+__all__ = ["Source", "display_name", "load_source", "load_source_config", "open_source", "rounded_tensors",
+           "source_storage_dtype"]

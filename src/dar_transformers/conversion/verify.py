@@ -346,7 +346,9 @@ def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> li
     return continuations
 
 
-def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype) -> None:
+def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype, rounded=()) -> None:
+    """Raise `VerificationError` unless the report passed. `rounded`: (name, dtype) of the source tensors stored in
+    another floating dtype than `storage_dtype` (which the conversion rounded); the hint names the exact route."""
     if report.relaxed:
         logger.warning(
             f"Verification tolerance relaxed to {report.tolerance:.1e} (default {report.default_tolerance:.1e} "
@@ -355,7 +357,16 @@ def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype) 
     if report.passed:
         return
     hint = ""
-    if storage_dtype in (torch.bfloat16, torch.float16) and not report.relaxed:
+    storage = str(storage_dtype).removeprefix("torch.")
+    if rounded and not report.relaxed:
+        widest = max((dtype for _, dtype in rounded), key=lambda dtype: (dtype.itemsize, dtype == torch.float32))
+        names = ", ".join(name for name, _ in rounded[:3]) + (" ..." if len(rounded) > 3 else "")
+        hint = (
+            f"\n{len(rounded)} source tensor(s) are stored in another dtype than {storage} ({names}) and were rounded "
+            f"to it; --dtype {str(widest).removeprefix('torch.')} (dtype={widest}) stores them exactly. A larger "
+            "tolerance (--tolerance) would accept the rounding instead, which the model card records."
+        )
+    elif storage_dtype in (torch.bfloat16, torch.float16) and not report.relaxed:
         hint = (
             f"\nThe weights were rounded to {str(storage_dtype).removeprefix('torch.')}, which moves the logits beyond "
             "the bar; pass a larger tolerance (--tolerance) to accept a lower bar, which the model card records."
