@@ -9,6 +9,7 @@ model type is refused before transformers sees it; code in the source (an `auto_
 tokenizer) never runs and never reaches the output; the model card's snippets run as written, without prompts.
 """
 
+import errno
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from conftest import REPO, run_convert_in_process, save_source, tree_digest
-from dar_transformers.conversion import upcycle_model
+from dar_transformers.conversion import api, upcycle_model
 
 EVIL_CODE = """
 import pathlib
@@ -132,6 +133,58 @@ def test_a_folder_with_both_a_single_file_and_shards_is_refused_naming_both(tmp_
                                r"model\.safetensors\.index\.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "source"]
     assert tree_digest(source) == before
+
+
+def test_other_safetensors_files_next_to_model_safetensors_are_not_read_and_are_named(tmp_path, caplog):
+    """Without an index a folder's weights are model.safetensors, as transformers reads it: a LoRA adapter or a backup
+    copy beside it is not read (it was, and refused the folder with a message blaming a valid file), and the warning
+    names it. Without model.safetensors, every *.safetensors is read; a tensor in two of them names both files."""
+    source = save_source(tmp_path / "source")
+    state = load_file(source / "model.safetensors")
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)},
+              source / "adapter_model.safetensors")
+    save_file(state, source / "model_backup.safetensors")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "not read: adapter_model.safetensors, model_backup.safetensors" in caplog.text
+
+    (source / "adapter_model.safetensors").unlink()
+    (source / "model.safetensors").rename(source / "weights.safetensors")
+    code, stderr = run_convert_in_process(source, tmp_path / "out2", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"tensor '[\w.]+' is in both model_backup\.safetensors and "
+                               r"weights\.safetensors")
+
+
+@pytest.mark.parametrize("failure", ["EIO", "truncated"])
+def test_a_source_that_fails_to_read_is_named_as_the_source_not_the_output(tmp_path, monkeypatch, failure):
+    """An I/O error reading the source (a failing disk or mount) or a source file that shrinks mid-run (a download or
+    sync still writing it) is one line naming the source file: it read as "Could not write OUT" (an I/O error) or
+    named no file (end of file). Nothing written, the source unchanged apart from what the test itself did."""
+    source = save_source(tmp_path / "source")
+    weights = (source / "model.safetensors").resolve()
+    write_folder = api.write_converted_folder
+
+    def failing_write(*args, **kwargs):  # after planning: the write is the source's one full read
+        if failure == "truncated":
+            with open(weights, "r+b") as file:
+                file.truncate(weights.stat().st_size - 4096)
+        else:
+            preadv = os.preadv
+
+            def eio_on_the_source(fd, buffers, offset):
+                if os.readlink(f"/proc/self/fd/{fd}") == str(weights):
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                return preadv(fd, buffers, offset)
+
+            monkeypatch.setattr(os, "preadv", eio_on_the_source)
+        return write_folder(*args, **kwargs)
+
+    monkeypatch.setattr(api, "write_converted_folder", failing_write)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    reason = "Input/output error" if failure == "EIO" else "the file is shorter than its header says"
+    assert_refused_in_one_line(code, stderr, rf"Could not read the source file {re.escape(str(weights))}: .*{reason}")
+    assert "Could not write" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
 
 
 def test_a_custom_model_type_is_refused_before_any_code_runs(tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers.utils import logging
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     TensorProcessor,
@@ -40,16 +41,27 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"
+logger = logging.get_logger(__name__)
 
 
-def pread_exact(fd: int, length: int, offset: int) -> bytearray:
+def pread_exact(fd: int, length: int, offset: int, path: Path | None = None) -> bytearray:
+    """`length` bytes at `offset`. With `path` (a source file), an error names it as a read of the source, in one
+    line without an errno, so that the output's writer passes it on instead of reporting a write error."""
     buffer = bytearray(length)
     view, done = memoryview(buffer), 0
-    while done < length:
-        count = os.preadv(fd, [view[done:]], offset + done)
-        if count <= 0:
-            raise OSError(f"unexpected end of file reading {length} bytes at offset {offset}")
-        done += count
+    try:
+        while done < length:
+            count = os.preadv(fd, [view[done:]], offset + done)
+            if count <= 0:
+                raise OSError(f"unexpected end of file reading {length} bytes at offset {offset}")
+            done += count
+    except OSError as error:
+        if path is None:
+            raise
+        reason = error.strerror or str(error)
+        if error.errno is None:
+            reason += " (the file is shorter than its header says: truncated, or changed while being read)"
+        raise OSError(f"Could not read the source file {path}: {reason}.") from error
     return buffer
 
 
@@ -117,8 +129,13 @@ class FiniteCheckpoint(Checkpoint):
         return chunk
 
 
+class _DuplicateTensor(Exception):
+    """A tensor name found in a second file: (name, the first file)."""
+
+
 class SafetensorsCheckpoint(Checkpoint):
-    """A folder's safetensors files (those of its index, or every `*.safetensors`), read through their headers."""
+    """A folder's safetensors files, read through their headers: those of its index, else model.safetensors (as
+    transformers reads a folder), else every `*.safetensors`."""
 
     def __init__(self, folder: str | os.PathLike, files: Sequence[str] | None = None):
         self.folder = Path(folder)
@@ -137,6 +154,11 @@ class SafetensorsCheckpoint(Checkpoint):
                     files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
                 except (json.JSONDecodeError, KeyError, TypeError) as error:
                     raise ValueError(f"{index} is not a safetensors index ({error!r}).") from error
+            elif single.is_file():  # as transformers reads the folder: other *.safetensors (a LoRA adapter, a backup)
+                files = [single.name]  # are not this model's weights
+                others = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name != single.name)
+                if others:
+                    logger.warning(f"Reading {single} only, as transformers does; not read: {', '.join(others)}.")
             else:
                 files = sorted(path.name for path in self.folder.glob("*.safetensors"))
         if not files:
@@ -145,6 +167,7 @@ class SafetensorsCheckpoint(Checkpoint):
                 "model-0000x-of-0000y.safetensors with model.safetensors.index.json)."
             )
         self._fds: list[int] = []
+        self._files: dict[int, Path] = {}  # fd -> file, for messages
         self._entries: dict[str, tuple[int, int, TensorInfo]] = {}  # name -> (fd, absolute offset, info)
         try:
             for file in files:
@@ -158,6 +181,7 @@ class SafetensorsCheckpoint(Checkpoint):
             raise FileNotFoundError(f"{path} (listed in {self.folder / INDEX_NAME}) does not exist.")
         fd = os.open(path, os.O_RDONLY)
         self._fds.append(fd)
+        self._files[fd] = path
         size = os.fstat(fd).st_size
         try:
             (header_size,) = struct.unpack("<Q", pread_exact(fd, 8, 0))
@@ -175,8 +199,14 @@ class SafetensorsCheckpoint(Checkpoint):
                 if end - begin != info.nbytes or data_start + end > size:
                     raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit its shape or the file")
                 if name in self._entries:
-                    raise ValueError(f"tensor {name!r} appears in two files")
+                    raise _DuplicateTensor(name, self._files[self._entries[name][0]].name)
                 self._entries[name] = (fd, data_start + begin, info)
+        except _DuplicateTensor as duplicate:
+            raise ValueError(
+                f"Could not load the weights in {self.folder}: tensor {duplicate.args[0]!r} is in both "
+                f"{duplicate.args[1]} and {path.name}; keep one model's weights in the folder (or an index that "
+                "lists the shards to read)."
+            ) from None
         except (ValueError, KeyError, TypeError, OSError, UnicodeDecodeError, struct.error) as error:
             raise ValueError(f"Could not load the weights in {self.folder}: {path.name} is not a valid safetensors "
                              f"file ({error}).") from error
@@ -187,10 +217,10 @@ class SafetensorsCheckpoint(Checkpoint):
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         fd, offset, info = self._entries[name]
         if rows is None or not info.shape:
-            return _tensor_from_bytes(pread_exact(fd, info.nbytes, offset), info.dtype, info.shape)
+            return _tensor_from_bytes(pread_exact(fd, info.nbytes, offset, self._files[fd]), info.dtype, info.shape)
         start, stop, _ = rows.indices(info.shape[0])
         row_bytes = info.nbytes // max(info.shape[0], 1)
-        buffer = pread_exact(fd, (stop - start) * row_bytes, offset + start * row_bytes)
+        buffer = pread_exact(fd, (stop - start) * row_bytes, offset + start * row_bytes, self._files[fd])
         return _tensor_from_bytes(buffer, info.dtype, (stop - start, *info.shape[1:]))
 
     def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
@@ -272,7 +302,7 @@ class GGUFCheckpoint(Checkpoint):
             return self._last[1]
         self._last = None  # free the previous tensor before making the next
         gguf_name, tensor_type, raw_dtype, raw_shape, offset, nbytes, info = self._tensors[name]
-        raw = np.frombuffer(pread_exact(self._fd, nbytes, offset), dtype=raw_dtype).reshape(raw_shape)
+        raw = np.frombuffer(pread_exact(self._fd, nbytes, offset, self.path), dtype=raw_dtype).reshape(raw_shape)
         weights = gguf.dequantize(raw, tensor_type)
         result = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping={}, parsed_parameters={})
         tensor = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(info.shape)
