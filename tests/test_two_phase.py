@@ -18,6 +18,7 @@ from conftest import (
     memo_free_logits,
     perturbed_tiny_dar,
 )
+from dar_transformers import depth_backends
 from dar_transformers.depth_backends import (
     DepthState,
     TwoPhaseDepthBackend,
@@ -53,11 +54,14 @@ def test_two_phase_read_gradcheck(routing, with_partial):
     assert torch.autograd.gradcheck(function, inputs, eps=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("entry_chunk", [8, 3])
 @pytest.mark.parametrize("with_partial", [True, False])
 @pytest.mark.parametrize("routing", sorted(DEPTH_ROUTINGS))
-def test_two_phase_read_matches_the_loop(routing, with_partial):
+def test_two_phase_read_matches_the_loop(routing, with_partial, entry_chunk, monkeypatch):
     """Values, depth weights and every gradient against the per-stream softmax over all N sources, float64 to
-    1e-12; phase 1 planned together with another read's query, as in a decoder layer."""
+    1e-12; phase 1 planned together with another read's query, as in a decoder layer. The backward takes the 4
+    entries in one chunk, and in chunks of 3 and 1."""
+    monkeypatch.setattr(depth_backends, "READ_BACKWARD_ENTRY_CHUNK", entry_chunk)
     key_streams, value_streams = DEPTH_ROUTINGS[routing]
     entries, partial, query, gate = depth_read_inputs(len(key_streams), with_partial=with_partial, seed=1)
     other_query = torch.randn_like(query)

@@ -315,13 +315,18 @@ def gated_write(partial, rho, beta, branch_output):
     return rho * partial + ((1.0 - rho) * partial).flip(-2) + written
 
 
+READ_BACKWARD_ENTRY_CHUNK = 8  # committed entries stacked at once by a read's backward
+
+
 class _TwoPhaseRead(torch.autograd.Function):
     """One branch's read (phase 2 on a phase 1 computed without autograd), with the gradient of the whole read.
 
     Saves per-token statistics (softmax weights [N, B, T, J], inverse RMS) and references to the committed entries
-    and the partial, which are alive anyway; nothing entry-sized of its own. Backward stacks the entries again,
-    recomputes the key dots (one product) and rebuilds every gradient from them, including the key normalisation's,
-    d rms^-1 / d h = -rms^-3 h / D. Its inputs are its only state, so `torch.compile` traces it like plain code.
+    and the partial, which are alive anyway; nothing entry-sized of its own. Backward stacks the entries again, in
+    chunks of `READ_BACKWARD_ENTRY_CHUNK` (a pass for the dots, a pass for the gradients when there are several),
+    recomputes the key dots (one product per chunk) and rebuilds every gradient from them, including the key
+    normalisation's, d rms^-1 / d h = -rms^-3 h / D. Its inputs are its only state, so `torch.compile` traces it like
+    plain code.
     """
 
     @staticmethod
@@ -339,17 +344,29 @@ class _TwoPhaseRead(torch.autograd.Function):
     def backward(ctx, grad_input, _grad_weights):
         routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries = ctx.saved_tensors
         key_streams, value_streams = ctx.routing
-        history = torch.stack(entries).to(routed.dtype)  # [S, B, T, J, D], recomputed, in the compute dtype
-        sources, batch, tokens, streams, hidden = history.shape
-        key_dots = key_dots_of(history.view(-1, streams * hidden), routed)  # recomputed
-        key_dots = key_dots.view(sources, batch, tokens, streams)
+        sources, (batch, tokens, streams, hidden) = len(entries), entries[0].shape
+        # The entries in chunks: what backward holds beyond the entries and their gradients is one chunk's stack and
+        # temporaries, not the whole history's (Full DAR's final readout sees up to M + 1 entries).
+        chunks = [slice(start, min(start + READ_BACKWARD_ENTRY_CHUNK, sources))
+                  for start in range(0, sources, READ_BACKWARD_ENTRY_CHUNK)]
+
+        def stacked(chunk: slice) -> torch.Tensor:  # [C, B, T, J, D], recomputed, in the compute dtype
+            return torch.stack(entries[chunk]).to(routed.dtype)
+
+        # g . B^v_r per value stream: one product per token and stream over a strided view of the history
+        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, hidden, 1)  # [BTJ, D, 1]
+        key_dots, value_dots = [], []
+        for chunk in chunks:
+            history = stacked(chunk)
+            size = history.shape[0]
+            key_dots.append(key_dots_of(history.view(-1, streams * hidden), routed).view(size, batch, tokens, streams))
+            dots = torch.bmm(history.view(size, -1, hidden).transpose(0, 1), grad_rows)  # [BTJ, C, 1]
+            value_dots.append(dots.view(batch, tokens, streams, size).permute(3, 0, 1, 2))  # [C, B, T, J_val]
+        key_dots = key_dots[0] if len(chunks) == 1 else torch.cat(key_dots)  # recomputed, [S, B, T, J]
+        value_dots = value_dots[0] if len(chunks) == 1 else torch.cat(value_dots)
         if partial is not None:
             partial_dots = key_dots_of(partial.reshape(-1, streams * hidden), routed).view(1, batch, tokens, streams)
             key_dots = torch.cat([key_dots, partial_dots])  # [N, B, T, J]
-        # g . B^v_r per value stream: one product per token and stream over a strided view of the history
-        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, hidden, 1)  # [BTJ, D, 1]
-        value_dots = torch.bmm(history.view(sources, -1, hidden).transpose(0, 1), grad_rows)  # [BTJ, S, 1]
-        value_dots = value_dots.view(batch, tokens, streams, sources).permute(3, 0, 1, 2)  # [S, B, T, J_val]
         key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
         if partial is not None:
             partial_value_dots = (partial * grad_input.unsqueeze(2)).sum(-1)  # [B, T, J_val]
@@ -378,19 +395,24 @@ class _TwoPhaseRead(torch.autograd.Function):
                 return grad.addcmul_(grad_keyed_by_stream[index].unsqueeze(-1), queries_by_stream)
             return grad.add_((grad_keyed[index].unsqueeze(-2) * selector) @ queries)  # [..., J_key, J] @ [J, D]
 
-        grad_history = source_gradient(history, slice(0, sources), history_inv_rms)  # [S, B, T, J, D]
+        grad_entries, grad_routed = [], None
+        for chunk in chunks:
+            if len(chunks) > 1:
+                history = stacked(chunk)  # again: one chunk at a time is what backward holds
+            grad_history = source_gradient(history, chunk, history_inv_rms[chunk])  # [C, B, T, J, D]
+            grad_entries += grad_history.to(entries[0].dtype).unbind(0)  # in each entry's own (history) dtype
+            if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
+                part = grad_keyed[chunk].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
+                grad_routed = part if grad_routed is None else grad_routed + part
         grad_partial = source_gradient(partial, sources, partial_inv_rms) if partial is not None else None
-        grad_routed = None
-        if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
-            grad_routed = grad_keyed[:sources].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
+        if ctx.needs_input_grad[0]:
             if partial is not None:
                 grad_routed = grad_routed + grad_keyed[sources].reshape(-1, streams).T @ partial.reshape(
                     -1, streams * hidden
                 )
             grad_routed = grad_routed.T
         unused = (None,) * 6  # history_inv_rms, phase 1, routing, eps: no gradient
-        grad_history = grad_history.to(entries[0].dtype)  # each entry's gradient in its own (history) dtype
-        return (grad_routed, grad_gate, grad_partial, *unused, *grad_history.unbind(0))
+        return (grad_routed, grad_gate, grad_partial, *unused, *grad_entries)
 
 
 def two_phase_read(
