@@ -145,3 +145,15 @@ def test_registration_is_one_table_and_import_is_idempotent():
         for auto_class, model_class in row.items():
             assert auto_class._model_mapping[config_class] is model_class
             assert model_class._auto_class == auto_class.__name__
+
+
+def test_no_model_of_the_family_claims_a_pipeline_parallel_plan(dense_and_sparse):
+    """Llama's plan says a decoder layer maps hidden_states to hidden_states; a DAR stage boundary would have to carry
+    the whole depth state, so DAR and DAR-MoE (and their heads) declare none: `supports_pp_plan` is False, which
+    frameworks consult before splitting a model into stages. Control: the Llama they come from has one."""
+    llama = tiny_llama()
+    assert llama.supports_pp_plan
+    dense, sparse = dense_and_sparse
+    for model in (dense, sparse, HEADS[0][0](dense.config), HEADS[0][1](sparse.config)):
+        assert not model.supports_pp_plan, type(model).__name__
+        assert model.config.base_model_pp_plan is None

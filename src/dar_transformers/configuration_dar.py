@@ -81,6 +81,10 @@ class DARConfig(LlamaConfig):
     ```"""
 
     model_type = "dar"
+    # No pipeline-parallel plan (Llama's says a decoder layer maps hidden_states to hidden_states): a stage boundary
+    # would have to carry the whole depth state, the committed history and the open block's partial, not one tensor
+    # (README, "Serving"); without a plan `supports_pp_plan` is False.
+    base_model_pp_plan = None
     # Auto class name -> "file.Class" of every class of this model type; set by the package's registration table
     # (`dar_transformers.AUTO_CLASSES`) at import, empty where only the remote-code files are loaded.
     remote_code_auto_map: ClassVar[dict[str, str]] = {}

@@ -508,7 +508,7 @@ class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _pp_plan = None  # no pipeline-parallel plan: see DARConfig.base_model_pp_plan
     _fsdp_plan = {"lm_head": "keep_full_weight"}
     backbone_class = DARModel
     output_class = DARCausalLMOutputWithPast
