@@ -371,6 +371,8 @@ def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tin
     out = tmp_path / "out"
     assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     (out / "old-only.txt").write_text("from the previous conversion")
+    written = (out / "README.md").stat().st_mtime_ns - 10**9  # before its card, as a conversion writes everything
+    os.utime(out / "old-only.txt", ns=(written, written))
     code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
     assert_complete_output(out)
@@ -385,18 +387,32 @@ def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tin
 
 
 def test_overwrite_never_replaces_a_dar_model_the_user_saved(tmp_path, tiny_source):
-    """A DAR model saved by `save_pretrained` (after training: a DAR config.json, but no conversion's model card) and a
-    conversion output that has since gained a folder (a Trainer's checkpoint-N/) are not previous conversion outputs:
-    --overwrite refuses both in one line, naming why, and every file stays."""
+    """A DAR model saved by `save_pretrained` after training (a DAR config.json, but no conversion's model card), a
+    conversion output trained and saved back in place, and one that gained a Trainer's checkpoint-N/ are not previous
+    conversion outputs: --overwrite refuses each in one line, naming why, and every file stays. A subfolder the
+    conversion itself wrote (transformers saves named chat templates in additional_chat_templates/) does not count."""
     out = tmp_path / "out"
     assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    templates = out / "additional_chat_templates"
+    templates.mkdir()
+    (templates / "tool_use.jinja").write_text("{{ messages }}")
+    card_time = (out / "README.md").stat().st_mtime_ns
+    for entry in (templates / "tool_use.jinja", templates):  # as if written before the card, like the rest
+        os.utime(entry, ns=(card_time - 10**9, card_time - 10**9))
+    code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr
+
     trained = tmp_path / "trained"
     AutoModelForCausalLM.from_pretrained(out).save_pretrained(trained)
-    (trained / "checkpoint-500").mkdir()
-    (trained / "checkpoint-500" / "optimizer.pt").write_bytes(b"optimizer state")
     (trained / "notes.txt").write_text("user data")
-    for folder, reason in [(trained, "no README.md model card of a conversion"),
-                           (out, "holds folders a conversion never writes: checkpoint-500")]:
+    time.sleep(0.01)
+    in_place = tmp_path / "in_place"
+    shutil.copytree(out, in_place)  # a conversion output (copy2 keeps its times), then training saves into it
+    AutoModelForCausalLM.from_pretrained(in_place).save_pretrained(in_place)
+    cases = [(trained, "no README.md model card of a conversion"),
+             (in_place, "written to after the conversion's model card: "),
+             (out, "written to after the conversion's model card: checkpoint-500")]
+    for folder, reason in cases:
         if folder == out:
             (out / "checkpoint-500").mkdir()
         before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
@@ -493,7 +509,7 @@ def expected_to_write(root: Path, source: str, output: str, overwrite: bool) -> 
     config, card = Path(output_path) / "config.json", Path(output_path) / "README.md"
     return (overwrite and config.is_file() and json.loads(config.read_text()).get("model_type") in ("dar", "dar_moe")
             and card.is_file() and "\n- upcycled\n" in card.read_text()
-            and not any(entry.is_dir() for entry in Path(output_path).iterdir()))
+            and not any(entry.lstat().st_mtime_ns > card.lstat().st_mtime_ns for entry in Path(output_path).rglob("*")))
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, database=None,

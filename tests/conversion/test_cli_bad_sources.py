@@ -103,7 +103,7 @@ def test_a_trained_head_under_a_tied_config_is_refused_not_dropped(tmp_path):
 
     model = LlamaForCausalLM.from_pretrained(source)  # untied by transformers (the values differ)
     model.config.tie_word_embeddings = True
-    with pytest.raises(ValueError, match=r"lm_head\.weight differs"):
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs.* false on its config"):
         upcycle_model(model)
 
     edit_json(source / "config.json", tie_word_embeddings=False)  # the fix the message names
@@ -117,6 +117,11 @@ def test_a_trained_head_under_a_tied_config_is_refused_not_dropped(tmp_path):
     code, stderr = run_convert_in_process(source, tmp_path / "tied", cwd=tmp_path)
     assert code == 0, stderr[-3000:]
     assert "lm_head.weight" not in written_tensors(tmp_path / "tied")
+
+    state["model.embed_tokens.weight"][3, 5] = state["lm_head.weight"][3, 5] = float("nan")  # equal, NaN in both
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    code, stderr = run_convert_in_process(source, tmp_path / "nan", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"holds NaN or infinite values")  # the NaN refusal, not "differs"
 
 
 def test_a_folder_with_both_a_single_file_and_shards_is_refused_naming_both(tmp_path):

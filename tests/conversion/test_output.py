@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The output folder (CPU): an existing output is refused unless overwrite, and never inside the source."""
 
+import os
+
 import pytest
 
 from dar_transformers.conversion import upcycle
@@ -22,6 +24,8 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
     (out / "keep.txt").unlink()
     upcycle(source, out, tolerance=1e-5, **FAST)  # an empty folder is used as is
     (out / "stale.txt").write_text("from a previous conversion")
+    written = (out / "README.md").stat().st_mtime_ns - 10**9  # before its card, as a conversion writes everything
+    os.utime(out / "stale.txt", ns=(written, written))
     upcycle(source, out, overwrite=True, tolerance=1e-5, **FAST)
     assert not (out / "stale.txt").exists() and (out / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "source"]  # nothing retired or staged is left

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from dar_transformers.conversion import VerificationError, api, checkpoints, plan, upcycle
 from dar_transformers.conversion.checkpoints import GGUFCheckpoint
 from dar_transformers.conversion.plan import meta_model
-from dar_transformers.conversion.sources import plain_config
+from dar_transformers.conversion.checkpoints import StateDictCheckpoint
+from dar_transformers.conversion.sources import exact_storage_dtype, plain_config, rounded_tensors
 
 from conftest import assert_nothing_written, make_source, make_tokenizer, save_source, write_tiny_gguf
 
@@ -135,11 +136,26 @@ def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dt
     state = {name: tensor if "norm" in name else tensor.to(torch.bfloat16)
              for name, tensor in load_file(source / "model.safetensors").items()}
     save_file(state, source / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VerificationError, match=r"source tensor\(s\) are stored in another dtype than bfloat16 "
+    with pytest.raises(VerificationError, match=r"source tensor\(s\) are stored in a dtype that bfloat16 rounds "
                                                 r"\(model\.layers\.0\.input_layernorm\.weight.*--dtype float32"):
         upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False)
     assert not (tmp_path / "out").exists()
     upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False, dtype=torch.float32)
+
+
+def test_the_rounding_hint_counts_only_lossy_casts_and_names_the_dtype_that_is_exact():
+    """Widening is exact (bf16 or fp16 into float32, float32 into float64), so it is never called rounding; bf16 and
+    fp16 round each other, so a source holding both is exact only in float32."""
+    def infos(*dtypes):
+        return StateDictCheckpoint({f"t{i}": torch.zeros(2, dtype=dtype) for i, dtype in enumerate(dtypes)})
+
+    bf16_only, mixed, half_mix = infos(torch.bfloat16), infos(torch.bfloat16, torch.float32), infos(torch.bfloat16,
+                                                                                                     torch.float16)
+    assert rounded_tensors(bf16_only, torch.float32) == [] and exact_storage_dtype(bf16_only) == torch.bfloat16
+    assert rounded_tensors(mixed, torch.bfloat16) == [("t1", torch.float32)]
+    assert exact_storage_dtype(mixed) == torch.float32
+    assert rounded_tensors(half_mix, torch.float16) == [("t0", torch.bfloat16)]
+    assert exact_storage_dtype(half_mix) == torch.float32
 
 
 def test_a_nan_in_a_source_is_refused_at_planning_naming_the_tensor(tmp_path):

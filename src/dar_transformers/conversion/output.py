@@ -81,24 +81,26 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
 
 def not_a_conversion_output(folder: Path) -> str | None:
     """Why `folder` is not what a conversion writes (None if it is): a config.json of a DAR kind, the model card a
-    conversion writes last (README.md tagged "upcycled"), and no subfolder (a conversion writes none; a Trainer's
-    checkpoint-N/ or a user's own data would be). A DAR model saved by `save_pretrained` after training has the
-    config but not the card, so --overwrite never replaces it."""
+    conversion writes last (README.md tagged "upcycled"), and nothing in it written after that card (a model trained
+    and saved into the folder, a Trainer's checkpoint-N/, a user's notes). A DAR model saved by `save_pretrained`
+    elsewhere has the config but not the card; so --overwrite never replaces either."""
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = None
     if not isinstance(config, dict) or config.get("model_type") not in DAR_MODEL_TYPES:
         return f"no config.json with model_type {' or '.join(map(repr, DAR_MODEL_TYPES))}"
+    card_path = folder / "README.md"
     try:
-        card = (folder / "README.md").read_text(encoding="utf-8")
+        card, card_written = card_path.read_text(encoding="utf-8"), card_path.lstat().st_mtime_ns
     except (OSError, ValueError):
-        card = ""
+        card, card_written = "", None
     if "\n- upcycled\n" not in card:
         return "no README.md model card of a conversion, tagged upcycled"
-    subfolders = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
-    if subfolders:
-        return f"it holds folders a conversion never writes: {', '.join(subfolders[:5])}"
+    later = sorted(str(entry.relative_to(folder)) for entry in folder.rglob("*")
+                   if entry.lstat().st_mtime_ns > card_written)
+    if later:
+        return f"written to after the conversion's model card: {', '.join(later[:5])}{' ...' if len(later) > 5 else ''}"
     return None
 
 

@@ -127,8 +127,9 @@ def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, des
     if not getattr(config, "tie_word_embeddings", False) or HEAD not in infos or EMBEDDING not in infos:
         return
     head, embedding = infos[HEAD], infos[EMBEDDING]
-    fix = ('set "tie_word_embeddings": false in its config.json to convert both as they are, or remove '
-           f"{HEAD} from the checkpoint if the embedding is the head you mean")
+    where = "on its config" if description == "the in-memory model" else "in its config.json"
+    fix = (f'set "tie_word_embeddings": false {where} to convert both as they are, or remove {HEAD} from the '
+           "checkpoint if the embedding is the head you mean")
     if head.shape != embedding.shape:
         raise ValueError(f"{description}: config.json ties {HEAD} to {EMBEDDING}, but their shapes differ "
                          f"({head.shape} and {embedding.shape}): {fix}.")
@@ -138,7 +139,7 @@ def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, des
         rows_read = slice(start, start + step) if head.shape else None
         head_rows = checkpoint.read(HEAD, rows_read).double()
         embedding_rows = checkpoint.read(EMBEDDING, rows_read).double()
-        if not torch.equal(head_rows, embedding_rows):
+        if not torch.allclose(head_rows, embedding_rows, rtol=0, atol=0, equal_nan=True):  # NaN: check_finite's
             difference = (head_rows - embedding_rows).abs().max().item()
             raise ValueError(
                 f"{description}: config.json says tie_word_embeddings=true, but its {HEAD} differs from {EMBEDDING} "

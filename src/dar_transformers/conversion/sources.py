@@ -234,11 +234,22 @@ def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 
 def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
-    """(name, dtype) of the source's floating tensors stored in another dtype than `storage_dtype`, which a
-    conversion to it rounds (a mixed-precision source under "auto": bf16 matrices, float32 norms)."""
+    """(name, dtype) of the source's floating tensors that a conversion to `storage_dtype` rounds (a mixed-precision
+    source under "auto": bf16 matrices, float32 norms). A wider floating dtype holds a narrower one's every value
+    (bf16 or fp16 in float32, float32 in float64); bf16 and fp16 round each other."""
     return [(name, info.dtype) for name, info in checkpoint.infos().items()
-            if info.dtype.is_floating_point and info.dtype != storage_dtype]
+            if info.dtype.is_floating_point and info.dtype != storage_dtype
+            and not storage_dtype.itemsize > info.dtype.itemsize]
 
 
-__all__ = ["Source", "display_name", "load_source", "load_source_config", "open_source", "rounded_tensors",
-           "source_storage_dtype"]
+def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The narrowest dtype that stores every floating tensor of the source exactly: its one floating dtype, else
+    float32 (bf16 with fp16 or float32), float64 if it has any."""
+    dtypes = {info.dtype for info in checkpoint.infos().values() if info.dtype.is_floating_point}
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+__all__ = ["Source", "display_name", "exact_storage_dtype", "load_source", "load_source_config", "open_source",
+           "rounded_tensors", "source_storage_dtype"]

@@ -346,9 +346,10 @@ def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> li
     return continuations
 
 
-def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype, rounded=()) -> None:
-    """Raise `VerificationError` unless the report passed. `rounded`: (name, dtype) of the source tensors stored in
-    another floating dtype than `storage_dtype` (which the conversion rounded); the hint names the exact route."""
+def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype, rounded=(), exact_dtype=None) -> None:
+    """Raise `VerificationError` unless the report passed. `rounded`: (name, dtype) of the source tensors that
+    `storage_dtype` rounded (`rounded_tensors`); the hint then names them and `exact_dtype`, which stores every
+    tensor of the source exactly (`exact_storage_dtype`)."""
     if report.relaxed:
         logger.warning(
             f"Verification tolerance relaxed to {report.tolerance:.1e} (default {report.default_tolerance:.1e} "
@@ -358,12 +359,11 @@ def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype, 
         return
     hint = ""
     storage = str(storage_dtype).removeprefix("torch.")
-    if rounded and not report.relaxed:
-        widest = max((dtype for _, dtype in rounded), key=lambda dtype: (dtype.itemsize, dtype == torch.float32))
+    if rounded and exact_dtype is not None and not report.relaxed:
         names = ", ".join(name for name, _ in rounded[:3]) + (" ..." if len(rounded) > 3 else "")
         hint = (
-            f"\n{len(rounded)} source tensor(s) are stored in another dtype than {storage} ({names}) and were rounded "
-            f"to it; --dtype {str(widest).removeprefix('torch.')} (dtype={widest}) stores them exactly. A larger "
+            f"\n{len(rounded)} source tensor(s) are stored in a dtype that {storage} rounds ({names}); --dtype "
+            f"{str(exact_dtype).removeprefix('torch.')} (dtype={exact_dtype}) stores every tensor exactly. A larger "
             "tolerance (--tolerance) would accept the rounding instead, which the model card records."
         )
     elif storage_dtype in (torch.bfloat16, torch.float16) and not report.relaxed:
