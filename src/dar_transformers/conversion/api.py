@@ -25,8 +25,7 @@ from .output import check_output_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
 from .plan import cast_model, check_finite, check_tied_output_head, logging_level_error, plan_conversion, upcycle_model
 from .report import VerificationReport
-from .sources import (Source, display_name, exact_storage_dtype, load_source_config, open_source, rounded_tensors,
-                      source_storage_dtype)
+from .sources import Source, display_name, load_source_config, open_source, source_storage_dtype
 from .targets import TargetKind, dar_moe_target_kind
 from .verify import build_prompts, raise_unless_passed, set_experts_for, verify_conversion, verify_written
 from .write import write_converted_folder
@@ -111,8 +110,7 @@ def upcycle(
                 return
             report = verify_written(loaded, target, folder, prompt_ids, check_dtype, options)
             outcome["report"] = report
-            raise_unless_passed(report, storage_dtype, rounded_tensors(loaded.checkpoint, storage_dtype),
-                                exact_storage_dtype(loaded.checkpoint))
+            raise_unless_passed(report, storage_dtype, loaded.checkpoint)
             answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
             card = render_model_card(config, report, loaded, base_model=options.base_model, kind=target.description,
                                      answers=answers)
@@ -136,7 +134,8 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
     storage_dtype = options.storage_dtype or source.dtype
     target = options.target
     target.build_config(source.config, source_family(source.config), storage_dtype, options.fields)
-    check_finite(StateDictCheckpoint(source.state_dict()), "the in-memory model")
+    state = StateDictCheckpoint(source.state_dict())
+    check_finite(state, "the in-memory model")
     model = upcycle_model(source, target, storage_dtype, **options.fields)
     report = None
     if options.verify:
@@ -149,8 +148,7 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
         report = verify_conversion(source_model, target_model, prompt_ids, options.tolerance, max_new_tokens,
                                    options.progress)
         report.storage_dtype = str(storage_dtype).removeprefix("torch.")
-        state = StateDictCheckpoint(source.state_dict())
-        raise_unless_passed(report, storage_dtype, rounded_tensors(state, storage_dtype), exact_storage_dtype(state))
+        raise_unless_passed(report, storage_dtype, state)
     name = display_name(source.config.name_or_path or type(source).__name__)
     loaded = Source(source, tokenizer, name, "in-memory model", source.config)
     return ConversionResult(model=model, tokenizer=tokenizer, report=report, source=loaded, output=None,

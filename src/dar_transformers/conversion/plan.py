@@ -104,17 +104,25 @@ def plan_conversion(
 
 
 
+def row_chunks(info: TensorInfo) -> Iterator[tuple[int, slice | None]]:
+    """(first row, rows) of a tensor in chunks of about `FINITE_CHECK_BYTES`; one (0, None) for a 0-d tensor."""
+    if not info.shape:
+        yield 0, None
+        return
+    rows = info.shape[0]
+    step = max(1, FINITE_CHECK_BYTES // max(1, info.nbytes // max(rows, 1)))
+    for start in range(0, rows, step):
+        yield start, slice(start, min(start + step, rows))
+
+
 def check_finite(checkpoint: Checkpoint, description: str = "the source") -> None:
     """Refuse a source with a NaN or infinite weight, naming the tensor. Each floating tensor is read in row chunks
     of about `FINITE_CHECK_BYTES`, so the check never holds more than one chunk (or one dequantised GGUF tensor)."""
     for name, info in checkpoint.infos().items():
         if not info.dtype.is_floating_point:
             continue
-        rows = info.shape[0] if info.shape else 1
-        step = max(1, FINITE_CHECK_BYTES // max(1, info.nbytes // max(rows, 1)))
-        for start in range(0, rows, step):
-            chunk = checkpoint.read(name, slice(start, start + step) if info.shape else None)
-            require_finite(chunk, name, description, start if info.shape else None)
+        for start, rows in row_chunks(info):
+            require_finite(checkpoint.read(name, rows), name, description, start if rows is not None else None)
 
 
 def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, description: str = "the source") -> None:
@@ -133,17 +141,15 @@ def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, des
     if head.shape != embedding.shape:
         raise ValueError(f"{description}: config.json ties {HEAD} to {EMBEDDING}, but their shapes differ "
                          f"({head.shape} and {embedding.shape}): {fix}.")
-    rows = head.shape[0] if head.shape else 1
-    step = max(1, FINITE_CHECK_BYTES // max(1, head.nbytes // max(rows, 1)))
-    for start in range(0, rows, step):
-        rows_read = slice(start, start + step) if head.shape else None
-        head_rows = checkpoint.read(HEAD, rows_read).double()
-        embedding_rows = checkpoint.read(EMBEDDING, rows_read).double()
+    for start, rows in row_chunks(head):
+        head_rows = checkpoint.read(HEAD, rows).double()
+        embedding_rows = checkpoint.read(EMBEDDING, rows).double()
         if not torch.allclose(head_rows, embedding_rows, rtol=0, atol=0, equal_nan=True):  # NaN: check_finite's
             difference = (head_rows - embedding_rows).abs().max().item()
+            last = start + len(head_rows) - 1 if rows is not None else 0
             raise ValueError(
                 f"{description}: config.json says tie_word_embeddings=true, but its {HEAD} differs from {EMBEDDING} "
-                f"(max |difference| {difference:.3g} in rows {start}..{min(start + step, rows) - 1}). Converting "
+                f"(max |difference| {difference:.3g} in rows {start}..{last}). Converting "
                 f"would drop that trained head (a tied model's head is the embedding), and transformers loads this "
                 f"source untied, keeping it: {fix}."
             )

@@ -18,12 +18,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
-from .checkpoints import SafetensorsCheckpoint
+from .checkpoints import Checkpoint, SafetensorsCheckpoint
 from .keymaps import to_model_layout
 from .options import ConversionOptions
 from .plan import cast_model, logging_level_error, meta_model
 from .report import DEFAULT_TOLERANCES, PromptCheck, VerificationError, VerificationReport
-from .sources import Source, plain_config
+from .sources import Source, exact_storage_dtype, plain_config, rounded_tensors
 from .streamed import StreamedModel, all_finite, streamed_logit_statistics
 from .targets import TargetKind
 
@@ -346,10 +346,12 @@ def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> li
     return continuations
 
 
-def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype, rounded=(), exact_dtype=None) -> None:
-    """Raise `VerificationError` unless the report passed. `rounded`: (name, dtype) of the source tensors that
-    `storage_dtype` rounded (`rounded_tensors`); the hint then names them and `exact_dtype`, which stores every
-    tensor of the source exactly (`exact_storage_dtype`)."""
+def raise_unless_passed(
+    report: VerificationReport, storage_dtype: torch.dtype, source: Checkpoint | None = None
+) -> None:
+    """Raise `VerificationError` unless the report passed. With the `source` checkpoint, the hint names the source
+    tensors that `storage_dtype` rounded (`rounded_tensors`) and the dtype that stores every tensor of the source
+    exactly (`exact_storage_dtype`)."""
     if report.relaxed:
         logger.warning(
             f"Verification tolerance relaxed to {report.tolerance:.1e} (default {report.default_tolerance:.1e} "
@@ -359,7 +361,9 @@ def raise_unless_passed(report: VerificationReport, storage_dtype: torch.dtype, 
         return
     hint = ""
     storage = str(storage_dtype).removeprefix("torch.")
-    if rounded and exact_dtype is not None and not report.relaxed:
+    rounded = rounded_tensors(source, storage_dtype) if source is not None else []
+    if rounded and not report.relaxed:
+        exact_dtype = exact_storage_dtype(source)
         names = ", ".join(name for name, _ in rounded[:3]) + (" ..." if len(rounded) > 3 else "")
         hint = (
             f"\n{len(rounded)} source tensor(s) are stored in a dtype that {storage} rounds ({names}); --dtype "
