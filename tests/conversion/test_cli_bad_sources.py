@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from conftest import REPO, run_convert_in_process, save_source, tree_digest
 from dar_transformers.conversion import api, upcycle_model
@@ -105,6 +105,11 @@ def test_a_trained_head_under_a_tied_config_is_refused_not_dropped(tmp_path):
     model.config.tie_word_embeddings = True
     with pytest.raises(ValueError, match=r"lm_head\.weight differs.* false on its config"):
         upcycle_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    with pytest.raises(ValueError, match=r"the in-memory model: .*lm_head\.weight differs.* false on its config"):
+        api.upcycle(model, tmp_path / "from_memory", tokenizer=tokenizer)  # the write path checks the same
+    assert not (tmp_path / "from_memory").exists()
+    model.config.tie_word_embeddings = False
 
     edit_json(source / "config.json", tie_word_embeddings=False)  # the fix the message names
     code, stderr = run_convert_in_process(source, tmp_path / "untied", cwd=tmp_path)

@@ -202,3 +202,27 @@ def test_a_non_finite_weight_is_refused_by_the_write_in_its_staging_folder(tmp_p
     folder, written = staged
     assert folder.parent == tmp_path and folder.name != "out" and len(written) > 1  # shards were being staged
     assert not folder.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_a_byte_copied_tensor_that_fails_to_read_names_the_source_file(tmp_path):
+    """A non-floating tensor is copied by the kernel (`copy_file_range`), falling back to a read through user space;
+    a source that shrank under that copy is named as the source by the fallback's read, as by every other read."""
+    from dar_transformers.conversion import write
+    from dar_transformers.conversion.checkpoints import FiniteCheckpoint, SafetensorsCheckpoint
+    from dar_transformers.conversion.keymaps import TensorPlan
+
+    folder = tmp_path / "source"
+    folder.mkdir()
+    save_file({"steps": torch.arange(4096, dtype=torch.int64)}, folder / "model.safetensors")
+    checkpoint = SafetensorsCheckpoint(folder)
+    plan_ = TensorPlan((4096,), torch.int64, parts=("steps",))
+    with open(tmp_path / "copy", "wb") as target:  # intact: copied as it is
+        write._write_tensor(plan_, FiniteCheckpoint(checkpoint), checkpoint.infos(), target)
+    assert torch.equal(torch.frombuffer(bytearray((tmp_path / "copy").read_bytes()), dtype=torch.int64),
+                       torch.arange(4096))
+    with open(folder / "model.safetensors", "r+b") as file:
+        file.truncate((folder / "model.safetensors").stat().st_size - 1024)
+    with open(tmp_path / "copy2", "wb") as target, pytest.raises(
+            OSError, match=rf"Could not read the source file {folder.resolve() / 'model.safetensors'}: .*shorter"):
+        write._write_tensor(plan_, FiniteCheckpoint(checkpoint), checkpoint.infos(), target)
+    checkpoint.close()

@@ -87,8 +87,6 @@ def upcycle(
     # Validate the target config before opening any weight.
     target.build_config(source_config, branch_family, options.storage_dtype or torch.float32, options.fields)
 
-    if in_memory:  # the state dict as the model holds it (open_source drops a tied head)
-        check_tied_output_head(StateDictCheckpoint(source.state_dict()), source_config, "the in-memory model")
     loaded = open_source(source, source_config, tokenizer)
     if in_memory:
         loaded.model = source

@@ -86,8 +86,8 @@ class Checkpoint:
         """Rows `indices` (any order, repeats allowed) of a 2-D tensor, e.g. embedding rows of a prompt."""
         return self.read(name)[indices]
 
-    def byte_range(self, name: str) -> tuple[int, int, int] | None:
-        """(file descriptor, offset, length) of the tensor's bytes when they can be copied as they are."""
+    def byte_range(self, name: str) -> tuple[int, int, int, Path] | None:
+        """(file descriptor, offset, length, file path) of the tensor's bytes when they can be copied as they are."""
         return None
 
     def close(self) -> None:
@@ -228,9 +228,9 @@ class SafetensorsCheckpoint(Checkpoint):
         rows = torch.cat([self.read(name, slice(index, index + 1)) for index in unique.tolist()])
         return rows[inverse]
 
-    def byte_range(self, name: str) -> tuple[int, int, int]:
+    def byte_range(self, name: str) -> tuple[int, int, int, Path]:
         fd, offset, info = self._entries[name]
-        return fd, offset, info.nbytes
+        return fd, offset, info.nbytes, self._files[fd]
 
     def close(self) -> None:
         for fd in self._fds:
@@ -239,7 +239,7 @@ class SafetensorsCheckpoint(Checkpoint):
 
 
 class StateDictCheckpoint(Checkpoint):
-    """An in-memory state dict (tied duplicates dropped as `save_pretrained` drops them)."""
+    """An in-memory state dict, as given (a tied head included: the conversion plan drops it, as for a folder)."""
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor], description: str = "in-memory model"):
         self.state_dict = dict(state_dict)

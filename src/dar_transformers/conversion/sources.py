@@ -190,9 +190,10 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                 "tokenizer is required to write an output folder from an in-memory model (the repo ships one)."
             )
         name = display_name(source.config.name_or_path or type(source).__name__)
-        state = {key: tensor for key, tensor in source.state_dict().items()
-                 if not (key == "lm_head.weight" and source.config.tie_word_embeddings)}
-        return Source(None, tokenizer, name, "in-memory model", source.config, StateDictCheckpoint(state),
+        # The state dict as the model holds it, a tied head included (it is the embedding's tensor): the plan drops a
+        # tied head as for a folder, after `check_tied_output_head` has seen it.
+        return Source(None, tokenizer, name, "in-memory model", source.config,
+                      StateDictCheckpoint(source.state_dict(), "the in-memory model"),
                       copy.deepcopy(source.generation_config))
     path = Path(source)
     if path.is_file():

@@ -17,7 +17,10 @@ Shape legend: N prompts, T tokens (the longest prompt), D hidden, V vocabulary, 
 """
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -59,6 +62,25 @@ class StreamedModel:
         return EMBEDDING if self.model.config.tie_word_embeddings else "lm_head.weight"
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, None where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc). A layer's tensors under 32 MiB are heap blocks once
+    glibc's dynamic mmap threshold has risen (it rises to the size of each large block freed), and the heap keeps
+    them after they are freed: without this, the resident size of a layer-streamed pass grew by about one layer's
+    worth of small tensors per layer (TinyLlama shape: peak 1.83 GiB, 0.70 GiB with it)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _load(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     module.load_state_dict(state, strict=True, assign=True)
 
@@ -94,6 +116,7 @@ def streamed_weights(side: StreamedModel, dtype: torch.dtype, nonfinite: list[st
 
     def unload(module, args, output):
         module.to("meta")
+        release_freed_heap()
 
     try:
         for name, child in small:

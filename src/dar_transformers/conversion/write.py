@@ -29,7 +29,7 @@ logger = logging.get_logger(__name__)
 CHUNK_BYTES = 64 * 2**20  # rows cast and written per step when a tensor is not copied byte for byte
 
 
-def _copy_bytes(source_fd: int, offset: int, length: int, target) -> None:
+def _copy_bytes(source_fd: int, offset: int, length: int, source_path: Path, target) -> None:
     target.flush()
     target_fd = target.fileno()
     done = 0
@@ -44,7 +44,7 @@ def _copy_bytes(source_fd: int, offset: int, length: int, target) -> None:
         target.seek(0, os.SEEK_END)
         while done < length:
             step = min(CHUNK_BYTES, length - done)
-            target.write(pread_exact(source_fd, step, offset + done))
+            target.write(pread_exact(source_fd, step, offset + done, source_path))  # its errors name the source
             done += step
 
 
@@ -56,8 +56,8 @@ def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping
         ranges = [checkpoint.checkpoint.byte_range(part) for part in plan.parts]
         same_bytes = all(r is not None for r in ranges) and all(infos[p].dtype == plan.dtype for p in plan.parts)
         if same_bytes and not plan.dtype.is_floating_point:  # nothing to check: NaN/inf are floating values
-            for source_fd, offset, length in ranges:
-                _copy_bytes(source_fd, offset, length, target)
+            for source_fd, offset, length, source_path in ranges:
+                _copy_bytes(source_fd, offset, length, source_path, target)
             return
         for part in plan.parts:  # cast (or copied) in row chunks: one chunk in memory at a time
             info = infos[part]
