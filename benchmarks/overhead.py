@@ -59,14 +59,17 @@ SHAPES = {
 
 def build_model(name: str, shape: dict) -> torch.nn.Module:
     """Build "llama", "dar-block" or "dar-full", the DAR ones with an optional "@backend" (`dar_implementation`, e.g.
-    "dar-block@two_phase"; the default "fast" otherwise), so that both backends run side by side in one run."""
+    "dar-block@two_phase"; the default "fast" otherwise) and an optional "+read" (`dar_compiled_read`, e.g.
+    "dar-block+operator"), so that the variants run side by side in one run."""
     torch.manual_seed(0)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**shape))
+    name, _, compiled_read = name.partition("+")
     name, _, implementation = name.partition("@")
     num_branches = 2 * shape["num_hidden_layers"]
     block_size = 1 if name == "dar-full" else None  # None: about 8 blocks
-    config = DARConfig(**shape, dar_block_size=block_size, dar_implementation=implementation or "fast")
+    config = DARConfig(**shape, dar_block_size=block_size, dar_implementation=implementation or "fast",
+                       dar_compiled_read=compiled_read or "inlined")
     assert config.dar_block_size <= num_branches
     return DARForCausalLM(config)
 
@@ -240,7 +243,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of each measurement")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--models", default=None,
-                        help="comma-separated, a DAR model optionally with @backend, e.g. dar-block@two_phase (default: llama,dar-block,dar-full; with --compile llama,dar-block, "
+                        help="comma-separated, a DAR model optionally with @backend and +compiled read, e.g. dar-block@two_phase, "
+                        "dar-block+operator (default: llama,dar-block,dar-full; with --compile llama,dar-block, "
                         "since compiling Full DAR at the SmolLM2 shape alone takes longer than the rest together "
                         "on 2 CPU cores: add it explicitly, or measure it at --shape small)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")

@@ -191,16 +191,63 @@ def depth_state_tensors_saved_by_compiled_training(model) -> int:
     return counted[0]
 
 
-def test_compiled_training_keeps_the_reads_inputs_only(monkeypatch):
-    """A traced training read runs inside an activation checkpoint (`_recomputed_read`): the compiled forward keeps
-    no depth-state-sized tensor for backward beyond the committed entries and the partials, which the forward holds
-    anyway (B_0 and one commit per block; one partial per branch that does not commit). Negative control: the same
-    reads without the checkpoint keep their phase-1 sums and merges too."""
-    model = tiny(dtype=torch.float32, dar_block_size=2)  # M = 4: B_0 + 2 commits, 2 partials that are not commits
+@pytest.mark.parametrize("compiled_read", ["inlined", "operator"])
+def test_compiled_training_keeps_the_reads_inputs_only(monkeypatch, compiled_read):
+    """A traced training read runs inside an activation checkpoint (`_recomputed_read`), or is one custom operator
+    whose gradient is another (`dar_compiled_read="operator"`): the compiled forward keeps no depth-state-sized
+    tensor for backward beyond the committed entries and the partials, which the forward holds anyway (B_0 and one
+    commit per block; one partial per branch that does not commit). Negative control: the same reads without the
+    checkpoint keep their phase-1 sums and merges too."""
+    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read=compiled_read)  # M = 4: B_0 + 2 commits
     kept = depth_state_tensors_saved_by_compiled_training(model)
     assert 0 < kept <= 3 + 2
-    monkeypatch.setattr(depth_backends, "checkpoint", lambda function, *args, **kwargs: function(*args))
-    assert depth_state_tensors_saved_by_compiled_training(model) > kept
+    if compiled_read == "inlined":
+        monkeypatch.setattr(depth_backends, "checkpoint", lambda function, *args, **kwargs: function(*args))
+        assert depth_state_tensors_saved_by_compiled_training(model) > kept
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["dar", "moe"])
+def test_the_operator_read_compiles_to_the_eager_gradients_float64(kind, block_size):
+    """`dar_compiled_read="operator"`: the traced read and its gradient are custom operators; compiled values and
+    every parameter's gradient equal eager's (the eager twin runs the fast path or the hand-written two-phase
+    backward), for DAR and DAR-MoE, Full DAR and blocks with and without a left-over branch."""
+    model = tiny(kind, dar_block_size=block_size, dar_compiled_read="operator")
+    compiled_matches_eager(model)
+
+
+def test_the_operator_read_compiles_with_inductor_float32():
+    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read="operator")
+    compiled_matches_eager(model, backend="inductor", rtol=2e-4, atol=1e-5)
+
+
+def test_every_traced_training_read_is_the_one_opaque_operator():
+    """`dar_compiled_read="operator"`: the compiler generates no code for a training read (item 3 of issue 16: every
+    block's reads run the same precompiled code, where inlined each read compiles kernels of its own): the graphs
+    AOTAutograd hands to inductor call
+    the read operator once per read (M branches and the final readout) and its gradient operator once per read, and
+    hold no depth softmax of their own (`aten.exp` appears only in the loss, `aten.bmm` not at all)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read="operator")
+    graphs = {}
+
+    def compiler(kind):
+        def compile_graph(graph_module, example_inputs):
+            graphs[kind] = [str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"]
+            return graph_module
+        return compile_graph
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    input_ids = token_batch()
+    torch.compile(model, backend=backend, fullgraph=True)(input_ids=input_ids, labels=input_ids).loss.backward()
+    reads = model.config.dar_num_branches + 1
+    forward, backward = graphs["forward"], graphs["backward"]
+    assert sum(target.endswith(".two_phase_read.default") for target in forward) == reads
+    assert sum(target.endswith(".two_phase_read_backward.default") for target in backward) == reads
+    assert not any("bmm" in target for target in forward + backward)
+    assert sum("aten.exp." in target for target in forward) <= 1  # the loss's log-softmax, if decomposed
 
 
 class _ReferenceWithoutCountScaling(depth_backends.ReferenceDepthBackend):

@@ -23,6 +23,7 @@ BAD_VALUES = {
     "one_stream_with_dar_routing": ({"dar_num_streams": 1, "dar_routing": "dar"}, ["dar_routing", "['selfkv']"]),
     "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'two_phase', 'reference'"]),
     "unknown_history_dtype": ({"dar_history_dtype": "bfloat16"}, ["dar_history_dtype", "'float32', 'model'"]),
+    "unknown_compiled_read": ({"dar_compiled_read": "fused"}, ["dar_compiled_read", "'inlined', 'operator'"]),
     "model_history_on_the_fast_path": (
         {"dar_history_dtype": "model", "dar_implementation": "fast"}, ["dar_history_dtype", "'two_phase'", "'fast'"]
     ),
@@ -84,6 +85,7 @@ def test_save_load_round_trip_keeps_every_dar_field(tmp_path):
         dar_branch_family="qwen2",
         dar_implementation="reference",
         dar_history_dtype="model",
+        dar_compiled_read="operator",
     )
     tiny_dar_config(**fields).save_pretrained(tmp_path)
     loaded = DARConfig.from_pretrained(tmp_path)

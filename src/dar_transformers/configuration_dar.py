@@ -28,6 +28,11 @@
 - `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`): "fast" (the fused eager path; a
   forward traced by `torch.compile` runs "two_phase" instead), "two_phase" (two-phase depth reads, DESIGN.md
   section 7: leaner backward in bf16, compiles) or "reference" (the plain equations, the oracle).
+- `dar_compiled_read`: how a training forward traced by `torch.compile` reads the depth history (forwards with
+  gradients off are unaffected): "inlined" (the default: each read is plain code that inductor fuses; every block
+  compiles kernels of its own, so the first compiled step takes several times Llama's) or "operator" (each read and
+  its gradient are one custom operator each, which inductor calls as they are: the first compiled step takes under
+  2x Llama's, each step after it 8-25 % longer than inlined at the SmolLM2 width; README, Overhead, Compiled).
 """
 
 import math
@@ -43,6 +48,7 @@ DAR_WRITE_MODES = ("duplicate", "split")
 DAR_BRANCH_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 DAR_IMPLEMENTATIONS = ("fast", "two_phase", "reference")
 DAR_HISTORY_DTYPES = ("float32", "model")
+DAR_COMPILED_READS = ("inlined", "operator")
 DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
 DAR_DEFAULT_DELTA = 0.7
 
@@ -100,6 +106,7 @@ class DARConfig(LlamaConfig):
     dar_branch_family: str = "llama"
     dar_implementation: str = "fast"
     dar_history_dtype: str = "float32"
+    dar_compiled_read: str = "inlined"
     sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
@@ -126,6 +133,7 @@ class DARConfig(LlamaConfig):
         _must_be_one_of("dar_branch_family", self.dar_branch_family, DAR_BRANCH_FAMILIES)
         _must_be_one_of("dar_implementation", self.dar_implementation, DAR_IMPLEMENTATIONS)
         _must_be_one_of("dar_history_dtype", self.dar_history_dtype, DAR_HISTORY_DTYPES)
+        _must_be_one_of("dar_compiled_read", self.dar_compiled_read, DAR_COMPILED_READS)
         if self.dar_history_dtype == "model" and self.dar_implementation == "fast":
             raise ValueError(
                 "DARConfig.dar_history_dtype='model' needs dar_implementation 'two_phase' or 'reference' (the fused "

@@ -41,8 +41,11 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     Traced for training by `torch.compile`, each read is plain differentiable code over the entries one by one,
     phase 1 and the key statistics included (`_recomputed_read`), inside an activation checkpoint: backward keeps
     the read's inputs (entries and partial, alive anyway) and recomputes the rest, and autograd derives the
-    gradient, which inductor fuses. The hand-written backward, traced, compiled to kernels that recompute per-token
-    coefficients for every element of D: a compiled training step at the SmolLM2 shape took 1.76x Llama's.
+    gradient, which inductor fuses. A read's source count is static, so every block compiles kernels of its own.
+    With `config.dar_compiled_read = "operator"` each read, its phase 1 and the entries' statistics included, is
+    instead one custom operator (`traced_two_phase_read`) whose gradient is another (`read_gradients` behind it):
+    opaque to the compiler, so inductor calls the same precompiled code for every read of every block and the first
+    compiled step compiles far less, while the reads run unfused.
 
 Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
 partial), R reads planned together, J streams. One layout for the history everywhere: depth-major, entry n of every
@@ -55,11 +58,12 @@ commit in entry 0's dtype, which the model picks with `dar_history_dtype`.
 """
 
 import math
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -86,8 +90,8 @@ class DepthState:
     """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
     [B, T, J, D], depth-major), the partial block state P [B, T, J, D] (None at the start of a block), the per-token
     inverse RMS of every committed entry [S, B, T, J] (two-phase backend; computed at the commit, without autograd
-    history; None for the reference and for "fast", which keeps it in its own buffer), and the backend that reads
-    and writes it.
+    history; B_0's only in a forward traced for training, whose reads compute their own; None for the reference
+    and for "fast", which keeps it in its own buffer), and the backend that reads and writes it.
 
     A decoder layer takes and returns it flattened (`as_args`), so that reentrant gradient checkpointing, which only
     sees positional tensors, tracks the partial and every entry.
@@ -150,6 +154,11 @@ class ReferenceDepthBackend:
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1 / RMS over the last axis, as in RMSNorm: [..., D] -> [...]."""
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
+
+
+def inverse_rms_unfused(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`inverse_rms` without an x-sized temporary (x.pow(2)), for code that runs op by op on whole histories."""
+    return torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 def _streams(x: torch.Tensor, streams: tuple[int, ...], dim: int) -> torch.Tensor:
@@ -343,76 +352,95 @@ class _TwoPhaseRead(torch.autograd.Function):
     @once_differentiable  # the backward is hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad_input, _grad_weights):
         routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries = ctx.saved_tensors
-        key_streams, value_streams = ctx.routing
-        sources, (batch, tokens, streams, hidden) = len(entries), entries[0].shape
-        # The entries in chunks: what backward holds beyond the entries and their gradients is one chunk's stack and
-        # temporaries, not the whole history's (Full DAR's final readout sees up to M + 1 entries).
-        chunks = [slice(start, min(start + READ_BACKWARD_ENTRY_CHUNK, sources))
-                  for start in range(0, sources, READ_BACKWARD_ENTRY_CHUNK)]
-
-        def stacked(chunk: slice) -> torch.Tensor:  # [C, B, T, J, D], recomputed, in the compute dtype
-            return torch.stack(entries[chunk]).to(routed.dtype)
-
-        # g . B^v_r per value stream: one product per token and stream over a strided view of the history
-        grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, hidden, 1)  # [BTJ, D, 1]
-        key_dots, value_dots = [], []
-        for chunk in chunks:
-            history = stacked(chunk)
-            size = history.shape[0]
-            key_dots.append(key_dots_of(history.view(-1, streams * hidden), routed).view(size, batch, tokens, streams))
-            dots = torch.bmm(history.view(size, -1, hidden).transpose(0, 1), grad_rows)  # [BTJ, C, 1]
-            value_dots.append(dots.view(batch, tokens, streams, size).permute(3, 0, 1, 2))  # [C, B, T, J_val]
-        key_dots = key_dots[0] if len(chunks) == 1 else torch.cat(key_dots)  # recomputed, [S, B, T, J]
-        value_dots = value_dots[0] if len(chunks) == 1 else torch.cat(value_dots)
-        if partial is not None:
-            partial_dots = key_dots_of(partial.reshape(-1, streams * hidden), routed).view(1, batch, tokens, streams)
-            key_dots = torch.cat([key_dots, partial_dots])  # [N, B, T, J]
-        key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
-        if partial is not None:
-            partial_value_dots = (partial * grad_input.unsqueeze(2)).sum(-1)  # [B, T, J_val]
-            value_dots = torch.cat([value_dots, partial_value_dots.unsqueeze(0)])
-            key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
-        target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
-        grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
-        grad_weights = gate * target_value_dots  # [N, B, T, J]
-        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
-        grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]: d/d key dots
-        selector = stream_selector(key_streams, weights)  # [J_key, J]
-        grad_inv_rms = (grad_scores * key_dots) @ selector.T  # [N, B, T, J_key]
-        queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
-        coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
-
-        keys_permuted = sorted(key_streams) == list(range(streams))  # each key stream keys exactly one target
-        if keys_permuted:  # per key stream: its target's key-dot gradient and query
-            grad_keyed_by_stream = _by_value_stream(grad_keyed, key_streams)  # [N, B, T, J_key]
-            queries_by_stream = _by_value_stream(queries.T, key_streams).T  # [J_key, D]
-
-        def source_gradient(source, index, source_inv_rms):  # value, key and key-norm paths: [..., J, D]
-            grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)  # the one entry-sized temporary
-            norm_coefficient = grad_inv_rms[index] * source_inv_rms.pow(3) / -hidden  # [..., J]
-            grad.addcmul_(source, norm_coefficient.unsqueeze(-1))
-            if keys_permuted:
-                return grad.addcmul_(grad_keyed_by_stream[index].unsqueeze(-1), queries_by_stream)
-            return grad.add_((grad_keyed[index].unsqueeze(-2) * selector) @ queries)  # [..., J_key, J] @ [J, D]
-
-        grad_entries, grad_routed = [], None
-        for chunk in chunks:
-            if len(chunks) > 1:
-                history = stacked(chunk)  # again: one chunk at a time is what backward holds
-            grad_history = source_gradient(history, chunk, history_inv_rms[chunk])  # [C, B, T, J, D]
-            grad_entries += grad_history.to(entries[0].dtype).unbind(0)  # in each entry's own (history) dtype
-            if ctx.needs_input_grad[0]:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
-                part = grad_keyed[chunk].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
-                grad_routed = part if grad_routed is None else grad_routed + part
-        grad_partial = source_gradient(partial, sources, partial_inv_rms) if partial is not None else None
-        if ctx.needs_input_grad[0]:
-            if partial is not None:
-                grad_routed = grad_routed + grad_keyed[sources].reshape(-1, streams).T @ partial.reshape(
-                    -1, streams * hidden
-                )
-            grad_routed = grad_routed.T
+        grad_routed, grad_gate, grad_partial, grad_chunks = read_gradients(
+            grad_input, routed, gate, weights, partial, partial_inv_rms, history_inv_rms, entries, ctx.routing,
+            *ctx.needs_input_grad[:2],
+        )
         unused = (None,) * 6  # history_inv_rms, phase 1, routing, eps: no gradient
+        grad_entries = [grad for chunk in grad_chunks for grad in chunk.unbind(0)]
         return (grad_routed, grad_gate, grad_partial, *unused, *grad_entries)
+
+
+def read_gradients(grad_input, routed, gate, weights, partial, partial_inv_rms, history_inv_rms, entries, routing,
+                   needs_routed: bool = True, needs_gate: bool = True, separate: bool = False):
+    """The gradient of one two-phase read (`_TwoPhaseRead`, and the traced read `traced_two_phase_read`) from its
+    per-token statistics: -> (d routed [J * D, J] or None, d gate [J] or None, d partial or None, the entries'
+    gradients in the history dtype: in chunks [C, B, T, J, D] of `READ_BACKWARD_ENTRY_CHUNK`, or with `separate`
+    one tensor [1, B, T, J, D] per entry, none a view of another's storage)."""
+    key_streams, value_streams = routing
+    sources, (batch, tokens, streams, hidden) = len(entries), entries[0].shape
+    # The entries in chunks: what backward holds beyond the entries and their gradients is one chunk's stack and
+    # temporaries, not the whole history's (Full DAR's final readout sees up to M + 1 entries).
+    chunks = [slice(start, min(start + READ_BACKWARD_ENTRY_CHUNK, sources))
+              for start in range(0, sources, READ_BACKWARD_ENTRY_CHUNK)]
+
+    def stacked(chunk: slice) -> torch.Tensor:  # [C, B, T, J, D], recomputed, in the compute dtype
+        return torch.stack(entries[chunk]).to(routed.dtype)
+
+    # g . B^v_r per value stream: one product per token and stream over a strided view of the history
+    grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, hidden, 1)  # [BTJ, D, 1]
+    key_dots, value_dots = [], []
+    for chunk in chunks:
+        history = stacked(chunk)
+        size = history.shape[0]
+        key_dots.append(key_dots_of(history.view(-1, streams * hidden), routed).view(size, batch, tokens, streams))
+        dots = torch.bmm(history.view(size, -1, hidden).transpose(0, 1), grad_rows)  # [BTJ, C, 1]
+        value_dots.append(dots.view(batch, tokens, streams, size).permute(3, 0, 1, 2))  # [C, B, T, J_val]
+    key_dots = key_dots[0] if len(chunks) == 1 else torch.cat(key_dots)  # recomputed, [S, B, T, J]
+    value_dots = value_dots[0] if len(chunks) == 1 else torch.cat(value_dots)
+    if partial is not None:
+        partial_dots = key_dots_of(partial.reshape(-1, streams * hidden), routed).view(1, batch, tokens, streams)
+        key_dots = torch.cat([key_dots, partial_dots])  # [N, B, T, J]
+    key_inv_rms = _streams(history_inv_rms, key_streams, 3)  # [S, B, T, J]
+    if partial is not None:
+        partial_value_dots = (partial * grad_input.unsqueeze(2)).sum(-1)  # [B, T, J_val]
+        value_dots = torch.cat([value_dots, partial_value_dots.unsqueeze(0)])
+        key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
+    target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
+    grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if needs_gate else None  # [J]
+    grad_weights = gate * target_value_dots  # [N, B, T, J]
+    grad_scores = weights * (grad_weights - (weights * grad_weights).sum(0))  # softmax backward over depth
+    grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]: d/d key dots
+    selector = stream_selector(key_streams, weights)  # [J_key, J]
+    grad_inv_rms = (grad_scores * key_dots) @ selector.T  # [N, B, T, J_key]
+    queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
+    coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
+
+    keys_permuted = sorted(key_streams) == list(range(streams))  # each key stream keys exactly one target
+    if keys_permuted:  # per key stream: its target's key-dot gradient and query
+        grad_keyed_by_stream = _by_value_stream(grad_keyed, key_streams)  # [N, B, T, J_key]
+        queries_by_stream = _by_value_stream(queries.T, key_streams).T  # [J_key, D]
+
+    def source_gradient(source, index, source_inv_rms):  # value, key and key-norm paths: [..., J, D]
+        grad = coefficients[index].unsqueeze(-1) * grad_input.unsqueeze(-2)  # the one entry-sized temporary
+        norm_coefficient = grad_inv_rms[index] * source_inv_rms.pow(3) / -hidden  # [..., J]
+        grad.addcmul_(source, norm_coefficient.unsqueeze(-1))
+        if keys_permuted:
+            return grad.addcmul_(grad_keyed_by_stream[index].unsqueeze(-1), queries_by_stream)
+        return grad.add_((grad_keyed[index].unsqueeze(-2) * selector) @ queries)  # [..., J_key, J] @ [J, D]
+
+    grad_chunks, grad_routed = [], None
+    for chunk in chunks:
+        if len(chunks) > 1:
+            history = stacked(chunk)  # again: one chunk at a time is what backward holds
+        if separate:  # a compiled graph adds each into its entry's gradient: one kernel for any entry and depth
+            grad_chunks += [source_gradient(history[index : index + 1], slice(start, start + 1),
+                                            history_inv_rms[start : start + 1]).to(entries[0].dtype)
+                            for index, start in enumerate(range(chunk.start, chunk.stop))]
+        else:
+            grad_history = source_gradient(history, chunk, history_inv_rms[chunk])  # [C, B, T, J, D]
+            grad_chunks.append(grad_history.to(entries[0].dtype))  # in the entries' own (history) dtype
+        if needs_routed:  # (g^T H)^T: a wide product, several times faster than H^T g on CPU
+            part = grad_keyed[chunk].reshape(-1, streams).T @ history.reshape(-1, streams * hidden)
+            grad_routed = part if grad_routed is None else grad_routed + part
+    grad_partial = source_gradient(partial, sources, partial_inv_rms) if partial is not None else None
+    if needs_routed:
+        if partial is not None:
+            grad_routed = grad_routed + grad_keyed[sources].reshape(-1, streams).T @ partial.reshape(
+                -1, streams * hidden
+            )
+        grad_routed = grad_routed.T
+    return grad_routed, grad_gate, grad_partial, grad_chunks
 
 
 def two_phase_read(
@@ -439,7 +467,8 @@ def two_phase_read(
 
 
 def _traced_training() -> bool:
-    """A forward traced by `torch.compile` with gradients on: its reads run `_recomputed_read` in a checkpoint."""
+    """A forward traced by `torch.compile` with gradients on: its reads run `_recomputed_read` in a checkpoint, or
+    the custom operator `traced_two_phase_read` (`dar_compiled_read`)."""
     return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
@@ -454,6 +483,84 @@ def _recomputed_read(routed, gate, partial, routing, eps, *entries):
     phase = phase_one_by_entry(routed, entries, history_inv_rms, *routing)[0]
     partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
     return phase_two(phase, routed, gate, partial, partial_inv_rms, *routing)
+
+
+# `dar_compiled_read = "operator"`: the traced training read and its gradient as two custom operators, opaque to the
+# compiler: inductor calls them as they are instead of generating kernels for them, so every read of every block runs
+# the same code (inlined, each block's reads compile kernels of their own: their source count is static). The
+# namespace is this module's, so that a copy loaded as a Hub folder's remote code registers its own.
+_OPERATORS = re.sub(r"\W", "_", __name__)
+
+
+@torch.library.custom_op(f"{_OPERATORS}::two_phase_read", mutates_args=())
+def traced_two_phase_read(
+    routed: torch.Tensor, gate: torch.Tensor, partial: Optional[torch.Tensor], entries: list[torch.Tensor],
+    key_streams: list[int], value_streams: list[int], eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # `Optional`: what every torch >= 2.4 parses
+    """One read as `_TwoPhaseRead` computes it, phase 1 included (the entries' key statistics recomputed from them),
+    for a forward traced for training: -> (u [B, T, D], depth weights [N, B, T, J]). Autograd keeps its inputs
+    (entries and partial, alive anyway) and the softmax weights; the gradient is `read_gradients`, also opaque."""
+    routing = (tuple(key_streams), tuple(value_streams))
+    history = torch.stack(entries).to(routed.dtype)  # [S, B, T, J, D]
+    phase = phase_one(routed, history, inverse_rms_unfused(history, eps), *routing)[0]
+    partial_inv_rms = None if partial is None else inverse_rms_unfused(partial, eps)
+    branch_input, weights = phase_two(phase, routed, gate, partial, partial_inv_rms, *routing)
+    return branch_input, weights.contiguous()  # the strides its fake (below) promises the compiler
+
+
+@traced_two_phase_read.register_fake
+def _(routed, gate, partial, entries, key_streams, value_streams, eps):
+    batch, tokens, streams, hidden = entries[0].shape
+    sources = len(entries) + int(partial is not None)
+    return routed.new_empty(batch, tokens, hidden), routed.new_empty(sources, batch, tokens, streams)
+
+
+@torch.library.custom_op(f"{_OPERATORS}::two_phase_read_backward", mutates_args=())
+def _traced_read_backward(
+    grad_input: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, weights: torch.Tensor,
+    partial: Optional[torch.Tensor], entries: list[torch.Tensor], key_streams: list[int], value_streams: list[int],
+    eps: float, needs_routed: bool, needs_gate: bool,
+) -> list[torch.Tensor]:
+    """`read_gradients` of `traced_two_phase_read`: [d routed, d gate, d partial (if any), one [1, B, T, J, D] per
+    entry] (an empty tensor for a gradient not needed; custom operators return no None)."""
+    history_inv_rms = torch.stack([inverse_rms_unfused(entry.to(routed.dtype), eps) for entry in entries])
+    partial_inv_rms = None if partial is None else inverse_rms_unfused(partial, eps)
+    grad_routed, grad_gate, grad_partial, grad_chunks = read_gradients(
+        grad_input, routed, gate, weights, partial, partial_inv_rms, history_inv_rms, entries,
+        (tuple(key_streams), tuple(value_streams)), needs_routed, needs_gate, separate=True,
+    )
+    empty = routed.new_empty(0)
+    grads = [empty if grad_routed is None else grad_routed.contiguous(), empty if grad_gate is None else grad_gate]
+    return grads + ([grad_partial] if partial is not None else []) + grad_chunks
+
+
+@_traced_read_backward.register_fake
+def _(grad_input, routed, gate, weights, partial, entries, key_streams, value_streams, eps, needs_routed, needs_gate):
+    grads = [torch.empty_like(routed) if needs_routed else routed.new_empty(0),
+             torch.empty_like(gate) if needs_gate else routed.new_empty(0)]
+    grads += [torch.empty_like(partial)] if partial is not None else []
+    return grads + [entry.new_empty(1, *entry.shape) for entry in entries]
+
+
+def _setup_traced_read(ctx, inputs, output) -> None:
+    routed, gate, partial, entries, key_streams, value_streams, eps = inputs
+    ctx.save_for_backward(routed, gate, output[1], partial, *entries)
+    ctx.arguments = (key_streams, value_streams, eps)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _traced_read_gradient(ctx, grad_input, _grad_weights):
+    routed, gate, weights, partial, *entries = ctx.saved_tensors
+    needs_routed, needs_gate, needs_partial = ctx.needs_input_grad[:3]
+    grads = _traced_read_backward(grad_input.contiguous(), routed, gate, weights, partial, entries, *ctx.arguments,
+                                  needs_routed, needs_gate)
+    grad_routed, grad_gate = (grads[0] if needs_routed else None), (grads[1] if needs_gate else None)
+    grad_partial = grads[2] if partial is not None and needs_partial else None
+    grad_entries = [grad[0] for grad in (grads[3:] if partial is not None else grads[2:])]
+    return grad_routed, grad_gate, grad_partial, grad_entries, None, None, None
+
+
+traced_two_phase_read.register_autograd(_traced_read_gradient, setup_context=_setup_traced_read)
 
 
 @contextmanager
@@ -626,6 +733,7 @@ class TwoPhaseDepthBackend:
 
     def __init__(self, config):
         self.eps = config.rms_norm_eps
+        self.compiled_read = getattr(config, "dar_compiled_read", "inlined")
         self.lean: _LeanPartials | None = None
 
     def keeping_partials_lean(self):
@@ -678,6 +786,11 @@ class TwoPhaseDepthBackend:
             gate = _derived(
                 read_gate, f"gate_{num_sources}", like, lambda: read_gate.stream_weights().to(like) * scale
             )  # [J]: (alpha, 1 - alpha) times read and count scaling
+            if traced and self.compiled_read == "operator":
+                return traced_two_phase_read(
+                    routed, gate, state.partial if read_partial else None, list(state.history),
+                    list(attention.key_streams), list(attention.value_streams), self.eps,
+                )
             if traced:
                 return checkpoint(
                     _recomputed_read, routed, gate, state.partial if read_partial else None,
@@ -707,6 +820,8 @@ class TwoPhaseDepthBackend:
             entry = partial.to(state.history[0].dtype)  # stored in the history's dtype (`dar_history_dtype`)
             if lean and state.partial is None:  # a block of one write: the entry is beta * y
                 self.lean.record_entry(entry, beta, branch_output)
+            if _traced_training():  # a traced read computes its entries' statistics: none kept in the state
+                return DepthState(self, None, (*state.history, entry), like)
             with torch.no_grad():  # of the stored entry, so that every later read sees the same key
                 entry_inv_rms = inverse_rms(entry.to(like.dtype), self.eps).unsqueeze(0)  # [1, B, T, J]
             history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
