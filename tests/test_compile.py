@@ -217,19 +217,20 @@ def test_the_operator_read_compiles_to_the_eager_gradients_float64(kind, block_s
 
 
 def test_the_operator_read_compiles_with_inductor_float32():
+    """As users compile, inductor in float32: the operators run as they are inside the generated code."""
     model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read="operator")
     compiled_matches_eager(model, backend="inductor", rtol=2e-4, atol=1e-5)
 
 
-def test_every_traced_training_read_is_the_one_opaque_operator():
+def test_every_traced_training_read_is_the_one_opaque_operator(compiled_read="operator"):
     """`dar_compiled_read="operator"`: the compiler generates no code for a training read (item 3 of issue 16: every
     block's reads run the same precompiled code, where inlined each read compiles kernels of its own): the graphs
-    AOTAutograd hands to inductor call
-    the read operator once per read (M branches and the final readout) and its gradient operator once per read, and
-    hold no depth softmax of their own (`aten.exp` appears only in the loss, `aten.bmm` not at all)."""
+    AOTAutograd hands to inductor call the read operator once per read (M branches and the final readout) and its
+    gradient operator once per read, and hold no depth softmax of their own (`aten.exp` appears only in the loss,
+    `aten.bmm` not at all). With the inlined read it fails."""
     from torch._dynamo.backends.common import aot_autograd
 
-    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read="operator")
+    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read=compiled_read)
     graphs = {}
 
     def compiler(kind):
