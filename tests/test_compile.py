@@ -126,9 +126,10 @@ def test_inductor_gradients_equal_eager_float32(kind):
     compiled_matches_eager(model, backend="inductor", rtol=10 * own_error + 1e-6, atol=1e-6, steps=1)
 
 
-def test_compiled_bf16_training_matches_eager():
+@pytest.mark.parametrize("compiled_read", ["inlined", "operator"])
+def test_compiled_bf16_training_matches_eager(compiled_read):
     """bf16 weights, DAR parameters in float32 (as `from_pretrained(dtype=bfloat16)` keeps them)."""
-    model = tiny(dtype=torch.float32, dar_block_size=2)
+    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read=compiled_read)
     for name, module in model.named_modules():
         if not any(part in name for part in ("attn_residual", "mlp_residual", "final_readout")):
             for parameter in module.parameters(recurse=False):
@@ -136,9 +137,10 @@ def test_compiled_bf16_training_matches_eager():
     compiled_matches_eager(model, rtol=2e-2, atol=2e-3, steps=1)
 
 
+@pytest.mark.parametrize("compiled_read", ["inlined", "operator"])
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_compiled_with_gradient_checkpointing_equals_eager(use_reentrant):
-    model = tiny(dar_block_size=2)
+def test_compiled_with_gradient_checkpointing_equals_eager(use_reentrant, compiled_read):
+    model = tiny(dar_block_size=2, dar_compiled_read=compiled_read)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     torch._dynamo.reset()
     twin = copy.deepcopy(model)
