@@ -218,6 +218,16 @@ def test_the_operator_read_compiles_to_the_eager_gradients_float64(kind, block_s
     compiled_matches_eager(model)
 
 
+def test_the_operator_read_compiles_with_the_depth_parameters_frozen():
+    """Only the branches train (LoRA-style, every DAR parameter frozen): the gradient operator is asked for neither
+    the query's nor the gate's gradient, and the branch parameters' gradients are eager's."""
+    model = tiny(dar_block_size=2, dar_compiled_read="operator")
+    for name, parameter in model.named_parameters():
+        if any(part in name for part in ("attn_residual", "mlp_residual", "final_readout")):
+            parameter.requires_grad_(False)
+    compiled_matches_eager(model)
+
+
 def test_the_operator_read_compiles_with_inductor_float32():
     """As users compile, inductor in float32: the operators run as they are inside the generated code."""
     model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read="operator")

@@ -529,8 +529,8 @@ def _traced_read_backward(
         grad_input, routed, gate, weights, partial, partial_inv_rms, history_inv_rms, entries,
         (tuple(key_streams), tuple(value_streams)), needs_routed, needs_gate, separate=True,
     )
-    empty = routed.new_empty(0)
-    grads = [empty if grad_routed is None else grad_routed.contiguous(), empty if grad_gate is None else grad_gate]
+    grads = [routed.new_empty(0) if grad_routed is None else grad_routed.contiguous(),  # one empty each: returns
+             routed.new_empty(0) if grad_gate is None else grad_gate]  # of a custom operator may not alias
     return grads + ([grad_partial] if partial is not None else []) + grad_chunks
 
 
