@@ -44,6 +44,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from dar_transformers import DARConfig, DARForCausalLM
+from dar_transformers.configuration_dar import DAR_COMPILED_READS
 
 SHAPES = {
     "smollm2-135m": dict(
@@ -59,17 +60,21 @@ SHAPES = {
 
 def build_model(name: str, shape: dict) -> torch.nn.Module:
     """Build "llama", "dar-block" or "dar-full", the DAR ones with an optional "@backend" (`dar_implementation`, e.g.
-    "dar-block@two_phase"; the default "fast" otherwise) and an optional "+read" (`dar_compiled_read`, e.g.
-    "dar-block+operator"), so that the variants run side by side in one run."""
+    "dar-block@two_phase"; the default "fast" otherwise) and optional "+option"s, each a value of
+    `dar_compiled_read` or `dar_inference_kernel` (e.g. "dar-block+operator", "dar-block+cpp"), so that the variants
+    run side by side in one run."""
     torch.manual_seed(0)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**shape))
-    name, _, compiled_read = name.partition("+")
+    name, *options = name.split("+")
     name, _, implementation = name.partition("@")
+    fields = {}
+    for option in options:
+        field = "dar_compiled_read" if option in DAR_COMPILED_READS else "dar_inference_kernel"
+        fields[field] = option  # an unknown option is refused by DARConfig's validation, naming the field
     num_branches = 2 * shape["num_hidden_layers"]
     block_size = 1 if name == "dar-full" else None  # None: about 8 blocks
-    config = DARConfig(**shape, dar_block_size=block_size, dar_implementation=implementation or "fast",
-                       dar_compiled_read=compiled_read or "inlined")
+    config = DARConfig(**shape, dar_block_size=block_size, dar_implementation=implementation or "fast", **fields)
     assert config.dar_block_size <= num_branches
     return DARForCausalLM(config)
 

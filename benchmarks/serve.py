@@ -19,6 +19,8 @@ load are printed and written to benchmarks/results/serve.json.
     python benchmarks/serve.py --modes eager --rounds 1
     python benchmarks/serve.py --dar-variant perf=../wt-perf/src   # + the same DAR folder with another checkout's
                                                                     #   remote code, measured in the same rounds
+    python benchmarks/serve.py --dar-kernel cpp        # + the DAR folder with `dar_inference_kernel="cpp"` (the C++
+                                                       #   kernels of eager decoding), in the same rounds
 """
 
 import argparse
@@ -79,6 +81,16 @@ def add_variant(folders: dict[str, Path], spec: str) -> str:
     return f"dar-{name}"
 
 
+def add_kernel_variant(folders: dict[str, Path], kernel: str) -> str:
+    """A copy of the DAR folder whose config.json sets `dar_inference_kernel` (the remote code builds the kernels)."""
+    variant = folders["dar"].with_name(f"{folders['dar'].name}-{kernel}")
+    shutil.copytree(folders["dar"], variant)
+    config = json.loads((variant / "config.json").read_text())
+    (variant / "config.json").write_text(json.dumps({**config, "dar_inference_kernel": kernel}, indent=2))
+    folders[f"dar-{kernel}"] = variant
+    return f"dar-{kernel}"
+
+
 def run_engine(python: Path, folder: Path, prompts: Path, args, compiled: bool, model_impl: str, out: Path) -> dict:
     command = [str(python), str(RUNNER), "throughput", str(folder), "--prompts", str(prompts), "--max-tokens",
                str(args.new_tokens), "--repeats", str(args.repeats), "--dtype", args.dtype, "--max-model-len",
@@ -113,6 +125,8 @@ def main() -> None:
     parser.add_argument("--llama-native", action="store_true", help="also Llama through vLLM's native model")
     parser.add_argument("--dar-variant", action="append", default=[], metavar="NAME=SRC",
                         help="also DAR with the remote code of the package source SRC (e.g. another branch's src/)")
+    parser.add_argument("--dar-kernel", action="append", default=[], choices=["cpp"],
+                        help="also the DAR folder with this `dar_inference_kernel`, in the same rounds")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "serve.json")
     args = parser.parse_args()
@@ -126,6 +140,7 @@ def main() -> None:
         scratch = Path(scratch)
         folders, tokenizer = write_folders(scratch)
         models += [(add_variant(folders, spec), "transformers") for spec in args.dar_variant]
+        models += [(add_kernel_variant(folders, kernel), "transformers") for kernel in args.dar_kernel]
         models += [("llama", "auto")] if args.llama_native else []
         prompts = scratch / "prompts.json"
         texts = (TEXTS * (args.prompts // len(TEXTS) + 1))[: args.prompts]

@@ -33,6 +33,11 @@
   compiles kernels of its own, so the first compiled step takes several times Llama's) or "operator" (each read and
   its gradient are one custom operator each, which inductor calls as they are: the first compiled step takes under
   2x Llama's, each step after it 8-25 % longer than inlined at the SmolLM2 width; README, Overhead, Compiled).
+- `dar_inference_kernel`: how an eager forward with gradients off on CPU runs the depth path of a few tokens
+  (decoding): "torch" (the default: a dozen PyTorch operations per branch) or "cpp" (one C++ function per phase 1,
+  per read of the partial and per write, `cpu_kernels.py`: built by `torch.utils.cpp_extension` on first use, about
+  30 s once per machine, and needing a C++ compiler and ninja; without them a warning, and "torch" runs). Same
+  equations either way; training, compiled graphs and other devices are unaffected.
 """
 
 import math
@@ -49,6 +54,7 @@ DAR_BRANCH_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 DAR_IMPLEMENTATIONS = ("fast", "two_phase", "reference")
 DAR_HISTORY_DTYPES = ("float32", "model")
 DAR_COMPILED_READS = ("inlined", "operator")
+DAR_INFERENCE_KERNELS = ("torch", "cpp")
 DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
 DAR_DEFAULT_DELTA = 0.7
 
@@ -107,6 +113,7 @@ class DARConfig(LlamaConfig):
     dar_implementation: str = "fast"
     dar_history_dtype: str = "float32"
     dar_compiled_read: str = "inlined"
+    dar_inference_kernel: str = "torch"
     sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
@@ -134,6 +141,7 @@ class DARConfig(LlamaConfig):
         _must_be_one_of("dar_implementation", self.dar_implementation, DAR_IMPLEMENTATIONS)
         _must_be_one_of("dar_history_dtype", self.dar_history_dtype, DAR_HISTORY_DTYPES)
         _must_be_one_of("dar_compiled_read", self.dar_compiled_read, DAR_COMPILED_READS)
+        _must_be_one_of("dar_inference_kernel", self.dar_inference_kernel, DAR_INFERENCE_KERNELS)
         if self.dar_history_dtype == "model" and self.dar_implementation == "fast":
             raise ValueError(
                 "DARConfig.dar_history_dtype='model' needs dar_implementation 'two_phase' or 'reference' (the fused "

@@ -72,6 +72,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.utils.generic import GeneralInterface
 
 from .configuration_dar import dar_routing
+from .cpu_kernels import KERNEL_MAX_TOKENS, cpu_kernels
 
 
 def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -836,10 +837,12 @@ class TwoPhaseDepthBackend:
 class _InferenceConstants(NamedTuple):
     """What one read and write of a residual needs from its parameters, derived once per parameter version
     (`_derived`): the routed queries scaled by sqrt(D), transposed [J, J * D] (a score is then a dot times
-    rsqrt(sum h^2 + D eps), the inverse RMS without a mean; and `wide_product` takes the weight wide), the read gate
-    times read and count scaling [J], and the write gates beta [J, D] and rho (1,) (None where the branch has none)."""
+    rsqrt(sum h^2 + D eps), the inverse RMS without a mean; and `wide_product` takes the weight wide), the same
+    queries by target stream [J, D] (the C++ kernels' form), the read gate times read and count scaling [J], and the
+    write gates beta [J, D] and rho (1,) (None where the branch has none)."""
 
     routed_t: torch.Tensor
+    query: torch.Tensor
     gate: torch.Tensor
     beta: torch.Tensor | None
     rho: torch.Tensor | None
@@ -872,11 +875,16 @@ class InferenceDepthBackend:
       nothing more;
     - a read of the partial adds its score and the log-sum-exp merge,
       u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
-    - the depth weights are formed only when a caller records them (`keep_weights`).
+    - the depth weights are formed only when a caller records them (`keep_weights`);
+    - with `config.dar_inference_kernel = "cpp"`, an eager forward on CPU of at most `KERNEL_MAX_TOKENS` tokens that
+      records no depth weights runs phase 1, each read of the partial and each two-stream write as one C++ call
+      each (`cpu_kernels.py`, same equations).
     """
 
     def __init__(self, config):
         self.eps = config.rms_norm_eps
+        self.wants_kernels = config.dar_inference_kernel == "cpp"
+        self.kernels = None  # the C++ kernels, where this forward runs them (`start`)
         self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
         self.key_streams = dar_routing(config)[0]
         self.keep_weights = True
@@ -890,6 +898,12 @@ class InferenceDepthBackend:
         """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights;
         `residuals`: the model's branch residuals in order (empty: phase 1 per decoder layer only)."""
         self.keep_weights, self.residuals = keep_weights, tuple(residuals)
+        if (
+            self.wants_kernels and not keep_weights and entry.device.type == "cpu"
+            and entry.shape[0] * entry.shape[1] <= KERNEL_MAX_TOKENS
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+        ):
+            self.kernels = cpu_kernels()  # None where they cannot be built (warned once)
         compute_dtype = dar_compute_dtype(entry.dtype)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         # [S_max, B, T, J], in the compute dtype
@@ -930,6 +944,9 @@ class InferenceDepthBackend:
     def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
         """Store a committed entry and its key scale, by target stream: slot j holds the scale of j's key stream."""
         stored = self.history_buffer[slot]
+        if self.kernels is not None and entry.is_contiguous() and entry.dtype == self.inv_rms_buffer.dtype:
+            self.kernels.commit(entry, self.history_buffer, slot, self.inv_rms_buffer, self.key_streams, self.eps)
+            return stored
         stored.copy_(entry)  # in the history's dtype; the statistics are of the stored value
         key_scale = self._key_scale(stored.to(self.inv_rms_buffer.dtype))  # [B, T, J] by stream
         self.inv_rms_buffer[slot] = _streams(key_scale, self.key_streams, 2)
@@ -949,24 +966,26 @@ class InferenceDepthBackend:
 
         def compute():
             scale = math.sqrt(attention.pseudo_query.shape[-1])
-            routed = routed_queries(attention.scoring_query().to(like), attention.key_streams) * scale  # [J * D, J]
-            routed_t = routed.T.contiguous()
+            query = attention.scoring_query().to(like) * scale  # [J, D]
+            routed_t = routed_queries(query, attention.key_streams).T.contiguous()  # [J, J * D]
             gate = read_gate.stream_weights().to(like) * (read_gate.read_scale * attention.count_scale(num_sources))
             beta = rho = None
             if write_gate is not None and write_gate.num_streams == 2:
                 beta = write_gate.beta().to(like)
                 rho = write_gate.rho().to(like) if hasattr(write_gate, "transport_logit") else None
-            return _InferenceConstants(routed_t, gate, beta, rho)
+            return _InferenceConstants(routed_t, query, gate, beta, rho)
 
         return _derived(residual, f"inference_{num_sources}", like, compute)
 
     def _phase_one(self, state: DepthState, residuals) -> list[_PlannedRead]:
         """Phase 1 of the reads of `residuals` (all see the state's committed entries) in one pass over the buffer."""
         sources = len(state.history)
-        history = self.history_buffer[:sources].to(self.inv_rms_buffer.dtype)  # [S, B, T, J, D], no copy in float32
-        _, batch, tokens, streams, hidden = history.shape
         attention = residuals[0].depth_attention
         constants = [self._constants(r, sources + int(getattr(r, "reads_partial", False))) for r in residuals]
+        if self.kernels is not None:
+            return self._phase_one_kernel(sources, attention, constants)
+        history = self.history_buffer[:sources].to(self.inv_rms_buffer.dtype)  # [S, B, T, J, D], no copy in float32
+        _, batch, tokens, streams, hidden = history.shape
         routed_t = constants[0].routed_t if len(constants) == 1 else torch.cat([c.routed_t for c in constants])
         reads = len(constants)
         key_dots = wide_product(history.view(-1, streams * hidden), routed_t)
@@ -987,6 +1006,13 @@ class InferenceDepthBackend:
             gated.addcmul_(means[:, :, stream], gates[:, stream : stream + 1])
         return list(map(_PlannedRead, gated.unbind(2), means.unbind(3), log_sum_exp.unbind(2), weights.unbind(3)))
 
+    def _phase_one_kernel(self, sources: int, attention, constants) -> list[_PlannedRead]:
+        gated, means, log_sum_exp = self.kernels.phase_one(
+            self.history_buffer, sources, self.inv_rms_buffer, [c.query for c in constants],
+            [c.gate for c in constants], attention.key_streams, attention.value_streams,
+        )  # [R, B, T, D], [R, B, T, J, D], [R, B, T, J]
+        return [_PlannedRead(*read, None) for read in zip(gated.unbind(0), means.unbind(0), log_sum_exp.unbind(0))]
+
     def read(self, residual, state: DepthState, read_partial: bool, planned: _PlannedRead | None = None):
         if planned is None:
             planned = self.plan(state, residual)[0]
@@ -998,6 +1024,12 @@ class InferenceDepthBackend:
     def _read_with_partial(self, residual, state: DepthState, planned: _PlannedRead):
         attention, partial = residual.depth_attention, state.partial
         constants = self._constants(residual, len(state.history) + 1)
+        if self.kernels is not None:
+            branch_input = self.kernels.read_partial(
+                partial, constants.query, constants.gate, planned.gated, planned.mean, planned.log_sum_exp,
+                attention.key_streams, attention.value_streams, self.eps,
+            )  # [B, T, D]
+            return branch_input, None
         batch, tokens, streams, hidden = partial.shape
         partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
         partial_dots = partial_dots.view(batch, tokens, streams)
@@ -1029,6 +1061,8 @@ class InferenceDepthBackend:
             partial = written.to(self.inv_rms_buffer.dtype) if partial is None else partial + written
         elif partial is None:
             partial = constants.beta * written  # [B, T, J, D], promoted to the compute dtype
+        elif self.kernels is not None:
+            partial = self.kernels.write_partial(partial, constants.rho, constants.beta, written.contiguous())
         else:  # [[rho, 1-rho], [1-rho, rho]] P + beta * y
             partial = torch.lerp(partial.flip(-2), partial, constants.rho).addcmul_(constants.beta, written)
         return partial

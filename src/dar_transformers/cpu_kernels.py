@@ -1,0 +1,299 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dar-transformers authors.
+"""C++ kernels of DAR's inference depth path on CPU, opt-in with `config.dar_inference_kernel = "cpp"`.
+
+Eager decoding runs every branch on a few tokens, where the DAR path costs the operations it dispatches (a dozen
+PyTorch calls per branch, each starting with cold caches after the branch's own matrix products have streamed its
+weights; README, Overhead), not the bytes it moves. These kernels compute the same equations as
+`InferenceDepthBackend` (DESIGN.md section 7) in one call each:
+
+  phase_one(history, S, key_scale, queries, gates, kappa, nu) -> gated [R, B, T, D], mean [R, B, T, J, D], L [R, B, T, J]
+      phase 1 of R reads (a list of R folded queries [J, D] and gates [J]) over the S committed entries: scores,
+      depth softmax with its log-sum-exp, the value sums Obar, and sum_j gate_j Obar^j;
+  read_partial(P, query, gate, gated, mean, L, kappa, nu, eps) -> u [B, T, D]
+      phase 2 of a read of the partial: u = gated + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
+  write_partial(P, rho, beta, y)                              -> P' [B, T, 2, D]
+      (6) after a block's first branch: P' = lerp(swap(P), P, rho) + beta * y;
+  commit(P, history, n, key_scale, kappa, eps)                -> None
+      (8): stores P as entry n of the history (in its dtype) and the per-token key scale
+      1 / sqrt(sum_d h^2 + D eps) of each target stream's key stream, of the stored value.
+
+They are built once per machine by `torch.utils.cpp_extension.load_inline` on first use (about 30 s on two cores;
+cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) and need a C++ compiler and ninja; where
+either is missing the build fails once, a warning says why, and the PyTorch operations run instead. They run only
+where they pay: eagerly (not traced by `torch.compile` or `torch.export`), with gradients off, on CPU, without
+recorded depth weights, and on at most `KERNEL_MAX_TOKENS` tokens per forward (prefill moves bytes, where the
+PyTorch operations are already efficient). The source is a string in this file so that a model folder's remote
+code carries it.
+
+Shape legend as in `depth_backends.py`: B batch, T tokens, D hidden, S committed entries, R reads, J streams.
+"""
+
+import hashlib
+
+import torch
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+KERNEL_MAX_TOKENS = 64  # B * T of a forward up to which the kernels run (decoding, vLLM's decode batches)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+// Rows are the B * T tokens; one row's work is a few streams of D values, so rows are the unit of parallelism.
+constexpr int64_t kGrain = 16;
+
+template <typename compute_t, typename history_t>
+void phase_one_rows(const history_t* history, int64_t sources, const compute_t* key_scale,
+                    const std::vector<const compute_t*>& query, const std::vector<const compute_t*>& gate,
+                    const std::vector<int64_t>& key_streams,
+                    const std::vector<int64_t>& value_streams, int64_t reads, int64_t rows, int64_t streams,
+                    int64_t hidden, compute_t* gated, compute_t* mean, compute_t* log_sum_exp) {
+  const int64_t entry = rows * streams * hidden;  // one committed entry [B, T, J, D]
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<compute_t> weights(sources);
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t r = 0; r < reads; ++r) {
+        compute_t* gated_row = gated + (r * rows + row) * hidden;
+        for (int64_t d = 0; d < hidden; ++d) gated_row[d] = 0;
+        for (int64_t j = 0; j < streams; ++j) {
+          const compute_t* q = query[r] + j * hidden;  // target j's folded query, sqrt(D) w * gamma
+          const int64_t key = key_streams[j], value = value_streams[j];
+          compute_t top = -INFINITY;
+          for (int64_t s = 0; s < sources; ++s) {  // scores: (B_s^{kappa(j)} . q) * key scale
+            const history_t* x = history + s * entry + (row * streams + key) * hidden;
+            compute_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < hidden; ++d) dot += static_cast<compute_t>(x[d]) * q[d];
+            weights[s] = dot * key_scale[(s * rows + row) * streams + j];
+            top = std::max(top, weights[s]);
+          }
+          compute_t total = 0;
+          for (int64_t s = 0; s < sources; ++s) total += (weights[s] = std::exp(weights[s] - top));
+          log_sum_exp[(r * rows + row) * streams + j] = std::log(total) + top;
+          compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;  // Obar^j = sum_s a_s B_s^{nu(j)}
+          for (int64_t d = 0; d < hidden; ++d) m[d] = 0;
+          for (int64_t s = 0; s < sources; ++s) {
+            const compute_t a = weights[s] / total;
+            const history_t* v = history + s * entry + (row * streams + value) * hidden;
+#pragma omp simd
+            for (int64_t d = 0; d < hidden; ++d) m[d] += a * static_cast<compute_t>(v[d]);
+          }
+          const compute_t g = gate[r][j];
+#pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d) gated_row[d] += g * m[d];
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, const at::Tensor& key_scale,
+                                  const std::vector<at::Tensor>& queries, const std::vector<at::Tensor>& gates,
+                                  std::vector<int64_t> key_streams, std::vector<int64_t> value_streams) {
+  TORCH_CHECK(history.dim() == 5 && history.is_contiguous() && key_scale.is_contiguous(),
+              "phase_one: a contiguous history [S, B, T, J, D] and key scale");
+  const int64_t reads = queries.size(), batch = history.size(1), tokens = history.size(2),
+                streams = history.size(3), hidden = history.size(4);
+  TORCH_CHECK(0 < sources && sources <= history.size(0) && reads > 0 && int64_t(gates.size()) == reads &&
+                  int64_t(key_streams.size()) == streams && int64_t(value_streams.size()) == streams,
+              "phase_one: inconsistent shapes");
+  for (int64_t r = 0; r < reads; ++r) {
+    TORCH_CHECK(queries[r].is_contiguous() && queries[r].numel() == streams * hidden && gates[r].is_contiguous() &&
+                    gates[r].numel() == streams && queries[r].scalar_type() == key_scale.scalar_type() &&
+                    gates[r].scalar_type() == key_scale.scalar_type(),
+                "phase_one: each read's query [J, D] and gate [J], contiguous, in the compute dtype");
+  }
+  auto options = key_scale.options();
+  at::Tensor gated = at::empty({reads, batch, tokens, hidden}, options);
+  at::Tensor mean = at::empty({reads, batch, tokens, streams, hidden}, options);
+  at::Tensor log_sum_exp = at::empty({reads, batch, tokens, streams}, options);
+  AT_DISPATCH_FLOATING_TYPES(key_scale.scalar_type(), "phase_one", [&] {
+    using compute_t = scalar_t;
+    std::vector<const compute_t*> query(reads), gate(reads);
+    for (int64_t r = 0; r < reads; ++r) {
+      query[r] = queries[r].data_ptr<compute_t>();
+      gate[r] = gates[r].data_ptr<compute_t>();
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, history.scalar_type(), "phase_one_history", [&] {
+      phase_one_rows<compute_t, scalar_t>(history.data_ptr<scalar_t>(), sources, key_scale.data_ptr<compute_t>(),
+                                          query, gate, key_streams,
+                                          value_streams, reads, batch * tokens, streams, hidden,
+                                          gated.data_ptr<compute_t>(), mean.data_ptr<compute_t>(),
+                                          log_sum_exp.data_ptr<compute_t>());
+    });
+  });
+  return {gated, mean, log_sum_exp};
+}
+
+template <typename scalar_t>
+void read_partial_rows(const scalar_t* partial, const scalar_t* query, const scalar_t* gate, const scalar_t* gated,
+                       const scalar_t* mean, const scalar_t* log_sum_exp, const std::vector<int64_t>& key_streams,
+                       const std::vector<int64_t>& value_streams, double eps, int64_t rows, int64_t streams,
+                       int64_t hidden, scalar_t* out) {
+  const scalar_t offset = static_cast<scalar_t>(hidden * eps);
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> scale(streams), coefficient(streams);
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* p = partial + row * streams * hidden;
+      for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
+        const scalar_t* x = p + s * hidden;
+        scalar_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < hidden; ++d) sum += x[d] * x[d];
+        scale[s] = 1 / std::sqrt(sum + offset);
+      }
+      for (int64_t j = 0; j < streams; ++j) {  // the partial's softmax share sigmoid(z_j - L_j), times the gate
+        const scalar_t* x = p + key_streams[j] * hidden;
+        const scalar_t* q = query + j * hidden;
+        scalar_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < hidden; ++d) dot += x[d] * q[d];
+        const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
+        coefficient[j] = gate[j] / (1 + std::exp(-z));
+      }
+      scalar_t* u = out + row * hidden;
+      const scalar_t* g = gated + row * hidden;
+      for (int64_t d = 0; d < hidden; ++d) u[d] = g[d];
+      for (int64_t j = 0; j < streams; ++j) {
+        const scalar_t c = coefficient[j];
+        const scalar_t* v = p + value_streams[j] * hidden;
+        const scalar_t* m = mean + (row * streams + j) * hidden;
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
+      }
+    }
+  });
+}
+
+at::Tensor read_partial(const at::Tensor& partial, const at::Tensor& query, const at::Tensor& gate,
+                        const at::Tensor& gated, const at::Tensor& mean, const at::Tensor& log_sum_exp,
+                        std::vector<int64_t> key_streams, std::vector<int64_t> value_streams, double eps) {
+  TORCH_CHECK(partial.dim() == 4 && partial.is_contiguous() && query.is_contiguous() && gate.is_contiguous() &&
+                  gated.is_contiguous() && mean.is_contiguous() && log_sum_exp.is_contiguous(),
+              "read_partial: contiguous operands");
+  const int64_t batch = partial.size(0), tokens = partial.size(1), streams = partial.size(2), hidden = partial.size(3);
+  const int64_t rows = batch * tokens;
+  TORCH_CHECK(gated.numel() == rows * hidden && mean.numel() == rows * streams * hidden &&
+                  log_sum_exp.numel() == rows * streams && query.numel() == streams * hidden &&
+                  int64_t(key_streams.size()) == streams && int64_t(value_streams.size()) == streams,
+              "read_partial: inconsistent shapes");
+  at::Tensor out = at::empty({batch, tokens, hidden}, partial.options());
+  AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "read_partial", [&] {
+    read_partial_rows<scalar_t>(partial.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(),
+                                gated.data_ptr<scalar_t>(), mean.data_ptr<scalar_t>(),
+                                log_sum_exp.data_ptr<scalar_t>(), key_streams, value_streams, eps, rows, streams,
+                                hidden, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+template <typename compute_t, typename history_t>
+void commit_rows(const compute_t* entry, history_t* stored, compute_t* key_scale,
+                 const std::vector<int64_t>& key_streams, double eps, int64_t rows, int64_t streams, int64_t hidden) {
+  const compute_t offset = static_cast<compute_t>(hidden * eps);
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<compute_t> scale(streams);
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t s = 0; s < streams; ++s) {
+        const compute_t* x = entry + (row * streams + s) * hidden;
+        history_t* h = stored + (row * streams + s) * hidden;
+        compute_t sum = 0;
+        for (int64_t d = 0; d < hidden; ++d) {  // the statistics are of the stored (possibly rounded) value
+          h[d] = static_cast<history_t>(x[d]);
+          const compute_t v = static_cast<compute_t>(h[d]);
+          sum += v * v;
+        }
+        scale[s] = 1 / std::sqrt(sum + offset);
+      }
+      for (int64_t j = 0; j < streams; ++j) key_scale[row * streams + j] = scale[key_streams[j]];
+    }
+  });
+}
+
+void commit(const at::Tensor& entry, const at::Tensor& history, int64_t slot, const at::Tensor& key_scale,
+            std::vector<int64_t> key_streams, double eps) {
+  TORCH_CHECK(entry.dim() == 4 && entry.is_contiguous() && history.is_contiguous() && key_scale.is_contiguous() &&
+                  entry.scalar_type() == key_scale.scalar_type(),
+              "commit: a contiguous entry [B, T, J, D] in the compute dtype, a contiguous history and key scale");
+  const int64_t rows = entry.size(0) * entry.size(1), streams = entry.size(2), hidden = entry.size(3);
+  TORCH_CHECK(0 <= slot && slot < history.size(0) && history[0].numel() == entry.numel() &&
+                  key_scale[0].numel() == rows * streams && int64_t(key_streams.size()) == streams,
+              "commit: inconsistent shapes");
+  AT_DISPATCH_FLOATING_TYPES(entry.scalar_type(), "commit", [&] {
+    using compute_t = scalar_t;
+    compute_t* scale = key_scale.data_ptr<compute_t>() + slot * rows * streams;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, history.scalar_type(), "commit_history", [&] {
+      commit_rows<compute_t, scalar_t>(entry.data_ptr<compute_t>(), history.data_ptr<scalar_t>() + slot * entry.numel(),
+                                       scale, key_streams, eps, rows, streams, hidden);
+    });
+  });
+}
+
+at::Tensor write_partial(const at::Tensor& partial, const at::Tensor& rho, const at::Tensor& beta,
+                         const at::Tensor& written) {
+  TORCH_CHECK(partial.dim() == 4 && partial.size(2) == 2 && partial.is_contiguous() && beta.is_contiguous() &&
+                  written.is_contiguous() && rho.numel() == 1,
+              "write_partial: a contiguous two-stream partial [B, T, 2, D], beta [2, D], y [B, T, D], rho (1,)");
+  const int64_t rows = partial.size(0) * partial.size(1), hidden = partial.size(3);
+  TORCH_CHECK(written.numel() == rows * hidden && beta.numel() == 2 * hidden, "write_partial: inconsistent shapes");
+  at::Tensor out = at::empty_like(partial);
+  AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "write_partial", [&] {
+    using state_t = scalar_t;
+    const state_t* p = partial.data_ptr<state_t>();
+    const state_t* b = beta.data_ptr<state_t>();
+    const state_t r = rho.item<state_t>();
+    state_t* o = out.data_ptr<state_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, written.scalar_type(), "write_partial_y", [&] {
+      const scalar_t* y = written.data_ptr<scalar_t>();
+      at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row) {
+          for (int64_t j = 0; j < 2; ++j) {
+            const state_t* own = p + (row * 2 + j) * hidden;
+            const state_t* other = p + (row * 2 + 1 - j) * hidden;
+            state_t* dst = o + (row * 2 + j) * hidden;
+            for (int64_t d = 0; d < hidden; ++d) {  // torch.lerp(other, own, rho), then + beta * y
+              const state_t difference = own[d] - other[d];
+              const state_t mixed = r < 0.5 ? other[d] + r * difference : own[d] - difference * (1 - r);
+              dst[d] = mixed + b[j * hidden + d] * static_cast<state_t>(y[row * hidden + d]);
+            }
+          }
+        }
+      });
+    });
+  });
+  return out;
+}
+"""
+
+_FUNCTIONS = ["commit", "phase_one", "read_partial", "write_partial"]
+_loaded: dict[str, object] = {}  # "module" -> the built extension, or None after a failed build
+
+
+def cpu_kernels():
+    """The built extension (functions as in the module docstring), or None where it cannot be built (warned once)."""
+    if "module" not in _loaded:
+        from torch.utils.cpp_extension import load_inline  # imports setuptools: only when the kernels are asked for
+
+        digest = hashlib.sha256(f"{_SOURCE}{torch.__version__}".encode()).hexdigest()[:12]
+        logger.info("Building DAR's CPU inference kernels (once per machine; about 30 s on two cores).")
+        try:
+            _loaded["module"] = load_inline(
+                name=f"dar_cpu_kernels_{digest}", cpp_sources=_SOURCE, functions=_FUNCTIONS,
+                extra_cflags=["-O3", "-fopenmp-simd"],
+            )
+        except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch operations run instead
+            logger.warning(
+                "dar_inference_kernel='cpp': DAR's CPU kernels could not be built, so the PyTorch operations run "
+                f"instead (same results, slower decoding). {type(error).__name__}: {error}"
+            )
+            _loaded["module"] = None
+    return _loaded["module"]
+
+
+__all__ = ["KERNEL_MAX_TOKENS", "cpu_kernels"]

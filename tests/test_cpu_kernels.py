@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The C++ kernels of the inference depth path (`cpu_kernels.py`, `config.dar_inference_kernel = "cpp"`).
+
+- Float64 logits equal the reference backend's to 1e-12 relative for every block size, routing, stream count,
+  write mode and `dar_include_partial` of the inference backend's grid, and every kernel runs (counted); float32
+  decoding with a KV cache gives the PyTorch path's greedy tokens and logits within float32 rounding; bf16 weights
+  with a bf16 history and DAR-MoE too.
+- They run only where they are meant to: not without the option, not when depth weights are recorded, not past
+  `KERNEL_MAX_TOKENS` tokens, not with gradients on.
+- Where they cannot be built, a warning names the option and the PyTorch operations give the same logits.
+- Negative control: a kernel read that leaves out the partial's merge is caught by the float64 comparison.
+- A model folder carries the kernels' source (remote code), and a bad option value is refused naming the field.
+"""
+
+import logging
+import os
+
+import pytest
+import torch
+from conftest import perturb_dar_parameters, random_input_ids, tiny_dar_config, tiny_dar_moe
+from test_inference_backend import GRID, NUM_LAYERS, max_relative_diff, perturbed_dar
+
+from dar_transformers import DARConfig, DARForCausalLM, cpu_kernels, depth_backends
+from dar_transformers.cpu_kernels import KERNEL_MAX_TOKENS
+
+KERNELS = ("phase_one", "read_partial", "write_partial", "commit")
+
+
+class CountedKernels:
+    """The built extension, counting the calls of each kernel; `broken_read` swaps in a read without the merge."""
+
+    def __init__(self, module, broken_read: bool = False):
+        self.module, self.broken_read = module, broken_read
+        self.calls = dict.fromkeys(KERNELS, 0)
+
+    def __getattr__(self, name):
+        function = getattr(self.module, name)
+
+        def counted(*args):
+            self.calls[name] += 1
+            if name == "read_partial" and self.broken_read:
+                return args[3].clone()  # phase 1's gated sum alone: the partial ignored
+            return function(*args)
+
+        return counted
+
+
+@pytest.fixture
+def counted_kernels(monkeypatch):
+    module = cpu_kernels.cpu_kernels()
+    assert module is not None, "the kernels must build on the test machine (a C++ compiler and ninja)"
+    counted = CountedKernels(module)
+    monkeypatch.setattr(depth_backends, "cpu_kernels", lambda: counted)
+    return counted
+
+
+def with_kernels(model):
+    model.config.dar_inference_kernel = "cpp"
+    return model
+
+
+@pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID)
+def test_the_kernels_match_the_reference_in_float64(counted_kernels, block_size, routing, streams, write_mode,
+                                                    include_partial):
+    fields = (block_size, routing, streams, write_mode, include_partial)
+    reference = perturbed_dar(torch.float64, "reference", *fields)
+    model = with_kernels(perturbed_dar(torch.float64, "fast", *fields))
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        logits = model(input_ids).logits
+    assert max_relative_diff(logits, expected) <= 1e-12
+    config = model.config
+    blocks = -(-config.dar_num_branches // config.dar_block_size)
+    partial_reads = sum(1 for index in range(config.dar_num_branches) if index % config.dar_block_size != 0)
+    assert counted_kernels.calls["phase_one"] >= blocks + 1  # at least once per block, and the readout
+    assert counted_kernels.calls["read_partial"] == (partial_reads if include_partial else 0)
+    # every block's commit; entry 0 too when it is contiguous (one stream: the embedding itself, not an expanded view)
+    assert counted_kernels.calls["commit"] == blocks + (streams == 1)
+    two_stream_writes = partial_reads if streams == 2 else 0  # a write into an open block of two streams
+    assert counted_kernels.calls["write_partial"] == two_stream_writes
+
+
+def test_negative_control_a_kernel_read_without_the_partial_merge_is_caught(counted_kernels):
+    counted_kernels.broken_read = True
+    with pytest.raises(AssertionError):
+        test_the_kernels_match_the_reference_in_float64(counted_kernels, 2, "dar", 2, "duplicate", True)
+
+
+def test_cached_decoding_with_the_kernels_gives_the_pytorch_paths_tokens(counted_kernels):
+    torch.manual_seed(0)
+    model = DARForCausalLM(tiny_dar_config(num_hidden_layers=NUM_LAYERS, dar_block_size=3)).eval()
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    input_ids = random_input_ids(batch=2, length=6)
+    options = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(input_ids, **options)
+    assert counted_kernels.calls["read_partial"] == 0  # the default: the PyTorch operations
+    with_kernels(model)
+    generated = model.generate(input_ids, **options)
+    assert torch.equal(generated.sequences, expected.sequences)
+    for logits, expected_logits in zip(generated.logits, expected.logits):
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    assert counted_kernels.calls["read_partial"] > 8  # prefill and every decoded token
+
+
+def test_bf16_with_a_bf16_history_matches_the_pytorch_path(counted_kernels):
+    torch.manual_seed(0)
+    model = DARForCausalLM(tiny_dar_config(num_hidden_layers=NUM_LAYERS, dar_block_size=2,
+                                           dar_implementation="two_phase", dar_history_dtype="model"))
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    model = model.to(torch.bfloat16).eval()
+    for name, parameter in model.named_parameters():
+        if any(part in name for part in ("attn_residual", "mlp_residual", "final_readout")):
+            parameter.data = parameter.data.float()
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        logits = with_kernels(model)(input_ids).logits
+    assert counted_kernels.calls["phase_one"] > 0 and logits.dtype == torch.bfloat16
+    # The same float32 mixing in another summation order; a branch input crosses a bf16 rounding boundary now and then.
+    torch.testing.assert_close(logits.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert (logits == expected).float().mean() > 0.5
+
+
+def test_dar_moe_with_the_kernels_matches_the_pytorch_path(counted_kernels):
+    model = tiny_dar_moe(dar_block_size=3)
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    input_ids = random_input_ids()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        logits = with_kernels(model)(input_ids).logits
+    assert counted_kernels.calls["read_partial"] > 0
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_run_only_where_they_are_meant_to(counted_kernels):
+    model = with_kernels(perturbed_dar(torch.float32, "fast", 3, "dar", 2, "duplicate", True))
+    long_input = random_input_ids(batch=1, length=KERNEL_MAX_TOKENS + 1)
+    with torch.no_grad():
+        weights = model(random_input_ids(), output_depth_weights=True).depth_weights  # recorded depth weights
+        model(long_input)  # a prefill past KERNEL_MAX_TOKENS
+    model(random_input_ids())  # gradients on: training backends
+    assert counted_kernels.calls == dict.fromkeys(KERNELS, 0)
+    assert len(weights) == 2 * NUM_LAYERS + 1
+    with torch.no_grad():
+        model(random_input_ids(batch=1, length=KERNEL_MAX_TOKENS))
+    assert counted_kernels.calls["phase_one"] > 0
+
+
+def test_without_a_compiler_a_warning_names_the_option_and_pytorch_runs(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
+    model = perturbed_dar(torch.float32, "fast", 3, "dar", 2, "duplicate", True)
+    input_ids = random_input_ids()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dar_transformers.cpu_kernels"):
+        expected = model(input_ids).logits
+        logits = with_kernels(model)(input_ids).logits
+        model(input_ids)  # warned once, not at every forward
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "dar_inference_kernel='cpp'" in warnings[0] and "Ninja is required" in warnings[0]
+    assert torch.equal(logits, expected)
+
+
+def test_a_model_folder_carries_the_kernels_and_the_option_round_trips(tmp_path):
+    model = DARForCausalLM(tiny_dar_config(dar_inference_kernel="cpp"))
+    model.save_pretrained(tmp_path)
+    assert os.path.isfile(tmp_path / "cpu_kernels.py")  # imported by depth_backends.py: remote code carries it
+    assert DARConfig.from_pretrained(tmp_path).dar_inference_kernel == "cpp"
+    with pytest.raises(Exception, match=r"dar_inference_kernel must be one of \['torch', 'cpp'\], got 'cuda'"):
+        tiny_dar_config(dar_inference_kernel="cuda")
