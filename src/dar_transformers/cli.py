@@ -37,7 +37,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "output", help="the folder to write: new or empty (or a previous conversion output with --overwrite); never the "
         "source, inside it or around it",
     )
-    parser.add_argument("--kind", default="dar", choices=sorted(TARGET_KINDS), help="target model kind")
+    parser.add_argument("--kind", default=None, choices=sorted(TARGET_KINDS),
+                        help="target model kind (default: dar; dar_moe with --experts/--top-k/--expert-noise)")
     parser.add_argument(
         "--block-size", type=int, default=None,
         help="DAR block size K in branches (2 per layer); 1 = Full DAR; default: about 8 blocks",
@@ -96,8 +97,14 @@ def convert_fields(args: argparse.Namespace) -> dict:
 def run_convert(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         return convert_error(f"--max-new-tokens must be 0 (no greedy continuations) or more, got {args.max_new_tokens}.")
-    convert_function, kind_options = upcycle, {"kind": args.kind}
-    if args.kind == "dar_moe" or args.experts is not None or args.top_k is not None or args.expert_noise:
+    moe_flags = [flag for flag, value in (("--experts", args.experts), ("--top-k", args.top_k),
+                                          ("--expert-noise", args.expert_noise or None)) if value is not None]
+    if moe_flags and args.kind not in (None, "dar_moe"):
+        return convert_error(f"{', '.join(moe_flags)} {'make' if len(moe_flags) > 1 else 'makes'} a DAR-MoE model, which "
+                             f"contradicts --kind {args.kind}; pass --kind dar_moe or leave --kind out.")
+    kind = args.kind or ("dar_moe" if moe_flags else "dar")
+    convert_function, kind_options = upcycle, {"kind": kind}
+    if kind == "dar_moe":
         convert_function = upcycle_to_dar_moe
         kind_options = {"num_experts": args.experts, "top_k": args.top_k, "expert_noise": args.expert_noise}
     try:

@@ -111,7 +111,7 @@ def upcycle(
             raise_unless_passed(report, storage_dtype, loaded.checkpoint)
             answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
             card = render_model_card(config, report, loaded, base_model=options.base_model, kind=target.description,
-                                     answers=answers)
+                                     answers=answers, exact=target.exact)
             (folder / "README.md").write_text(card, encoding="utf-8")
 
         if output is not None:

@@ -5,6 +5,8 @@
 import math
 
 import transformers
+import yaml
+from huggingface_hub.repocard import metadata_load
 
 from .. import __version__
 
@@ -20,7 +22,7 @@ CARD_TEMPLATE = """---
 DAR replaces the residual add around every attention and MLP branch with two residual streams and a
 softmax attention over depth with reciprocal cross-stream addressing. The new parameters (depth queries,
 key norms, read and write gates, transport) are initialised so that every depth read is the standard residual
-sum: **at conversion the model computes the source model's function**, verified below. Training (fine-tuning
+sum: {function_sentence} Training (fine-tuning
 or continued pre-training) is what lets the depth attention depart from the plain residual stream.
 
 ## DAR settings
@@ -109,14 +111,43 @@ def chat_answers(report, tokenizer, eos_token_ids) -> tuple[str, str] | None:
     return decode(chat[0].source_continuation), decode(chat[0].target_continuation)
 
 
+def _license_front_matter(source) -> list[str]:
+    """The license fields (`license`, `license_name`, `license_link`) of the source folder's README.md front matter,
+    as YAML lines; `license: other` without them: the weights keep the source's terms, never a made-up license."""
+    readme = source.folder / "README.md" if source.folder is not None else None
+    metadata = {}
+    if readme is not None and readme.is_file():
+        try:
+            metadata = metadata_load(readme) or {}
+        except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):  # an unreadable card: no license known
+            metadata = {}
+    fields = {key: metadata[key] for key in ("license", "license_name", "license_link") if metadata.get(key) is not None}
+    fields = fields or {"license": "other"}
+    return yaml.safe_dump(fields, sort_keys=False, allow_unicode=True, width=math.inf).splitlines()
+
+
+def _function_sentence(exact: bool, report) -> str:
+    """What the card claims about the converted function: only what the conversion made true and the check showed."""
+    if not exact:
+        return ("that much holds, but this conversion **deliberately changed the function** (its experts were perturbed: "
+                "Drop-Upcycling), so the model does NOT compute the source model's function; the differences are "
+                "reported below.")
+    if report is None or math.isinf(report.tolerance):
+        return ("**at conversion the model computes the source model's function** by construction, which this "
+                "conversion did NOT verify (see below).")
+    return "**at conversion the model computes the source model's function**, verified below."
+
+
 def render_model_card(
-    config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None
+    config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None,
+    exact: bool = True
 ) -> str:
     """Markdown with YAML front matter; `base_model` (a Hub id) goes into the front matter when given.
 
-    `answers`: (source, converted) greedy answers to the chat prompt, shown side by side when given.
+    `answers`: (source, converted) greedy answers to the chat prompt, shown side by side when given. `exact`: False
+    when the target deliberately differs from the source (`TargetKind.exact`), which the card then says.
     """
-    front_matter = ["library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0"]
+    front_matter = ["library_name: transformers", "pipeline_tag: text-generation", *_license_front_matter(source)]
     if base_model:
         front_matter.insert(0, f"base_model: {base_model}")
     front_matter += ["tags:", "- dar", "- dual-attention-residuals", "- upcycled", "- custom_code"]
@@ -139,6 +170,7 @@ def render_model_card(
         )
     return CARD_TEMPLATE.format(
         chat_check=chat_check,
+        function_sentence=_function_sentence(exact, report),
         front_matter="\n".join(front_matter),
         title=f"{base_model or source.name} + DAR",
         source_sentence=source_sentence,

@@ -14,8 +14,11 @@ for DAR and DAR-MoE alike; DAR-MoE adds the MoE fields of `MOE_CONFIG_FIELDS`.
 import dataclasses
 
 from transformers import PreTrainedConfig
+from transformers.utils import logging
 
 from ..configuration_dar import DAR_BRANCH_FAMILIES, DARConfig
+
+logger = logging.get_logger(__name__)
 
 # Source model_type -> DAR branch family (the HF attention/MLP classes DAR composes, `modeling_dar.DAR_BRANCH_MODULES`).
 SOURCE_FAMILIES: dict[str, str] = {family: family for family in DAR_BRANCH_FAMILIES}
@@ -24,6 +27,9 @@ MOE_SOURCE_FAMILIES: dict[str, str] = {"mixtral": "mistral", "qwen2_moe": "qwen2
 ALL_SOURCE_FAMILIES: dict[str, str] = {**SOURCE_FAMILIES, **MOE_SOURCE_FAMILIES}
 # Families whose sliding window applies only through `use_sliding_window` / `layer_types` (refused below).
 LAYER_TYPED_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# Families whose attention reads `sliding_window` directly. Any other family's attention ignores the key (a stray one
+# in a Llama config.json) and must not carry it: DAR builds a sliding mask whenever it is set.
+SLIDING_WINDOW_FAMILIES = ("mistral", "mixtral")
 
 # The MoE config fields of each MoE source: DARMoeConfig field -> source field (a name, or a fixed value).
 MOE_CONFIG_FIELDS: dict[str, dict[str, object]] = {
@@ -113,8 +119,14 @@ def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
         check_full_attention(source_config)
     values = source_config.to_dict()
     fields = {name: values[name] for name in architecture_fields() if name in values}
-    if source_config.model_type in LAYER_TYPED_FAMILIES:
-        fields.pop("sliding_window", None)  # only active with use_sliding_window, refused above
+    if source_config.model_type not in SLIDING_WINDOW_FAMILIES:
+        window = fields.pop("sliding_window", None)  # Qwen: only with use_sliding_window (refused above)
+        if window is not None and source_config.model_type not in LAYER_TYPED_FAMILIES:
+            logger.warning(
+                f"The {source_config.model_type} source's sliding_window={window} is not carried: its attention ignores "
+                "the key (the converted model reproduces that full attention), though transformers' generation cache "
+                f"keeps only the last {window} tokens of such a config; remove the key from the source's config.json."
+            )
     return fields
 
 

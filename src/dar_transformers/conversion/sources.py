@@ -19,6 +19,11 @@ from .checkpoints import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, Stat
 from .families import check_model_type, one_line, source_family
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# Source files the output carries byte for byte: the license terms that travel with the weights, and the vocabulary
+# files of a tokenizer read from the folder (its `save_pretrained` writes tokenizer.json only; llama.cpp's GGUF
+# converter and sentencepiece users read tokenizer.model, BPE tools vocab.json and merges.txt).
+LICENSE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "COPYING*", "USE_POLICY*")
+TOKENIZER_SIDE_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
 # MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
 MOE_GGUF_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
@@ -36,6 +41,8 @@ class Source:
     config: PreTrainedConfig | None = None
     checkpoint: Checkpoint | None = None
     generation_config: GenerationConfig | None = None
+    folder: Path | None = None  # an HF folder source: its README.md front matter gives the card's license
+    side_files: tuple[Path, ...] = ()  # source files the output carries byte for byte (`copied_side_files`)
 
 
 
@@ -141,6 +148,13 @@ def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     return plain.to(dtype)
 
 
+def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, ...]:
+    """The files of `folder` that the output copies as they are: `LICENSE_FILES`, and `TOKENIZER_SIDE_FILES` when the
+    tokenizer was read from this folder (not a `tokenizer=` given instead, whose files they are not)."""
+    patterns = LICENSE_FILES + (TOKENIZER_SIDE_FILES if tokenizer_from_folder else ())
+    return tuple(sorted({path for pattern in patterns for path in folder.glob(pattern) if path.is_file()}))
+
+
 def load_source(
     source: PreTrainedModel | str | os.PathLike,
     dtype: torch.dtype,
@@ -222,7 +236,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     else:
         generation_config = GenerationConfig.from_model_config(source_config)
     return Source(None, loaded_tokenizer, path.name, f"HF folder {path.name}", source_config, checkpoint,
-                  generation_config)
+                  generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None))
 
 
 def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:

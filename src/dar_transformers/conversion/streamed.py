@@ -260,6 +260,12 @@ class StreamedComparison:
     first_nonfinite: str | None  # "source model.layers.3", "converted embedding", ... or None
 
 
+def length_dependent_rope(config) -> bool:
+    """True when the rotary frequencies depend on the sequence length (HF's `dynamic_rope_update` types)."""
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    return "dynamic" in rope_type or rope_type == "longrope"
+
+
 @torch.no_grad()
 def streamed_logit_statistics(
     source: StreamedModel, target: StreamedModel, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
@@ -268,9 +274,13 @@ def streamed_logit_statistics(
     """Both sides' logits compared prompt by prompt, one side's layer in memory at a time."""
     # The source (possibly GGUF: a layer read is a dequantisation) runs all prompts in one batch; DAR's activations
     # grow with its depth history (T x S x J x D), so it runs in groups, re-reading its written layers per group.
-    source_hidden, source_nonfinite = streamed_hidden_states(source, prompts, dtype, progress, "source")
+    # A rope whose frequencies depend on the sequence length (dynamic NTK, longrope) takes that length from the batch's
+    # longest row: padding then changes every shorter prompt's positions, so such models run one prompt per batch.
+    alone = length_dependent_rope(source.model.config) or length_dependent_rope(target.model.config)
+    source_hidden, source_nonfinite = streamed_hidden_states(source, prompts, dtype, progress, "source",
+                                                             1 if alone else None)
     target_hidden, target_nonfinite = streamed_hidden_states(target, prompts, dtype, progress, "converted",
-                                                             TARGET_BATCH_TOKENS)
+                                                             1 if alone else TARGET_BATCH_TOKENS)
     statistics = [LogitStatistics() for _ in prompts]
     chunks = zip(lm_head_chunks(source, dtype), lm_head_chunks(target, dtype))
     for (begin, source_rows), (_, target_rows) in chunks:

@@ -9,6 +9,7 @@ in-memory one with both models in memory (`verify_conversion`).
 """
 
 import contextlib
+import copy
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
 from .checkpoints import Checkpoint, SafetensorsCheckpoint
+from .families import one_line
 from .keymaps import to_model_layout
 from .options import ConversionOptions
 from .plan import cast_model, logging_level_error, meta_model
@@ -74,9 +76,19 @@ def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None
     prompts = []
     for index, text in enumerate(DEFAULT_PROMPTS if texts is None else texts):
         ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        if ids.shape[1] == 0:
+            raise ValueError(f"The verification prompt text-{index} ({text!r}) tokenizes to no tokens; every prompt must "
+                             "encode to at least one token.")
         prompts.append((f"text-{index}", ids))
     if tokenizer.chat_template is not None:
-        prompts.append(("chat: " + CHAT_PROMPT, chat_input_ids(tokenizer, CHAT_PROMPT)))
+        try:
+            prompts.append(("chat: " + CHAT_PROMPT, chat_input_ids(tokenizer, CHAT_PROMPT)))
+        except Exception as error:  # jinja2's TemplateSyntaxError, or TemplateError from the template's raise_exception
+            if type(error).__module__.split(".")[0] != "jinja2":
+                raise
+            logger.warning(f"The chat template (chat_template.jinja or tokenizer_config.json) fails on one user message "
+                           f"({type(error).__name__}: {one_line(error)}); the chat prompt is left out of the "
+                           "verification.")
     return prompts
 
 
@@ -249,6 +261,9 @@ def _load_full_source(source: Source, dtype: torch.dtype) -> PreTrainedModel:
         return cast_model(source.model, dtype)
     with logging_level_error():
         model = AutoModelForCausalLM.from_config(plain_config(source.config), dtype=dtype, attn_implementation="sdpa")
+    # As `from_pretrained(source)` would: its generation_config.json (repetition_penalty, no_repeat_ngram_size, ...
+    # apply to greedy decoding too), the same file the written folder carries and `from_pretrained(folder)` loads.
+    model.generation_config = copy.deepcopy(source.generation_config)
     state = to_model_layout({name: source.checkpoint.read(name).to(dtype) for name in source.checkpoint.infos()})
     result = model.load_state_dict(state, strict=False)
     tied = ["lm_head.weight"] if source.config.tie_word_embeddings else []

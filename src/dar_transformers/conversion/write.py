@@ -11,6 +11,7 @@ its source is copied by the kernel (`os.copy_file_range`).
 import copy
 import json
 import os
+import shutil
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -48,6 +49,21 @@ def _copy_bytes(source_fd: int, offset: int, length: int, source_path: Path, tar
             done += step
 
 
+def _check_cast(cast: torch.Tensor, source: torch.Tensor, name: str, first_row: int) -> torch.Tensor:
+    """`cast` (`source` in the storage dtype) when it is finite. The source was checked finite as it was read, so a
+    non-finite value here is one outside the storage dtype's range (float16 tops out at 65504), which the cast turns
+    into inf and which no later check reads back when it sits in an embedding row that no prompt uses."""
+    if not cast.dtype.is_floating_point or torch.isfinite(cast).all():
+        return cast
+    overflow = ~torch.isfinite(cast)
+    row = first_row + int(overflow.reshape(overflow.shape[0], -1).any(dim=1).nonzero()[0]) if cast.dim() else None
+    value = source[overflow].abs().max().item()
+    dtype = str(cast.dtype).removeprefix("torch.")
+    raise ValueError(f"Tensor {name!r}{f' (row {row})' if row is not None else ''} holds the value {value:.4g}, "
+                     f"outside the range of {dtype} (it would be written as inf); convert to bfloat16 or float32 "
+                     "(--dtype).")
+
+
 def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping[str, TensorInfo], target) -> None:
     """Write one planned tensor; `checkpoint` checks every chunk for NaN/inf as it is read, so this read (the only
     one of the write: a GGUF tensor is dequantised once) is also the check. Floating tensors are copied through such
@@ -65,9 +81,14 @@ def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping
             step = max(1, CHUNK_BYTES // max(1, info.nbytes // max(rows, 1) * (1 if same_bytes else 2)))
             for start in range(0, rows, step):
                 chunk = checkpoint.read(part, slice(start, start + step) if info.shape else None)
-                target.write(memoryview(chunk.to(plan.dtype).contiguous().view(torch.uint8).numpy()))
+                cast = _check_cast(chunk.to(plan.dtype), chunk, part, start)
+                target.write(memoryview(cast.contiguous().view(torch.uint8).numpy()))
         return
     tensor = materialise(plan, checkpoint).contiguous()
+    if not torch.isfinite(tensor).all():  # the parts were finite as read: the cast (or a transform) overflowed
+        raise ValueError(f"The tensor made from {', '.join(plan.parts) or 'a new parameter'} holds values outside the "
+                         f"range of {str(tensor.dtype).removeprefix('torch.')} (they would be written as inf); convert "
+                         "to bfloat16 or float32 (--dtype).")
     target.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
 
@@ -134,7 +155,7 @@ def write_checkpoint(
 
 def write_converted_folder(folder, target, config, plans, new_names, source: Source, max_shard_bytes, progress):
     """The repo folder without its card: weights (shared shards, then DAR's own), config with `auto_map` and the
-    remote-code files, generation config, tokenizer."""
+    remote-code files, generation config, tokenizer, and the source's `side_files` (license, vocabulary files)."""
     bar = logging.tqdm(total=len(plans), desc="Writing tensors", unit="tensor", disable=not progress)
     write_checkpoint(folder, plans, source.checkpoint, max_shard_bytes, own_shards=new_names,
                      progress=lambda name: bar.update())
@@ -145,6 +166,9 @@ def write_converted_folder(folder, target, config, plans, new_names, source: Sou
     config.save_pretrained(folder)
     source.generation_config.save_pretrained(folder)
     write_tokenizer(folder, source.tokenizer)
+    for path in source.side_files:  # license terms, the tokenizer's vocabulary files: as the source has them
+        if not (folder / path.name).exists():
+            shutil.copyfile(path, folder / path.name)
 
 
 def write_tokenizer(folder: Path, tokenizer) -> None:

@@ -1,0 +1,45 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dar convert` with the DAR-MoE flags (`--experts`, `--top-k`, `--expert-noise`) and an unchecked tolerance, on a
+tiny Llama source with a tokenizer (`save_source`), through the CLI's `main`.
+
+What the run prints and what the model card says must match what was done: a conversion that deliberately changes the
+function (Drop-Upcycling) or that checks nothing (tolerance inf) is never reported as PASSED or as exact.
+"""
+
+import pytest
+
+from dar_transformers.cli import main as cli_main
+
+from conftest import save_source
+
+
+@pytest.mark.parametrize("flags, kind", [
+    (["--experts", "4", "--top-k", "2", "--expert-noise", "0.25"], "drop-upcycled"),
+    (["--tolerance", "inf"], "dense, unchecked"),
+])
+def test_a_conversion_checked_at_tolerance_inf_is_not_reported_passed_nor_verified(tmp_path, capsys, flags, kind):
+    """Drop-Upcycling verifies at tolerance inf (the experts are perturbed on purpose), and so does an explicit
+    `--tolerance inf`: no logit difference can fail and no top-1 position is compared (margin > 2 x inf). The run
+    said PASSED, and the card that the model computes the source's function, "verified below"."""
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), *flags, "--max-new-tokens", "4"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "PASSED" not in printed and "NOT VERIFIED (tolerance inf: differences reported only)" in printed
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "PASSED" not in card and "computes the source model's function**, verified below" not in card
+    if kind == "drop-upcycled":
+        assert "deliberately changed the function" in card
+    else:
+        assert "which this conversion did NOT verify" in card
+
+
+def test_moe_flags_with_an_explicit_dense_kind_are_refused_naming_both(tmp_path, capsys):
+    """`--kind dar --experts 4 --top-k 2` wrote a DAR-MoE model: any MoE flag switched the kind, whatever --kind said
+    (its default "dar" could not be told apart from an explicit one)."""
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--kind", "dar", "--experts", "4", "--top-k", "2"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and error == ("dar convert: error: --experts, --top-k make a DAR-MoE model, which contradicts "
+                                   "--kind dar; pass --kind dar_moe or leave --kind out.")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dar convert` on valid sources with quirks the verification prompts do not reach: config keys the source family
+ignores, weights outside the storage dtype's range, decoding settings in generation_config.json, length-dependent
+rope. A tiny Llama source with a tokenizer (`save_source`), edited on disk, converted through the CLI's `main`.
+
+Each quirk either converts to a model that reproduces the source through `from_pretrained`, or is refused in one line
+naming the tensor or field; never a PASSED over a different function, never a FAILED over an exact one.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from dar_transformers.cli import main as cli_main
+from dar_transformers.conversion import upcycle
+
+from conftest import VOCAB, logits, make_source, make_tokenizer, run_convert_in_process, save_source
+
+
+def assert_refused_in_one_line(code: int, stderr: str, *patterns: str) -> None:
+    """Exit 1, no traceback, and the last stderr line is the error, matching every pattern."""
+    assert code == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("dar convert: error: "), stderr[-3000:]
+    for pattern in patterns:
+        assert re.search(pattern, error), (pattern, error)
+
+
+def edit_json(path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def random_tokens(length: int, seed: int = 0) -> torch.LongTensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_stray_sliding_window_in_a_llama_config_is_not_carried(tmp_path, caplog):
+    """A Llama config.json holding `sliding_window` (Llama-ified Mistral fine-tunes, merged configs): transformers'
+    Llama attention ignores the key, DAR would build a sliding mask from it. The window (8) is shorter than the prompts,
+    so carrying it fails the check; a real window (4096) is longer than every prompt and passed over a model that
+    differs beyond it. Dropped with a warning naming the key; greedy decoding is off (`--max-new-tokens 0`) because
+    transformers' own generation cache does apply the window, so the source's cached decoding is not its forward."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", sliding_window=8)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "sliding_window=8 is not carried" in caplog.text
+    assert json.loads((tmp_path / "out" / "config.json").read_text()).get("sliding_window") is None
+    ids = random_tokens(64)
+    source_logits = logits(AutoModelForCausalLM.from_pretrained(source).eval(), ids)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids),
+                               source_logits, atol=1e-5, rtol=0)
+
+
+def test_a_weight_outside_float16s_range_is_refused_naming_the_tensor_not_written_as_inf(tmp_path):
+    """An untied float32 source with one embedding value (1e5) beyond float16's 65504, in a row no verification
+    prompt uses (token 317): `--dtype float16` cast it to inf, which the source's NaN/inf check (run before the cast)
+    and the verification (which reads the prompts' rows only) both missed, and the run said PASSED."""
+    model = make_source(tied=False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[317, 0] = 1e5
+    model.save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    code, stderr = run_convert_in_process(tmp_path / "source", tmp_path / "out", "--dtype", "float16", "--tolerance",
+                                          "1e-2", "--max-new-tokens", "2", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"'model\.embed_tokens\.weight' \(row 317\) holds the value 1e\+05, "
+                               r"outside the range of float16", r"bfloat16 or float32 \(--dtype\)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # nothing written, nothing staged
+
+
+def test_a_repetition_penalty_in_generation_config_applies_to_both_sides_of_the_greedy_check(tmp_path, capsys):
+    """generation_config.json with `repetition_penalty` (common in chat models): the written folder carries the file
+    and `from_pretrained(folder)` decodes with it, while the source side of the greedy check was built from its
+    config alone, without it. An exact conversion was refused ("greedy continuation identical: NO" on every prompt);
+    `from_pretrained(source)` loads the file, so both sides decode alike."""
+    source = save_source(tmp_path / "source")
+    GenerationConfig(bos_token_id=1, eos_token_id=2, repetition_penalty=1.3).save_pretrained(source)
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "8"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    rows = [line for line in captured.out.splitlines() if line.startswith("| ") and "tokens)" in line]
+    assert rows and all(row.endswith("| yes (8 tokens) |") for row in rows), rows
+
+
+def test_the_sources_license_and_vocabulary_files_travel_with_the_weights(tmp_path):
+    """A source folder with a license in its card's front matter, LICENSE / NOTICE / USE_POLICY.md and the tokenizer's
+    own vocabulary files (tokenizer.model of Llama-2 / Mistral repos, vocab.json and merges.txt of Qwen2 repos): the
+    card said `license: apache-2.0` whatever the source's terms, and every one of these files was dropped (the
+    tokenizer's `save_pretrained` writes tokenizer.json only). They are copied byte for byte; the tokenizer reloads
+    the same."""
+    source = save_source(tmp_path / "source")
+    (source / "README.md").write_text("---\nlicense: llama3.2\nlicense_link: https://example.com/LICENSE\n---\n# x\n")
+    vocabulary = json.loads((source / "tokenizer.json").read_text())["model"]
+    side_files = {"LICENSE": b"LLAMA 3.2 COMMUNITY LICENSE AGREEMENT\n", "NOTICE": b"Notice\n",
+                  "USE_POLICY.md": b"# Acceptable use\n", "tokenizer.model": bytes(range(256)),
+                  "vocab.json": json.dumps(vocabulary["vocab"]).encode(),
+                  "merges.txt": "\n".join(" ".join(pair) for pair in vocabulary["merges"]).encode()}
+    for name, content in side_files.items():
+        (source / name).write_bytes(content)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    out = tmp_path / "out"
+    assert {name: (out / name).read_bytes() for name in side_files} == side_files
+    front_matter = (out / "README.md").read_text().split("---\n")[1].splitlines()
+    assert "license: llama3.2" in front_matter and "license_link: https://example.com/LICENSE" in front_matter
+    assert not any("apache" in line for line in front_matter)
+    text = "The capital of France is Paris."
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(source)(text).input_ids
+
+
+def test_a_source_card_without_a_license_gives_license_other_not_a_made_up_one(tmp_path):
+    source = save_source(tmp_path / "source")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    front_matter = (tmp_path / "out" / "README.md").read_text().split("---\n")[1].splitlines()
+    assert [line for line in front_matter if line.startswith("license")] == ["license: other"]
+
+
+def test_a_length_dependent_rope_is_checked_one_prompt_at_a_time(tmp_path):
+    """`rope_type: dynamic` (dynamic NTK; longrope alike) takes the rotary frequencies from the batch's longest row once
+    it exceeds `max_position_embeddings`, so right-padding changes a shorter prompt's logits. The check ran the source's
+    prompts in one batch and the converted model's in other groups, and refused an exact conversion (a 0.4 logit
+    difference on every prompt but the longest); each prompt alone, as `from_pretrained` runs it, differs by 3e-6."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", max_position_embeddings=32,
+              rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "2", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+
+
+def test_a_chat_template_that_raises_leaves_the_chat_prompt_out_with_a_warning_naming_it(tmp_path, caplog):
+    """A chat template that refuses one user message (real ones require a system message through
+    `raise_exception`): the conversion ended in a jinja2 traceback naming no file, and a good source could not be
+    converted. The chat prompt is left out of the check, with a warning naming the template."""
+    source = save_source(tmp_path / "source")
+    (source / "chat_template.jinja").write_text("{{ raise_exception('System message required') }}")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "2", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert re.search(r"The chat template \(chat_template\.jinja .*\) fails on one user message \(TemplateError: "
+                     r"System message required\); the chat prompt is left out", caplog.text)
+
+
+def test_a_verification_prompt_that_tokenizes_to_nothing_is_refused_naming_it(tmp_path):
+    """An empty prompt (or a tokenizer that encodes a prompt to nothing) ended in `RuntimeError: max(): Expected
+    reduction dim ...` from deep inside the comparison."""
+    source = save_source(tmp_path / "source")
+    with pytest.raises(ValueError, match=r"^The verification prompt text-1 \(''\) tokenizes to no tokens"):
+        upcycle(source, tmp_path / "out", prompts=["Hello world", ""], max_new_tokens=0, progress=False)
+    assert not (tmp_path / "out").exists()
