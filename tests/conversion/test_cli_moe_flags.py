@@ -43,3 +43,14 @@ def test_moe_flags_with_an_explicit_dense_kind_are_refused_naming_both(tmp_path,
     assert code == 1 and error == ("dar convert: error: --experts, --top-k make a DAR-MoE model, which contradicts "
                                    "--kind dar; pass --kind dar_moe or leave --kind out.")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_expert_noise_that_reinitialises_no_hidden_unit_is_refused(tmp_path, capsys):
+    """round(noise x hidden units) = 0 left the experts identical copies, yet the run said "not exact" and relaxed
+    the check to tolerance inf."""
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--experts", "4", "--top-k", "2",
+                     "--expert-noise", "0.001"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and "expert_noise=0.001 re-initialises" in error and "leaves the experts identical" in error
+    assert not (tmp_path / "out").exists()

@@ -151,3 +151,32 @@ def test_a_verification_prompt_that_tokenizes_to_nothing_is_refused_naming_it(tm
     with pytest.raises(ValueError, match=r"^The verification prompt text-1 \(''\) tokenizes to no tokens"):
         upcycle(source, tmp_path / "out", prompts=["Hello world", ""], max_new_tokens=0, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--base-model", "x\nlicense: mit", "base_model must be the source's Hub id"),  # YAML injected into the card
+    ("--base-model", "/home/me/models/llama", "base_model must be the source's Hub id"),  # a path of this machine
+    ("--max-shard-size", "0", "max_shard_size must be a size such as '2GB'"),
+])
+def test_a_card_field_or_shard_size_that_is_not_what_it_names_is_refused(tmp_path, capsys, flag, value, message):
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), flag, value])
+    assert code == 1 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_tokenizer_json_is_named_not_blamed_on_code(tmp_path, capsys):
+    source = save_source(tmp_path / "source")
+    (source / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
+    code = cli_main(["convert", str(source), str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert code == 1 and "from tokenizer.json, tokenizer_config.json" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_size_of_zero_bytes_is_refused_not_one_shard_per_tensor():
+    from dar_transformers.conversion.options import ConversionOptions
+
+    for size in (0, -1):
+        with pytest.raises(ValueError, match=r"max_shard_size must be a positive size such as '2GB' or '500MB', got -?\d"):
+            ConversionOptions(max_shard_size=size)

@@ -63,6 +63,20 @@ def test_qwen_sliding_window_layers_are_refused_rather_than_converted_inexactly(
         upcycle(Qwen2ForCausalLM(config), progress=False)
 
 
+def test_a_qwen_window_flag_that_leaves_every_layer_full_converts_exactly():
+    """Qwen2 slides only from `max_window_layers` on: with it at the layer count, `use_sliding_window=True` leaves every
+    layer full (`layer_types`, what transformers applies), and the conversion is exact; the flag alone refused it."""
+    config = Qwen2Config(**SHAPE, vocab_size=VOCAB, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=SHAPE["num_hidden_layers"])
+    assert set(config.layer_types) == {"full_attention"}
+    torch.manual_seed(0)
+    source = Qwen2ForCausalLM(config).eval()
+    dar = upcycle(source, progress=False).model
+    input_ids = torch.randint(0, VOCAB, (1, 12))  # longer than the window
+    with torch.no_grad():
+        torch.testing.assert_close(dar(input_ids).logits, source(input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_an_unexpected_key_reaching_check_keys_raises(tmp_path):
     check_keys(["model.layers.0.attn_residual.read_gate.logit"], [], DAR_NEW_PARAMETERS)  # new: fine
     with pytest.raises(ValueError, match=r"unexpected \['model\.layers\.0\.extra\.weight'\]"):

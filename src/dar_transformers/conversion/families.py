@@ -95,8 +95,12 @@ def source_family(config: PreTrainedConfig) -> str:
 
 def check_full_attention(source_config: PreTrainedConfig) -> None:
     """Qwen sliding layers need per-layer masks that DAR does not build; refuse rather than drift."""
-    layer_types = source_config.to_dict().get("layer_types") or []
-    if "sliding_attention" in layer_types or getattr(source_config, "use_sliding_window", False):
+    # `layer_types` is what transformers applies (Qwen2: sliding only from `max_window_layers` on, so the flag alone
+    # may leave every layer full); a config without it is decided by its flag.
+    layer_types = source_config.to_dict().get("layer_types")
+    if layer_types is None:
+        layer_types = ["sliding_attention"] if getattr(source_config, "use_sliding_window", False) else []
+    if "sliding_attention" in layer_types:
         raise UnsupportedArchitectureError(
             f"The {source_config.model_type} source uses sliding-window attention layers (use_sliding_window=True, "
             "layer_types has 'sliding_attention'); DAR converts only full-attention Qwen models."

@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers.utils.hub import convert_file_size_to_int
 
 from .targets import TargetKind, target_kind
@@ -35,13 +37,14 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def parse_size(size: str | int) -> int:
-    """'2GB' -> 2e9, '500MB', '40KB', or an int of bytes (as transformers' `max_shard_size`)."""
-    if isinstance(size, int):
-        return size
+    """'2GB' -> 2e9, '500MB', '40KB', or a positive int of bytes (as transformers' `max_shard_size`)."""
     try:
-        return convert_file_size_to_int(size)
+        size_bytes = size if isinstance(size, int) and not isinstance(size, bool) else convert_file_size_to_int(size)
     except (ValueError, TypeError) as error:
         raise ValueError(f"max_shard_size must be a size such as '2GB' or '500MB', got {size!r}.") from error
+    if size_bytes <= 0:
+        raise ValueError(f"max_shard_size must be a positive size such as '2GB' or '500MB', got {size!r}.")
+    return size_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,14 @@ class ConversionOptions:
             raise ValueError(f"verify_dtype must be 'float32' or 'float64', got {self.verify_dtype!r}.")
         target_kind(self.kind)  # an unknown kind fails here
         parse_size(self.max_shard_size)
+        if self.base_model is not None:  # written into the card's YAML front matter and title: a Hub id, nothing else
+            try:
+                validate_repo_id(self.base_model)
+            except HFValidationError as error:
+                raise ValueError(
+                    f"base_model must be the source's Hub id (such as 'HuggingFaceTB/SmolLM2-135M-Instruct'), got "
+                    f"{self.base_model!r}: {error}"
+                ) from error
 
     @classmethod
     def split(cls, keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:

@@ -95,10 +95,12 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None):
         )
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
-    except Exception as error:  # tokenizer backends raise many types; name the file either way
+    except Exception as error:  # tokenizer backends raise many types; name the files either way
+        files = [gguf_file] if gguf_file else [name for name in (*TOKENIZER_FILES, "tokenizer_config.json")
+                                               if (folder / name).is_file()]
         raise ValueError(
-            f"Could not load the tokenizer of {folder / (gguf_file or '')} without running code from the source "
-            f"(the converter never does): {one_line(error)}"
+            f"Could not load the tokenizer of {folder} from {', '.join(files)} (with transformers' own tokenizer "
+            f"classes: the converter never runs code from the source): {one_line(error)}"
         ) from error
 
 

@@ -216,6 +216,12 @@ def drop_upcycled_experts(
     if expert_noise > 0.0:
         generator = torch.Generator().manual_seed(seed)
         num_dropped = round(expert_noise * hidden_units)
+        if num_dropped == 0:  # the experts would stay identical copies, yet be reported as not exact
+            raise ValueError(
+                f"expert_noise={expert_noise} re-initialises round({expert_noise} x {hidden_units}) = 0 of the "
+                f"{hidden_units} hidden units of each expert, which leaves the experts identical; use 0 (exact "
+                f"upcycling) or at least {1 / hidden_units:.3g}."
+            )
         for expert in range(num_experts):
             dropped = torch.randperm(hidden_units, generator=generator)[:num_dropped]  # [r * I]
             for rows, dense in ((dropped, gate), (dropped + hidden_units, up)):
