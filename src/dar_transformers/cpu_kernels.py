@@ -41,12 +41,11 @@ KERNEL_MAX_TOKENS = 64  # B * T of a forward up to which the kernels run (decodi
 
 _SOURCE = r"""
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
 
-// Rows are the B * T tokens; one row's work is a few streams of D values, so rows are the unit of parallelism.
-constexpr int64_t kGrain = 16;
+// Rows are the B * T tokens of a forward (at most KERNEL_MAX_TOKENS): a few streams of D values each, run in turn on
+// the calling thread (decoding is one token per sequence; vLLM's CPU worker runs on one core).
 
 template <typename compute_t, typename history_t>
 void phase_one_rows(const history_t* history, int64_t sources, const compute_t* key_scale,
@@ -55,42 +54,40 @@ void phase_one_rows(const history_t* history, int64_t sources, const compute_t* 
                     const std::vector<int64_t>& value_streams, int64_t reads, int64_t rows, int64_t streams,
                     int64_t hidden, compute_t* gated, compute_t* mean, compute_t* log_sum_exp) {
   const int64_t entry = rows * streams * hidden;  // one committed entry [B, T, J, D]
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    std::vector<compute_t> weights(sources);
-    for (int64_t row = begin; row < end; ++row) {
-      for (int64_t r = 0; r < reads; ++r) {
-        compute_t* gated_row = gated + (r * rows + row) * hidden;
-        for (int64_t d = 0; d < hidden; ++d) gated_row[d] = 0;
-        for (int64_t j = 0; j < streams; ++j) {
-          const compute_t* q = query[r] + j * hidden;  // target j's folded query, sqrt(D) w * gamma
-          const int64_t key = key_streams[j], value = value_streams[j];
-          compute_t top = -INFINITY;
-          for (int64_t s = 0; s < sources; ++s) {  // scores: (B_s^{kappa(j)} . q) * key scale
-            const history_t* x = history + s * entry + (row * streams + key) * hidden;
-            compute_t dot = 0;
+  std::vector<compute_t> weights(sources);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t r = 0; r < reads; ++r) {
+      compute_t* gated_row = gated + (r * rows + row) * hidden;
+      for (int64_t d = 0; d < hidden; ++d) gated_row[d] = 0;
+      for (int64_t j = 0; j < streams; ++j) {
+        const compute_t* q = query[r] + j * hidden;  // target j's folded query, sqrt(D) w * gamma
+        const int64_t key = key_streams[j], value = value_streams[j];
+        compute_t top = -INFINITY;
+        for (int64_t s = 0; s < sources; ++s) {  // scores: (B_s^{kappa(j)} . q) * key scale
+          const history_t* x = history + s * entry + (row * streams + key) * hidden;
+          compute_t dot = 0;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < hidden; ++d) dot += static_cast<compute_t>(x[d]) * q[d];
-            weights[s] = dot * key_scale[(s * rows + row) * streams + j];
-            top = std::max(top, weights[s]);
-          }
-          compute_t total = 0;
-          for (int64_t s = 0; s < sources; ++s) total += (weights[s] = std::exp(weights[s] - top));
-          log_sum_exp[(r * rows + row) * streams + j] = std::log(total) + top;
-          compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;  // Obar^j = sum_s a_s B_s^{nu(j)}
-          for (int64_t d = 0; d < hidden; ++d) m[d] = 0;
-          for (int64_t s = 0; s < sources; ++s) {
-            const compute_t a = weights[s] / total;
-            const history_t* v = history + s * entry + (row * streams + value) * hidden;
-#pragma omp simd
-            for (int64_t d = 0; d < hidden; ++d) m[d] += a * static_cast<compute_t>(v[d]);
-          }
-          const compute_t g = gate[r][j];
-#pragma omp simd
-          for (int64_t d = 0; d < hidden; ++d) gated_row[d] += g * m[d];
+          for (int64_t d = 0; d < hidden; ++d) dot += static_cast<compute_t>(x[d]) * q[d];
+          weights[s] = dot * key_scale[(s * rows + row) * streams + j];
+          top = std::max(top, weights[s]);
         }
+        compute_t total = 0;
+        for (int64_t s = 0; s < sources; ++s) total += (weights[s] = std::exp(weights[s] - top));
+        log_sum_exp[(r * rows + row) * streams + j] = std::log(total) + top;
+        compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;  // Obar^j = sum_s a_s B_s^{nu(j)}
+        for (int64_t d = 0; d < hidden; ++d) m[d] = 0;
+        for (int64_t s = 0; s < sources; ++s) {
+          const compute_t a = weights[s] / total;
+          const history_t* v = history + s * entry + (row * streams + value) * hidden;
+#pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d) m[d] += a * static_cast<compute_t>(v[d]);
+        }
+        const compute_t g = gate[r][j];
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) gated_row[d] += g * m[d];
       }
     }
-  });
+  }
 }
 
 std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, const at::Tensor& key_scale,
@@ -137,38 +134,36 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
                        const std::vector<int64_t>& value_streams, double eps, int64_t rows, int64_t streams,
                        int64_t hidden, scalar_t* out) {
   const scalar_t offset = static_cast<scalar_t>(hidden * eps);
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> scale(streams), coefficient(streams);
-    for (int64_t row = begin; row < end; ++row) {
-      const scalar_t* p = partial + row * streams * hidden;
-      for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
-        const scalar_t* x = p + s * hidden;
-        scalar_t sum = 0;
+  std::vector<scalar_t> scale(streams), coefficient(streams);
+  for (int64_t row = 0; row < rows; ++row) {
+    const scalar_t* p = partial + row * streams * hidden;
+    for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
+      const scalar_t* x = p + s * hidden;
+      scalar_t sum = 0;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < hidden; ++d) sum += x[d] * x[d];
-        scale[s] = 1 / std::sqrt(sum + offset);
-      }
-      for (int64_t j = 0; j < streams; ++j) {  // the partial's softmax share sigmoid(z_j - L_j), times the gate
-        const scalar_t* x = p + key_streams[j] * hidden;
-        const scalar_t* q = query + j * hidden;
-        scalar_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < hidden; ++d) dot += x[d] * q[d];
-        const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
-        coefficient[j] = gate[j] / (1 + std::exp(-z));
-      }
-      scalar_t* u = out + row * hidden;
-      const scalar_t* g = gated + row * hidden;
-      for (int64_t d = 0; d < hidden; ++d) u[d] = g[d];
-      for (int64_t j = 0; j < streams; ++j) {
-        const scalar_t c = coefficient[j];
-        const scalar_t* v = p + value_streams[j] * hidden;
-        const scalar_t* m = mean + (row * streams + j) * hidden;
-#pragma omp simd
-        for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
-      }
+      for (int64_t d = 0; d < hidden; ++d) sum += x[d] * x[d];
+      scale[s] = 1 / std::sqrt(sum + offset);
     }
-  });
+    for (int64_t j = 0; j < streams; ++j) {  // the partial's softmax share sigmoid(z_j - L_j), times the gate
+      const scalar_t* x = p + key_streams[j] * hidden;
+      const scalar_t* q = query + j * hidden;
+      scalar_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < hidden; ++d) dot += x[d] * q[d];
+      const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
+      coefficient[j] = gate[j] / (1 + std::exp(-z));
+    }
+    scalar_t* u = out + row * hidden;
+    const scalar_t* g = gated + row * hidden;
+    for (int64_t d = 0; d < hidden; ++d) u[d] = g[d];
+    for (int64_t j = 0; j < streams; ++j) {
+      const scalar_t c = coefficient[j];
+      const scalar_t* v = p + value_streams[j] * hidden;
+      const scalar_t* m = mean + (row * streams + j) * hidden;
+#pragma omp simd
+      for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
+    }
+  }
 }
 
 at::Tensor read_partial(const at::Tensor& partial, const at::Tensor& query, const at::Tensor& gate,
@@ -197,23 +192,21 @@ template <typename compute_t, typename history_t>
 void commit_rows(const compute_t* entry, history_t* stored, compute_t* key_scale,
                  const std::vector<int64_t>& key_streams, double eps, int64_t rows, int64_t streams, int64_t hidden) {
   const compute_t offset = static_cast<compute_t>(hidden * eps);
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    std::vector<compute_t> scale(streams);
-    for (int64_t row = begin; row < end; ++row) {
-      for (int64_t s = 0; s < streams; ++s) {
-        const compute_t* x = entry + (row * streams + s) * hidden;
-        history_t* h = stored + (row * streams + s) * hidden;
-        compute_t sum = 0;
-        for (int64_t d = 0; d < hidden; ++d) {  // the statistics are of the stored (possibly rounded) value
-          h[d] = static_cast<history_t>(x[d]);
-          const compute_t v = static_cast<compute_t>(h[d]);
-          sum += v * v;
-        }
-        scale[s] = 1 / std::sqrt(sum + offset);
+  std::vector<compute_t> scale(streams);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t s = 0; s < streams; ++s) {
+      const compute_t* x = entry + (row * streams + s) * hidden;
+      history_t* h = stored + (row * streams + s) * hidden;
+      compute_t sum = 0;
+      for (int64_t d = 0; d < hidden; ++d) {  // the statistics are of the stored (possibly rounded) value
+        h[d] = static_cast<history_t>(x[d]);
+        const compute_t v = static_cast<compute_t>(h[d]);
+        sum += v * v;
       }
-      for (int64_t j = 0; j < streams; ++j) key_scale[row * streams + j] = scale[key_streams[j]];
+      scale[s] = 1 / std::sqrt(sum + offset);
     }
-  });
+    for (int64_t j = 0; j < streams; ++j) key_scale[row * streams + j] = scale[key_streams[j]];
+  }
 }
 
 void commit(const at::Tensor& entry, const at::Tensor& history, int64_t slot, const at::Tensor& key_scale,
@@ -251,20 +244,18 @@ at::Tensor write_partial(const at::Tensor& partial, const at::Tensor& rho, const
     state_t* o = out.data_ptr<state_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, written.scalar_type(), "write_partial_y", [&] {
       const scalar_t* y = written.data_ptr<scalar_t>();
-      at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t row = begin; row < end; ++row) {
-          for (int64_t j = 0; j < 2; ++j) {
-            const state_t* own = p + (row * 2 + j) * hidden;
-            const state_t* other = p + (row * 2 + 1 - j) * hidden;
-            state_t* dst = o + (row * 2 + j) * hidden;
-            for (int64_t d = 0; d < hidden; ++d) {  // torch.lerp(other, own, rho), then + beta * y
-              const state_t difference = own[d] - other[d];
-              const state_t mixed = r < 0.5 ? other[d] + r * difference : own[d] - difference * (1 - r);
-              dst[d] = mixed + b[j * hidden + d] * static_cast<state_t>(y[row * hidden + d]);
-            }
+      for (int64_t row = 0; row < rows; ++row) {
+        for (int64_t j = 0; j < 2; ++j) {
+          const state_t* own = p + (row * 2 + j) * hidden;
+          const state_t* other = p + (row * 2 + 1 - j) * hidden;
+          state_t* dst = o + (row * 2 + j) * hidden;
+          for (int64_t d = 0; d < hidden; ++d) {  // torch.lerp(other, own, rho), then + beta * y
+            const state_t difference = own[d] - other[d];
+            const state_t mixed = r < 0.5 ? other[d] + r * difference : own[d] - difference * (1 - r);
+            dst[d] = mixed + b[j * hidden + d] * static_cast<state_t>(y[row * hidden + d]);
           }
         }
-      });
+      }
     });
   });
   return out;
@@ -280,7 +271,9 @@ def cpu_kernels():
     if "module" not in _loaded:
         from torch.utils.cpp_extension import load_inline  # imports setuptools: only when the kernels are asked for
 
-        digest = hashlib.sha256(f"{_SOURCE}{torch.__version__}".encode()).hexdigest()[:12]
+        # One build per source, torch version and installation: venvs sharing the extensions folder (~/.cache) do not
+        # rebuild each other's (the build files name the installation's include paths).
+        digest = hashlib.sha256(f"{_SOURCE}{torch.__version__}{torch.__file__}".encode()).hexdigest()[:12]
         logger.info("Building DAR's CPU inference kernels (once per machine; about 30 s on two cores).")
         try:
             _loaded["module"] = load_inline(
