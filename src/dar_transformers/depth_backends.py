@@ -25,7 +25,9 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
   - A forward with gradients off, eager or compiled, runs `InferenceDepthBackend` for "fast" and "two_phase"
     (`depth_backend`): two-phase reads without autograd, phase 1 once per block, in few operations per branch
-    (eager decoding is bound by them; a compiled graph reads the history once per block).
+    (eager decoding is bound by them; a compiled graph reads the history once per block). With
+    `config.dar_inference_kernel = "cpp"` its eager CPU forwards of a few tokens run C++ kernels instead
+    (`cpu_kernels.py`: phase 1, the read of the partial, the write and the commit, one call each).
   - "two_phase" (opt-in eagerly, for its leaner backward; what compiled training forwards run): two-phase depth reads
     (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
     computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
