@@ -62,8 +62,9 @@ install: $(STAMP)
 # model, a Trainer step) and the common tests of that release; int8 quantization with torchao in its own venv.
 test: test-default test-upstream test-compat test-quant
 
+# The venv's bin first on PATH: the C++ kernels' build (tests/test_cpu_kernels.py) finds the `ninja` of the test extra.
 test-default: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_PARALLEL)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 test-upstream: $(STAMP)
 	$(call fetch_common_tests,$(VENV))
