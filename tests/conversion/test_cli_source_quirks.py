@@ -180,3 +180,15 @@ def test_a_shard_size_of_zero_bytes_is_refused_not_one_shard_per_tensor():
     for size in (0, -1):
         with pytest.raises(ValueError, match=r"max_shard_size must be a positive size such as '2GB' or '500MB', got -?\d"):
             ConversionOptions(max_shard_size=size)
+
+
+def test_an_in_memory_conversion_to_float16_refuses_an_overflowing_weight_naming_it():
+    """The in-memory path (`upcycle(model)` without an output, `upcycle_model`) cast the same 1e5 to inf and returned
+    the model: the verification reads only the prompts' rows."""
+    model = make_source(tied=False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[317, 0] = 1e5
+    with pytest.raises(ValueError, match=r"'model\.embed_tokens\.weight' holds NaN or infinite values in float16: a "
+                       r"source value outside float16's range"):
+        upcycle(model, tokenizer=make_tokenizer(), dtype=torch.float16, tolerance=1e-2, max_new_tokens=2,
+                progress=False)
