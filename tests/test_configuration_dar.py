@@ -24,6 +24,7 @@ BAD_VALUES = {
     "unknown_implementation": ({"dar_implementation": "x"}, ["dar_implementation", "'fast', 'two_phase', 'reference'"]),
     "unknown_history_dtype": ({"dar_history_dtype": "bfloat16"}, ["dar_history_dtype", "'float32', 'model'"]),
     "unknown_compiled_read": ({"dar_compiled_read": "fused"}, ["dar_compiled_read", "'inlined', 'operator'"]),
+    "unknown_inference_kernel": ({"dar_inference_kernel": "cuda"}, ["dar_inference_kernel", "'torch', 'cpp'"]),
     "model_history_on_the_fast_path": (
         {"dar_history_dtype": "model", "dar_implementation": "fast"}, ["dar_history_dtype", "'two_phase'", "'fast'"]
     ),
@@ -86,6 +87,7 @@ def test_save_load_round_trip_keeps_every_dar_field(tmp_path):
         dar_implementation="reference",
         dar_history_dtype="model",
         dar_compiled_read="operator",
+        dar_inference_kernel="cpp",
     )
     tiny_dar_config(**fields).save_pretrained(tmp_path)
     loaded = DARConfig.from_pretrained(tmp_path)
