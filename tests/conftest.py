@@ -16,6 +16,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import gguf
@@ -224,6 +225,20 @@ def memo_free_logits(model, input_ids) -> torch.Tensor:
         module.__dict__.pop("_dar_fast_memo", None)
     with torch.no_grad():
         return fresh(input_ids).logits
+
+
+def assert_refused_in_one_line(code: int, stderr: str, *patterns: str) -> None:
+    """Exit 1, no traceback, and the last stderr line is the error, matching every pattern."""
+    assert code == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("dar convert: error: "), stderr[-3000:]
+    for pattern in patterns:
+        assert re.search(pattern, error), (pattern, error)
+
+
+def edit_json(path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
 def run_convert_in_process(*args, cwd: Path) -> tuple[int, str]:

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from conftest import REPO, run_convert_in_process, save_source, tree_digest
+from conftest import REPO, assert_refused_in_one_line, edit_json, run_convert_in_process, save_source, tree_digest
 from dar_transformers.conversion import api, upcycle_model
 
 EVIL_CODE = """
@@ -39,19 +39,6 @@ def run_dar(*args, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dar_transformers.cli", *map(str, args)], cwd=cwd, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
-
-def assert_refused_in_one_line(code: int, stderr: str, *patterns: str) -> None:
-    """Exit 1, no traceback, and the last stderr line is the error, matching every pattern."""
-    assert code == 1, stderr[-3000:]
-    assert "Traceback" not in stderr
-    error = stderr.strip().splitlines()[-1]
-    assert error.startswith("dar convert: error: "), stderr[-3000:]
-    for pattern in patterns:
-        assert re.search(pattern, error), (pattern, error)
-
-
-def edit_json(path, **fields) -> None:
-    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
 def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):

@@ -17,21 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from dar_transformers.cli import main as cli_main
 from dar_transformers.conversion import upcycle
 
-from conftest import VOCAB, logits, make_source, make_tokenizer, run_convert_in_process, save_source
+from conftest import (
+    VOCAB, assert_refused_in_one_line, edit_json, logits, make_source, make_tokenizer, run_convert_in_process,
+    save_source,
+)
 
-
-def assert_refused_in_one_line(code: int, stderr: str, *patterns: str) -> None:
-    """Exit 1, no traceback, and the last stderr line is the error, matching every pattern."""
-    assert code == 1, stderr[-3000:]
-    assert "Traceback" not in stderr
-    error = stderr.strip().splitlines()[-1]
-    assert error.startswith("dar convert: error: "), stderr[-3000:]
-    for pattern in patterns:
-        assert re.search(pattern, error), (pattern, error)
-
-
-def edit_json(path, **fields) -> None:
-    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
 def random_tokens(length: int, seed: int = 0) -> torch.LongTensor:
