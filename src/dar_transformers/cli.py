@@ -12,6 +12,7 @@ the signal's number.
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 import threading
@@ -129,7 +130,7 @@ def run_convert(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     except (ValueError, TypeError, OSError) as error:  # OSError: permission, read-only, no space, missing, ...
-        return convert_error(error)
+        return convert_error(named_by_flag(str(error)))
     try:
         print(result.report.table())
         config = result.config
@@ -138,6 +139,23 @@ def run_convert(args: argparse.Namespace) -> int:
         interrupt.output_written = True
         raise
     return 0
+
+
+# The API's name of each value `dar convert` passes -> its flag: an API error about one of them names the flag too.
+OPTION_FLAGS = {
+    "tolerance": "--tolerance", "max_shard_size": "--max-shard-size", "base_model": "--base-model",
+    "expert_noise": "--expert-noise", "num_experts_per_tok": "--top-k", "num_experts": "--experts",
+    "dar_block_size": "--block-size", "dar_routing": "--routing", "dar_num_streams": "--streams",
+    "dar_write_mode": "--write-mode",
+}
+
+
+def named_by_flag(message: str) -> str:
+    """An error message that starts with an option's API name (`tolerance must be ...`, `DARConfig.dar_block_size
+    must be ...`), prefixed with the flag it came from, so that the user sees what to change on the command line."""
+    field = re.match(r"(?:DAR(?:Moe)?Config\.)?([a-z_]+)\b", message)
+    flag = OPTION_FLAGS.get(field.group(1)) if field else None
+    return f"{flag}: {message}" if flag else message
 
 
 def close_progress_bars() -> None:

@@ -182,3 +182,19 @@ def test_an_in_memory_conversion_to_float16_refuses_an_overflowing_weight_naming
                        r"source value outside float16's range"):
         upcycle(model, tokenizer=make_tokenizer(), dtype=torch.float16, tolerance=1e-2, max_new_tokens=2,
                 progress=False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tolerance", "-1"], "--tolerance: tolerance must be a positive number, got -1.0."),
+    (["--block-size", "99"], "--block-size: DARConfig.dar_block_size must be an integer in [1, 6]"),
+    (["--experts", "2", "--top-k", "3"], "--top-k: DARMoeConfig.num_experts_per_tok must be an integer in [1, "),
+    (["--max-shard-size", "0"], "--max-shard-size: max_shard_size must be a size such as '2GB'"),
+])
+def test_an_option_refused_by_the_api_names_its_flag(tmp_path, capsys, flags, message):
+    """The API's errors name its own fields (`tolerance`, `num_experts_per_tok`); on the command line they also name the
+    flag to change."""
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), *flags])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and error.startswith("dar convert: error: " + message), error
+    assert not (tmp_path / "out").exists()
