@@ -198,3 +198,18 @@ def test_an_option_refused_by_the_api_names_its_flag(tmp_path, capsys, flags, me
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 1 and error.startswith("dar convert: error: " + message), error
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_dtype_other_than_the_stored_one_is_named_in_a_warning(tmp_path, caplog):
+    """config.json says bfloat16 over float32 files: from_pretrained loads the source in bfloat16, the output (which keeps
+    the stored float32 exactly, and says float32) in float32; converted silently before."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", dtype="bfloat16")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "config.json says dtype bfloat16, but its weights are stored in float32" in caplog.text
+    assert "Pass --dtype bfloat16" in caplog.text
+    edit_json(source / "config.json", dtype="float32")
+    caplog.clear()
+    code, stderr = run_convert_in_process(source, tmp_path / "out2", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0 and "config.json says dtype" not in caplog.text
