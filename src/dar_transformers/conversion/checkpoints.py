@@ -106,6 +106,17 @@ def require_finite(chunk: torch.Tensor, name: str, description: str, first_row: 
                      "converted, nothing was written.")
 
 
+def require_finite_cast(tensor: torch.Tensor, name: str, dtype_option: str) -> None:
+    """Raise, naming the tensor, if `tensor`, made in the storage dtype from source values, holds NaN or an infinite
+    value: a value outside that dtype's range (float16 tops out at 65504), which the cast made inf, or a broken source.
+    `dtype_option`: how the caller chooses the storage dtype (`--dtype`, `dtype=...`)."""
+    if not tensor.dtype.is_floating_point or torch.isfinite(tensor).all():
+        return
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    raise ValueError(f"Tensor {name!r} holds NaN or infinite values in {dtype}: a source value outside {dtype}'s range, "
+                     f"which the cast made inf, or a broken source; convert to bfloat16 or float32 ({dtype_option}).")
+
+
 class FiniteCheckpoint(Checkpoint):
     """`checkpoint` with every read checked for NaN/inf as it is materialised (`require_finite`), so the one read
     that writes a tensor also checks it; `byte_range` is not offered: a copy must go through a checked read."""

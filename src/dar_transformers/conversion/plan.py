@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite
+from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, require_finite_cast
 from .families import source_family
 from .keymaps import TensorInfo, TensorPlan, check_keys
 from .targets import TargetKind, target_kind
@@ -181,13 +181,8 @@ def upcycle_model(
     plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model")
     # Cloned: the target never shares storage with the source (training one must not change the other).
     state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
-    for name, tensor in state.items():  # float16 tops out at 65504: a larger source value becomes inf in the cast
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            dtype_name = str(tensor.dtype).removeprefix("torch.")
-            raise ValueError(
-                f"Tensor {name!r} holds NaN or infinite values in {dtype_name}: a source value outside {dtype_name}'s "
-                "range, which the cast made inf, or a broken source; convert to bfloat16 or float32 (dtype=...)."
-            )
+    for name, tensor in state.items():
+        require_finite_cast(tensor, name, "dtype=...")
     with logging_level_error():
         model = target.model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
     model.config.name_or_path = ""

@@ -20,7 +20,7 @@ import torch
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
-from .checkpoints import INDEX_NAME, SAFETENSORS_NAMES, Checkpoint, FiniteCheckpoint, pread_exact
+from .checkpoints import INDEX_NAME, SAFETENSORS_NAMES, Checkpoint, FiniteCheckpoint, pread_exact, require_finite_cast
 from .keymaps import TensorInfo, TensorPlan
 from .plan import materialise, meta_model
 from .sources import Source
@@ -85,10 +85,8 @@ def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping
                 target.write(memoryview(cast.contiguous().view(torch.uint8).numpy()))
         return
     tensor = materialise(plan, checkpoint).contiguous()
-    if not torch.isfinite(tensor).all():  # the parts were finite as read: the cast (or a transform) overflowed
-        raise ValueError(f"The tensor made from {', '.join(plan.parts) or 'a new parameter'} holds values outside the "
-                         f"range of {str(tensor.dtype).removeprefix('torch.')} (they would be written as inf); convert "
-                         "to bfloat16 or float32 (--dtype).")
+    # the parts were finite as read: a cast or a transform (Drop-Upcycling) overflowed
+    require_finite_cast(tensor, ", ".join(plan.parts) or "a new parameter", "--dtype")
     target.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
 
