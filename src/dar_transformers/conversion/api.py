@@ -22,10 +22,12 @@ from .card import chat_answers, render_model_card
 from .families import source_family
 from .options import ConversionOptions
 from .output import check_output_folder, write_repo_folder
-from .checkpoints import SafetensorsCheckpoint, StateDictCheckpoint
+from .checkpoints import StateDictCheckpoint
 from .plan import cast_model, check_finite, check_tied_output_head, logging_level_error, plan_conversion, upcycle_model
 from .report import VerificationReport
-from .sources import Source, display_name, load_source_config, open_source, source_storage_dtype
+from .sources import (
+    Source, display_name, load_source_config, open_source, source_storage_dtype, warn_if_declared_dtype_differs,
+)
 from .targets import TargetKind, dar_moe_target_kind
 from .verify import build_prompts, raise_unless_passed, set_experts_for, verify_conversion, verify_written
 from .write import write_converted_folder
@@ -93,19 +95,8 @@ def upcycle(
     try:
         check_tied_output_head(loaded.checkpoint, source_config, loaded.checkpoint.description)
         storage_dtype = options.storage_dtype or source_storage_dtype(loaded.checkpoint)
-        # A config.json whose dtype differs from the stored weights (all in one dtype): from_pretrained loads the source
-        # in the declared dtype, the output in the stored one (lossless, but twice the memory for float32 over bf16).
-        declared = getattr(source_config, "dtype", None)
-        stored = {info.dtype for info in loaded.checkpoint.infos().values() if info.dtype.is_floating_point}
-        if (options.storage_dtype is None and isinstance(loaded.checkpoint, SafetensorsCheckpoint)
-                and isinstance(declared, torch.dtype) and stored == {storage_dtype} and declared != storage_dtype):
-            short = str(declared).removeprefix("torch.")
-            logger.warning(
-                f"The source's config.json says dtype {short}, but its weights are stored in "
-                f"{str(storage_dtype).removeprefix('torch.')}: the output keeps the stored values exactly and says so "
-                f"in its config, so from_pretrained loads it in that dtype by default, where the source loads in "
-                f"{short}. Pass --dtype {short} to store it as the source loads."
-            )
+        if options.storage_dtype is None:
+            warn_if_declared_dtype_differs(source_config, loaded.checkpoint, storage_dtype)
         config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
         plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
                                            loaded.checkpoint.description)

@@ -14,9 +14,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.utils import logging
 
 from .checkpoints import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint
 from .families import check_model_type, one_line, source_family
+
+logger = logging.get_logger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Source files the output carries byte for byte: the license terms that travel with the weights, and the vocabulary
@@ -248,6 +251,25 @@ def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
         if info.dtype.is_floating_point:
             totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
     return max(totals, key=totals.get) if totals else torch.float32
+
+
+def warn_if_declared_dtype_differs(config: PreTrainedConfig, checkpoint: Checkpoint, storage_dtype: torch.dtype) -> None:
+    """Warn when a folder's config.json declares a dtype other than the one all its floating weights are stored in
+    (`storage_dtype`, the output's with `--dtype auto`): from_pretrained loads the source in the declared dtype and the
+    output in the stored one (lossless, but twice the memory for float32 over bf16). A mixed-precision source is left
+    alone: storing it in the declared dtype would round its norms."""
+    declared = getattr(config, "dtype", None)
+    if not isinstance(checkpoint, SafetensorsCheckpoint) or not isinstance(declared, torch.dtype):
+        return
+    stored = {info.dtype for info in checkpoint.infos().values() if info.dtype.is_floating_point}
+    if stored == {storage_dtype} and declared != storage_dtype:
+        short = str(declared).removeprefix("torch.")
+        logger.warning(
+            f"The source's config.json says dtype {short}, but its weights are stored in "
+            f"{str(storage_dtype).removeprefix('torch.')}: the output keeps the stored values exactly and says so in "
+            f"its config, so from_pretrained loads it in that dtype by default, where the source loads in {short}. "
+            f"Pass --dtype {short} to store it as the source loads."
+        )
 
 
 def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
