@@ -736,7 +736,7 @@ class TwoPhaseDepthBackend:
 
     def __init__(self, config):
         self.eps = config.rms_norm_eps
-        self.compiled_read = getattr(config, "dar_compiled_read", "inlined")
+        self.compiled_read = config.dar_compiled_read
         self.lean: _LeanPartials | None = None
 
     def keeping_partials_lean(self):
