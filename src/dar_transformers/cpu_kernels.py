@@ -66,7 +66,26 @@ void phase_one_rows(const history_t* history, int64_t sources, const compute_t* 
       for (int64_t j = 0; j < streams; ++j) {
         const history_t* x = history + s * entry + (row * streams + key_streams[j]) * hidden;
         const compute_t scale = key_scale[(s * rows + row) * streams + j];
-        for (int64_t r = 0; r < reads; ++r) {
+        // Four reads per pass over x: four independent sums (one sum waits on each add's latency) and x loaded once.
+        int64_t r = 0;
+        for (; r + 4 <= reads; r += 4) {
+          const compute_t *q0 = query[r] + j * hidden, *q1 = query[r + 1] + j * hidden,
+                          *q2 = query[r + 2] + j * hidden, *q3 = query[r + 3] + j * hidden;
+          compute_t dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
+#pragma omp simd reduction(+ : dot0, dot1, dot2, dot3)
+          for (int64_t d = 0; d < hidden; ++d) {
+            const compute_t value = static_cast<compute_t>(x[d]);
+            dot0 += value * q0[d];
+            dot1 += value * q1[d];
+            dot2 += value * q2[d];
+            dot3 += value * q3[d];
+          }
+          weights[(r * streams + j) * sources + s] = dot0 * scale;
+          weights[((r + 1) * streams + j) * sources + s] = dot1 * scale;
+          weights[((r + 2) * streams + j) * sources + s] = dot2 * scale;
+          weights[((r + 3) * streams + j) * sources + s] = dot3 * scale;
+        }
+        for (; r < reads; ++r) {
           const compute_t* q = query[r] + j * hidden;  // target j's folded query, sqrt(D) w * gamma
           compute_t dot = 0;
 #pragma omp simd reduction(+ : dot)
@@ -217,6 +236,7 @@ void commit_rows(const compute_t* entry, history_t* stored, compute_t* key_scale
       const compute_t* x = entry + (row * streams + s) * hidden;
       history_t* h = stored + (row * streams + s) * hidden;
       compute_t sum = 0;
+#pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < hidden; ++d) {  // the statistics are of the stored (possibly rounded) value
         h[d] = static_cast<history_t>(x[d]);
         const compute_t v = static_cast<compute_t>(h[d]);
