@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 
 from conftest import run_convert_in_process
 from dar_transformers.conversion import output as output_module
-from dar_transformers.conversion.output import STAGING_MARKER, check_output_folder
+from dar_transformers.conversion.output import MANIFEST_NAME, STAGING_MARKER, check_output_folder, write_manifest
 
 # ---------------------------------------------------------------------------------------------------------------
 # A tiny Llama source with a tokenizer (1 layer, hidden 16): a conversion in-process takes a fraction of a second.
@@ -105,6 +105,7 @@ def assert_complete_output(folder: Path) -> None:
     assert all((folder / name).is_file() for name in set(index["weight_map"].values()))
     assert {"README.md", "tokenizer.json", "modeling_dar.py"} <= {path.name for path in folder.iterdir()}
     assert not (folder / STAGING_MARKER).exists()
+    assert output_module.not_a_conversion_output(folder) is None  # its manifest lists what it holds
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -370,9 +371,8 @@ def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp
 def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tiny_source):
     out = tmp_path / "out"
     assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
-    (out / "old-only.txt").write_text("from the previous conversion")
-    written = (out / "README.md").stat().st_mtime_ns - 10**9  # before its card, as a conversion writes everything
-    os.utime(out / "old-only.txt", ns=(written, written))
+    (out / "old-only.txt").write_text("from the previous conversion")  # a file only the previous conversion wrote
+    write_manifest(out)  # as that conversion did, last
     code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
     assert_complete_output(out)
@@ -387,7 +387,7 @@ def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tin
 
 
 def test_overwrite_never_replaces_a_dar_model_the_user_saved(tmp_path, tiny_source):
-    """A DAR model saved by `save_pretrained` after training (a DAR config.json, but no conversion's model card), a
+    """A DAR model saved by `save_pretrained` after training (a DAR config.json, but no conversion's manifest), a
     conversion output trained and saved back in place, and one that gained a Trainer's checkpoint-N/ are not previous
     conversion outputs: --overwrite refuses each in one line, naming why, and every file stays. A subfolder the
     conversion itself wrote (transformers saves named chat templates in additional_chat_templates/) does not count."""
@@ -396,9 +396,7 @@ def test_overwrite_never_replaces_a_dar_model_the_user_saved(tmp_path, tiny_sour
     templates = out / "additional_chat_templates"
     templates.mkdir()
     (templates / "tool_use.jinja").write_text("{{ messages }}")
-    card_time = (out / "README.md").stat().st_mtime_ns
-    for entry in (templates / "tool_use.jinja", templates):  # as if written before the card, like the rest
-        os.utime(entry, ns=(card_time - 10**9, card_time - 10**9))
+    write_manifest(out)  # as a conversion that wrote the subfolder lists it
     code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
 
@@ -409,9 +407,9 @@ def test_overwrite_never_replaces_a_dar_model_the_user_saved(tmp_path, tiny_sour
     in_place = tmp_path / "in_place"
     shutil.copytree(out, in_place)  # a conversion output (copy2 keeps its times), then training saves into it
     AutoModelForCausalLM.from_pretrained(in_place).save_pretrained(in_place)
-    cases = [(trained, "no README.md model card of a conversion"),
-             (in_place, "written to after the conversion's model card: "),
-             (out, "written to after the conversion's model card: checkpoint-500")]
+    cases = [(trained, f"no {MANIFEST_NAME}, the list of the files a conversion wrote"),
+             (in_place, "not written by the conversion: model.safetensors"),
+             (out, "not written by the conversion: checkpoint-500")]
     for folder, reason in cases:
         if folder == out:
             (out / "checkpoint-500").mkdir()
@@ -480,6 +478,7 @@ def build_layout(root: Path, tiny_source: Path, linked_tokenizer: bool) -> None:
     (root / "a" / "prev" / "config.json").write_text(json.dumps({"model_type": "dar"}))
     (root / "a" / "prev" / "README.md").write_text("---\ntags:\n- dar\n- upcycled\n---\n")  # a conversion's card
     shutil.copy(src / "tokenizer.json", root / "a" / "prev" / "tokenizer.json")
+    write_manifest(root / "a" / "prev")  # the list of what it wrote, last
     (root / "a" / "user" / "thesis.txt").write_text("weeks of work")
     (root / "a" / "file.txt").write_text("a file")
     if linked_tokenizer:
@@ -506,10 +505,16 @@ def expected_to_write(root: Path, source: str, output: str, overwrite: bool) -> 
         return False
     if not os.listdir(output_path):
         return True
-    config, card = Path(output_path) / "config.json", Path(output_path) / "README.md"
-    return (overwrite and config.is_file() and json.loads(config.read_text()).get("model_type") in ("dar", "dar_moe")
-            and card.is_file() and "\n- upcycled\n" in card.read_text()
-            and not any(entry.lstat().st_mtime_ns > card.lstat().st_mtime_ns for entry in Path(output_path).rglob("*")))
+    config, manifest = Path(output_path) / "config.json", Path(output_path) / MANIFEST_NAME
+    if not (overwrite and manifest.is_file() and not manifest.is_symlink()):
+        return False
+    listed = json.loads(manifest.read_text())
+    present = {entry.relative_to(output_path).as_posix(): entry.lstat() for entry in Path(output_path).rglob("*")}
+    present.pop(MANIFEST_NAME)
+    return (present.keys() == listed["files"].keys() | set(listed["folders"])
+            and all((present[name].st_size, present[name].st_mtime_ns) == (entry["size"], entry["mtime_ns"])
+                    for name, entry in listed["files"].items())
+            and json.loads(config.read_text()).get("model_type") in ("dar", "dar_moe"))
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, database=None,

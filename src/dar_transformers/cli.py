@@ -84,9 +84,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", default=None, help="Hub id of the source, for the model card")
     parser.add_argument(
         "--overwrite", action="store_true",
-        help="replace a previous conversion output (a DAR config.json, the model card a conversion writes last, and "
-        "nothing written after it), only once the new one is written and verified; never the source or a folder "
-        "around or inside it",
+        help="replace a previous conversion output exactly as the conversion left it (every file listed, unchanged, "
+        "in its .dar-convert-manifest.json; nothing added), only once the new one is written and verified; never "
+        "the source or a folder around or inside it",
     )
 
 

@@ -1,11 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The output folder (CPU): an existing output is refused unless overwrite, and never inside the source."""
+"""The output folder (CPU): an existing output is refused unless overwrite, and never inside the source; a mount point
+is refused before any work; an existing empty folder's mode, owner and group carry over to the output."""
 
+import json
 import os
+import re
+import shutil
+import stat
+import subprocess
 
 import pytest
 
+from dar_transformers.conversion import api as api_module
+from dar_transformers.conversion import output as output_module
 from dar_transformers.conversion import upcycle
+from dar_transformers.conversion.output import MANIFEST_NAME, check_output_folder, not_a_conversion_output
 
 from conftest import FAST, save_source
 
@@ -22,12 +31,92 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
         upcycle(source, out, overwrite=True, progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     (out / "keep.txt").unlink()
-    upcycle(source, out, tolerance=1e-5, **FAST)  # an empty folder is used as is
-    (out / "stale.txt").write_text("from a previous conversion")
-    written = (out / "README.md").stat().st_mtime_ns - 10**9  # before its card, as a conversion writes everything
-    os.utime(out / "stale.txt", ns=(written, written))
-    upcycle(source, out, overwrite=True, tolerance=1e-5, **FAST)
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors.index.json").is_file()
+    upcycle(source, out, tolerance=1e-5, **FAST)  # an empty folder is replaced by the output
+    first = json.loads((out / MANIFEST_NAME).read_text())
+    upcycle(source, out, overwrite=True, tolerance=1e-5, **FAST)  # a previous conversion output, as written
+    second = json.loads((out / MANIFEST_NAME).read_text())
+    assert (out / "model.safetensors.index.json").is_file() and first["files"].keys() == second["files"].keys()
+    assert first["files"]["config.json"]["mtime_ns"] != second["files"]["config.json"]["mtime_ns"]  # written anew
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "source"]  # nothing retired or staged is left
     with pytest.raises(ValueError, match="lies inside the source"):
         upcycle(source, source / "dar", progress=False)
+
+
+def _another_device(monkeypatch, folder):
+    real_stat = os.stat
+
+    def stat_on_another_device(path, *args, **kwargs):
+        status = real_stat(path, *args, **kwargs)
+        if os.fspath(path) != str(folder):
+            return status
+        fields = list(status[:10])
+        fields[2] += 1  # st_dev
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", stat_on_another_device)
+
+
+@pytest.mark.parametrize("how", ["os.path.ismount", "st_dev differs from the parent's", "a bind mount (mountinfo)"])
+def test_a_mount_point_output_is_refused_before_any_work(tmp_path, monkeypatch, how):
+    """The staging folder is written beside the output and renamed into place, which cannot replace a mount point
+    (EBUSY, once the whole conversion had run): refused up front, suggesting a folder inside it. No root needed."""
+    out = tmp_path / "volume"
+    out.mkdir()
+    if how == "os.path.ismount":
+        ismount = os.path.ismount
+        monkeypatch.setattr(os.path, "ismount", lambda path: os.fspath(path) == str(out) or ismount(path))
+    elif how == "st_dev differs from the parent's":
+        _another_device(monkeypatch, out)
+    else:
+        monkeypatch.setattr(output_module, "_mount_points", lambda: {str(out)})
+
+    def no_conversion_work(source):
+        raise AssertionError("the conversion started before the output was checked")
+
+    monkeypatch.setattr(api_module, "load_source_config", no_conversion_work)
+    with pytest.raises(ValueError, match=(
+            rf"Output folder {re.escape(str(out))} is a mount point .* the conversion writes a staging folder beside "
+            rf"the output, in {re.escape(str(tmp_path))}, .* Choose a new folder inside it, e.g. "
+            rf"{re.escape(str(out / 'source-dar'))}\.")):
+        upcycle(tmp_path / "source", out, progress=False)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["volume"] and list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root and mount(8)")
+@pytest.mark.parametrize("kind", ["tmpfs", "bind"])
+def test_a_real_mount_point_output_is_refused(tmp_path, kind):
+    out, elsewhere = tmp_path / "volume", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    arguments = ["-t", "tmpfs", "-o", "size=1m", "tmpfs"] if kind == "tmpfs" else ["--bind", str(elsewhere)]
+    mounted = subprocess.run(["mount", *arguments, str(out)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount here ({mounted.stderr.decode().strip()})")
+    try:
+        with pytest.raises(ValueError, match="is a mount point"):
+            check_output_folder(out, False, tmp_path / "source")
+        assert check_output_folder(out / "dar", False, tmp_path / "source") == out / "dar"  # inside it is fine
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
+    assert check_output_folder(out, False, tmp_path / "source") == out  # the folder itself, unmounted: fine
+
+
+def test_an_existing_empty_output_folder_keeps_its_mode_owner_and_group(tmp_path):
+    """A folder prepared for the output (group-shared, setgid) is replaced by the new one in one rename; the new one
+    takes its permission bits, setgid included, and its owner and group (as root: another user's), and in a setgid
+    folder its content takes the group too. The manifest still holds (chown and chmod leave the times alone)."""
+    source = save_source(tmp_path / "source")
+    out = tmp_path / "shared"
+    out.mkdir()
+    if os.geteuid() == 0:
+        os.chown(out, 1234, 5678)
+    os.chmod(out, 0o2750)  # after chown, which clears setgid
+    before = os.stat(out)
+    upcycle(source, out, tolerance=1e-5, **FAST)
+    after = os.stat(out)
+    assert (oct(stat.S_IMODE(after.st_mode)), after.st_uid, after.st_gid) == ("0o2750", before.st_uid, before.st_gid)
+    assert {os.lstat(path).st_gid for path in out.rglob("*")} == {before.st_gid}
+    assert all(os.lstat(path).st_mode & stat.S_ISGID for path in out.rglob("*") if path.is_dir())
+    assert not_a_conversion_output(out) is None
+    upcycle(source, out, overwrite=True, tolerance=1e-5, **FAST)  # a previous output replaced keeps them too
+    assert (oct(stat.S_IMODE(os.stat(out).st_mode)), os.stat(out).st_gid) == ("0o2750", before.st_gid)

@@ -10,11 +10,17 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   for the target of every symlink at the folder's top level (a Hub cache snapshot links into `blobs/`). For a source
   file (GGUF), the output may not be the file or a folder that contains it (or contains the symlink to it); a new
   folder next to the file is fine. This holds with and without `overwrite`.
-- An existing output folder is used as is only when empty. `overwrite` replaces nothing else than a previous
-  conversion output (a folder whose config.json has a DAR `model_type`); anything else is refused.
+- An existing output folder is replaced only when empty, or with `overwrite` when it is a previous conversion output
+  exactly as the conversion left it: every file and folder in it is listed in the manifest (`MANIFEST_NAME`) the
+  conversion wrote last, with the size and modification time it had then. Anything else is refused: a user's file
+  moved in, a Trainer's checkpoint-N/, weights saved again by `save_pretrained`, an edited model card, an output of a
+  version that wrote no manifest. Symlinks in the output are never followed.
+- The output may not be a mount point (or lie on another device than its parent): the swap renames folders in the
+  parent, which cannot replace a mount point. Refused before any work.
 - The new folder is written and verified in a staging folder next to the output, and only then renamed into place;
-  a replaced output is moved aside first and removed last. Signals are held back while folders are swapped or
-  cleaned up, and any error (or interrupt) removes what this run created.
+  a replaced output is moved aside first and removed last. The new folder takes the replaced folder's permission bits
+  (setgid included) and, as far as this process may, its owner and group. Signals are held back while folders are
+  swapped or cleaned up, and any error (or interrupt) removes what this run created.
 - Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process; a later run removes
   those of runs that are no longer alive (a SIGKILL leaves them behind) and never touches a folder without it.
 """
@@ -26,9 +32,10 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from transformers.utils import logging
@@ -37,6 +44,10 @@ logger = logging.get_logger(__name__)
 
 # The model_types of a previous conversion output, the only non-empty folders that `overwrite` replaces.
 DAR_MODEL_TYPES: tuple[str, ...] = ("dar", "dar_moe")
+# The file a conversion writes last in its output: every file (with its size and st_mtime_ns) and folder it wrote.
+# `overwrite` replaces a folder only when it holds exactly what this lists, unchanged.
+MANIFEST_NAME = ".dar-convert-manifest.json"
+MANIFEST_FORMAT = 1
 # A file inside each staging (`.partial`) and retired (`.old`) folder this package creates: who created it.
 STAGING_MARKER = ".dar-convert-run.json"
 STAGING_SUFFIX, RETIRED_SUFFIX = ".partial", ".old"
@@ -64,6 +75,13 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
     blocking = _nearest_existing(output)
     if not blocking.is_dir():
         raise NotADirectoryError(f"Output {shown} lies under {blocking}, which is not a folder.")
+    if output.is_dir() and _is_mount_point(output):
+        raise ValueError(
+            f"Output folder {shown} is a mount point (or lies on another file system than {output.parent}): the "
+            f"conversion writes a staging folder beside the output, in {output.parent}, and renames it into place, "
+            f"which cannot replace a mount point. Choose a new folder inside it, e.g. "
+            f"{output / _suggested_name(source)}."
+        )
     if output.is_dir() and any(output.iterdir()):
         if not overwrite:
             raise FileExistsError(
@@ -80,28 +98,130 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
 
 
 def not_a_conversion_output(folder: Path) -> str | None:
-    """Why `folder` is not what a conversion writes (None if it is): a config.json of a DAR kind, the model card a
-    conversion writes last (README.md tagged "upcycled"), and nothing in it written after that card (a model trained
-    and saved into the folder, a Trainer's checkpoint-N/, a user's notes). A DAR model saved by `save_pretrained`
-    elsewhere has the config but not the card; so --overwrite never replaces either."""
+    """Why `folder` is not a previous conversion output exactly as the conversion left it (None if it is): it holds
+    the conversion's manifest (`MANIFEST_NAME`), every file and folder in it is listed there, each listed file is
+    still there with its size and modification time, and its config.json has a DAR `model_type`. So a user's file
+    moved or copied in (mv, cp -a and tar keep old times), a Trainer's checkpoint-N/, weights saved again by
+    `save_pretrained`, an edited card, or a DAR model saved elsewhere, are each a reason. Symlinks are not followed."""
+    manifest_path = folder / MANIFEST_NAME
+    if not os.path.lexists(manifest_path):
+        if not _has_dar_config(folder):
+            return f"no {MANIFEST_NAME}, and no config.json with model_type {' or '.join(map(repr, DAR_MODEL_TYPES))}"
+        return (f"no {MANIFEST_NAME}, the list of the files a conversion wrote (an output of a dar-transformers "
+                "version that wrote none, or one whose list was deleted): without it the conversion's files cannot be "
+                "told from yours")
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = None
-    if not isinstance(config, dict) or config.get("model_type") not in DAR_MODEL_TYPES:
+        files, folders = _read_manifest(manifest_path)
+        found = {path: status for path, status in walk_without_symlinks(folder) if path != MANIFEST_NAME}
+    except (OSError, ValueError) as error:
+        return f"{MANIFEST_NAME} or the folder cannot be read ({error})"
+    unlisted = {path for path in found if path not in files and path not in folders}
+    if unlisted:  # name what was added, not each file inside a folder that was added
+        return f"not written by the conversion: {_first_few(p for p in unlisted if _parent(p) not in unlisted)}"
+    missing = [path for path in [*files, *folders] if path not in found]
+    if missing:
+        return f"missing since the conversion wrote it: {_first_few(missing)}"
+    changed = [path for path, written in files.items()
+               if not stat.S_ISREG(found[path].st_mode) or (found[path].st_size, found[path].st_mtime_ns) != written]
+    changed += [path for path in folders if not stat.S_ISDIR(found[path].st_mode)]
+    if changed:
+        return f"changed since the conversion wrote it: {_first_few(changed)}"
+    if not _has_dar_config(folder):
         return f"no config.json with model_type {' or '.join(map(repr, DAR_MODEL_TYPES))}"
-    card_path = folder / "README.md"
-    try:
-        card, card_written = card_path.read_text(encoding="utf-8"), card_path.lstat().st_mtime_ns
-    except (OSError, ValueError):
-        card, card_written = "", None
-    if "\n- upcycled\n" not in card:
-        return "no README.md model card of a conversion, tagged upcycled"
-    later = sorted(str(entry.relative_to(folder)) for entry in folder.rglob("*")
-                   if entry.lstat().st_mtime_ns > card_written)
-    if later:
-        return f"written to after the conversion's model card: {', '.join(later[:5])}{' ...' if len(later) > 5 else ''}"
     return None
+
+
+def write_manifest(folder: Path) -> None:
+    """Write `MANIFEST_NAME` into a complete output `folder`: every folder, and every file with its size and
+    st_mtime_ns (the staging marker, removed before the swap, and an earlier manifest left out). Call once nothing
+    else will be written."""
+    files, folders = {}, []
+    for path, status in sorted(walk_without_symlinks(folder)):
+        if path in (STAGING_MARKER, MANIFEST_NAME):
+            continue
+        if stat.S_ISDIR(status.st_mode):
+            folders.append(path)
+        elif stat.S_ISREG(status.st_mode):
+            files[path] = {"size": status.st_size, "mtime_ns": status.st_mtime_ns}
+        # nothing else is written by a conversion; were it, being unlisted keeps `overwrite` from replacing it
+    manifest = {"format": MANIFEST_FORMAT, "written_by": "dar convert", "folders": folders, "files": files}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def walk_without_symlinks(folder: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """(path relative to `folder`, in POSIX form; its lstat) of every entry under `folder`; a symlink is an entry of
+    its own, never followed."""
+    pending = [folder]
+    while pending:
+        current = pending.pop()
+        with os.scandir(current) as entries:
+            for entry in entries:
+                status = entry.stat(follow_symlinks=False)
+                yield Path(entry.path).relative_to(folder).as_posix(), status
+                if stat.S_ISDIR(status.st_mode):
+                    pending.append(Path(entry.path))
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, tuple[int, int]], set[str]]:
+    """The files (path -> (size, mtime_ns)) and folders a manifest lists; ValueError if it is not one."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise ValueError(f"{MANIFEST_NAME} is not a plain file")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        if manifest["format"] != MANIFEST_FORMAT:
+            raise ValueError(f"{MANIFEST_NAME} has format {manifest['format']!r}, not {MANIFEST_FORMAT}")
+        files = {str(name): (int(entry["size"]), int(entry["mtime_ns"])) for name, entry in manifest["files"].items()}
+        folders = set(map(str, manifest["folders"]))
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{MANIFEST_NAME} is not a manifest ({type(error).__name__}: {error})") from error
+    return files, folders
+
+
+def _has_dar_config(folder: Path) -> bool:
+    config_path = folder / "config.json"
+    try:
+        if not stat.S_ISREG(os.lstat(config_path).st_mode):
+            return False
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in DAR_MODEL_TYPES
+
+
+def _parent(path: str) -> str:
+    return path.rpartition("/")[0]
+
+
+def _first_few(paths: Iterable[str], count: int = 5) -> str:
+    paths = sorted(paths)
+    return ", ".join(paths[:count]) + (f" and {len(paths) - count} more" if len(paths) > count else "")
+
+
+def _is_mount_point(folder: Path) -> bool:
+    """True if renaming `folder` within its parent is impossible: a mount point, a folder on another device than its
+    parent, or a bind mount of a folder of the same file system (listed in /proc/self/mountinfo)."""
+    if os.path.ismount(folder) or os.stat(folder).st_dev != os.stat(folder.parent).st_dev:
+        return True
+    return str(folder) in _mount_points()
+
+
+def _mount_points() -> set[str]:
+    """The mount points the kernel lists for this process (field 5 of /proc/self/mountinfo, octal escapes decoded);
+    empty where there is no such file."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+    except OSError:
+        return set()
+    fields = [line.split(" ") for line in lines]
+    octal = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space as \040
+    return {octal.sub(lambda match: chr(int(match.group(1), 8)), field[4]) for field in fields if len(field) > 4}
+
+
+def _suggested_name(source: object) -> str:
+    if not isinstance(source, (str, os.PathLike)):
+        return "dar-model"
+    source = Path(source)
+    return (source.name if source.is_dir() else source.stem) + "-dar"
 
 
 def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike) -> None:
@@ -207,12 +327,14 @@ def signals_held() -> Iterator[None]:
 
 
 def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bool, source: object = None) -> None:
-    """Run `write(folder)` on a staging folder next to `output`, then move it into place (all or nothing).
+    """Run `write(folder)` on a staging folder next to `output`, add the manifest of what it wrote, then move it into
+    place (all or nothing).
 
     The output is checked (`check_output_folder`) before anything is created and again just before the swap; an
     existing output (empty, or a previous conversion with `overwrite`) is moved aside only once the new folder is
-    complete, then removed. On any error or interrupt, the staging folder and the parent folders this call created
-    are removed and the error propagates; an OS error is re-raised as one `OSError` line that names the output."""
+    complete, then removed; the new folder takes its permission bits, owner and group (`_take_over_metadata`). On
+    any error or interrupt, the staging folder and the parent folders this call created are removed and the error
+    propagates; an OS error is re-raised as one `OSError` line that names the output."""
     output = check_output_folder(output, overwrite, source)
     created: list[Path] = []
     staging = None
@@ -223,6 +345,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
             staging = _marked_folder(output, STAGING_SUFFIX)
         write(staging)
         _apply_umask(staging)
+        write_manifest(staging)  # last: what `overwrite` may replace later
         check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
         with signals_held():
             _move_into_place(staging, output)
@@ -282,11 +405,14 @@ def _marked_folder(output: Path, suffix: str) -> Path:
 
 def _move_into_place(staging: Path, output: Path) -> None:
     """Rename the complete staging folder to `output`; an existing output is moved into a marked retired folder
-    first (moved back if the rename fails) and removed after. Call with signals held."""
+    first (moved back if the rename fails) and removed after, its metadata taken over first. Call with signals held."""
     (staging / STAGING_MARKER).unlink()
-    if not os.path.lexists(output):
+    try:
+        existing = os.lstat(output)
+    except FileNotFoundError:
         os.replace(staging, output)
         return
+    _take_over_metadata(staging, existing)
     retired = _marked_folder(output, RETIRED_SUFFIX)
     try:
         os.replace(output, retired / output.name)
@@ -304,6 +430,32 @@ def _move_into_place(staging: Path, output: Path) -> None:
     except OSError as error:  # the new output is in place; say what is left rather than fail
         logger.warning(f"Wrote {output}, but the previous output moved to {retired} could not be removed "
                        f"({_describe(error)}); remove it yourself.")
+
+
+def _take_over_metadata(staging: Path, existing: os.stat_result) -> None:
+    """Give the new folder what the folder it replaces had (a user may have prepared an empty, group-shared folder):
+    its owner and group as far as this process may set them, then its permission bits, setgid included. In a setgid
+    folder, entries take the folder's group and subfolders the setgid bit, so its content gets them too, as if it had
+    been written there. The swap itself stays one rename, so the inode, ACLs and extended attributes are new."""
+    for owner, group in ((existing.st_uid, existing.st_gid), (-1, existing.st_gid)):  # a user may still set the group
+        with contextlib.suppress(OSError):
+            os.chown(staging, owner, group)
+            break
+    os.chmod(staging, stat.S_IMODE(existing.st_mode))  # after chown, which may clear setgid
+    now = os.stat(staging)
+    differs = [f"{what} {old} (now {new})" for what, old, new in (
+        ("owner", existing.st_uid, now.st_uid), ("group", existing.st_gid, now.st_gid),
+        ("mode", oct(stat.S_IMODE(existing.st_mode)), oct(stat.S_IMODE(now.st_mode)))) if old != new]
+    if differs:
+        logger.warning(f"The new output folder could not keep the replaced folder's {', '.join(differs)}: this user "
+                       "may not set them.")
+    if not existing.st_mode & stat.S_ISGID:
+        return
+    for path, status in walk_without_symlinks(staging):
+        with contextlib.suppress(OSError):
+            os.chown(staging / path, -1, existing.st_gid, follow_symlinks=False)
+            if stat.S_ISDIR(status.st_mode):
+                os.chmod(staging / path, stat.S_IMODE(status.st_mode) | stat.S_ISGID)
 
 
 def remove_stale_runs(parent: Path) -> list[Path]:
