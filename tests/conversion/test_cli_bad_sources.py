@@ -223,6 +223,18 @@ def test_code_in_the_source_never_runs_and_never_reaches_the_output(converted_wi
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     assert "auto_map" not in tokenizer_config  # self-contained: no pointer to code that is not there
     assert re.search(r"tokenization_evil\.EvilTokenizer.*dropped from tokenizer_config\.json", completed.stderr)
+    # The conversion reproduces transformers' built-in class, not the source's own code: the run and the card say so
+    # (the card claimed "the source model's function, verified below" while the source's code could differ).
+    assert re.search(r"config\.json maps the model to code in the source \(auto_map: AutoConfig: evil\.EvilConfig; "
+                     r"AutoModelForCausalLM: evil\.EvilModel\), which the converter never runs: the conversion "
+                     r"reproduces, and is verified against, transformers' built-in LlamaForCausalLM for model_type "
+                     r"'llama'", completed.stderr)
+    card = (out / "README.md").read_text()
+    assert "computes the source model's function" not in card
+    assert ("**at conversion the model computes the function of transformers' built-in `LlamaForCausalLM` with the "
+            "source's weights and config**, verified below.") in " ".join(card.split())
+    assert "(auto_map: `AutoConfig: evil.EvilConfig`; `AutoModelForCausalLM: evil.EvilModel`), which the conversion " \
+           "neither ran nor reproduces" in " ".join(card.split())
     config = json.loads((out / "config.json").read_text())
     assert set(config["auto_map"].values()) <= {f"{module}.{name}" for module in ("configuration_dar", "modeling_dar")
                                                 for name in ("DARConfig", "DARModel", "DARForCausalLM",

@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dar_transformers.cli import main as cli_main
@@ -74,6 +75,28 @@ def test_a_repetition_penalty_in_generation_config_applies_to_both_sides_of_the_
     assert code == 0, captured.err[-3000:]
     rows = [line for line in captured.out.splitlines() if line.startswith("| ") and "tokens)" in line]
     assert rows and all(row.endswith("| yes (8 tokens) |") for row in rows), rows
+
+
+@pytest.mark.parametrize("fields", [
+    {"stop_strings": ["<|im_end|>"]},
+    {"num_beams": 2},
+    {"num_return_sequences": 2, "do_sample": True},
+    {"max_time": 1e-9, "return_dict_in_generate": True},
+], ids=["stop_strings", "num_beams", "num_return_sequences", "max_time"])
+def test_a_search_setting_in_generation_config_leaves_the_greedy_check_plain_greedy(tmp_path, capsys, fields):
+    """Valid generation_config.json settings that are not plain greedy search: the greedy check copied them, and
+    generate() raised about arguments the user never passed (stop strings without a tokenizer, beam search with a
+    streamer, two sequences without sampling), exit code 1 for an exact conversion. The check runs plain greedy
+    search on both sides whatever the file says (max_time would stop them at different lengths)."""
+    source = save_source(tmp_path / "source")
+    (source / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, **fields}))
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "4"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert re.search(r"^PASSED: ", captured.out, flags=re.M)
+    rows = [line for line in captured.out.splitlines() if line.startswith("| ") and "tokens)" in line]
+    assert rows and all(row.endswith("| yes (4 tokens) |") for row in rows), rows
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()).items() >= fields.items()
 
 
 def test_the_sources_license_and_vocabulary_files_travel_with_the_weights(tmp_path):
@@ -141,6 +164,21 @@ def test_a_verification_prompt_that_tokenizes_to_nothing_is_refused_naming_it(tm
     with pytest.raises(ValueError, match=r"^The verification prompt text-1 \(''\) tokenizes to no tokens"):
         upcycle(source, tmp_path / "out", prompts=["Hello world", ""], max_new_tokens=0, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused_naming_both_sizes(tmp_path):
+    """A tokenizer with tokens added but the embeddings not resized (300 tokens over a vocab_size of 200): a prompt's
+    id past the embedding ended in an IndexError traceback from the layer-streamed check."""
+    source = save_source(tmp_path / "source")
+    state = load_file(source / "model.safetensors")
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:200].clone()
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    edit_json(source / "config.json", vocab_size=200)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"The tokenizer encodes the verification prompt text-0 to token id 2\d\d ",
+                               r"the tokenizer has 300 tokens and the source config's vocab_size is 200",
+                               r"model\.resize_token_embeddings\(len\(tokenizer\)\)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
 
 
 @pytest.mark.parametrize("flag, value, message", [

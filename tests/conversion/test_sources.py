@@ -2,17 +2,21 @@
 """Sources (CPU): bad weights, corrupt GGUF files and missing tokenizers are refused naming the file, and a GGUF
 file is read tensor by tensor exactly as transformers loads it."""
 
+import json
+import struct
+
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from dar_transformers.conversion import VerificationError, api, checkpoints, plan, upcycle
-from dar_transformers.conversion.checkpoints import GGUFCheckpoint
+from dar_transformers.conversion.checkpoints import GGUFCheckpoint, SafetensorsCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.checkpoints import StateDictCheckpoint
-from dar_transformers.conversion.sources import exact_storage_dtype, plain_config, rounded_tensors
+from dar_transformers.conversion.sources import exact_storage_dtype, load_source_config, plain_config, rounded_tensors
 
 from conftest import assert_nothing_written, make_source, make_tokenizer, save_source, write_tiny_gguf
 
@@ -126,6 +130,101 @@ def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp
                                          r"for: \['blk\.0\.attn_q\.bias', 'blk\.0\.attn_k\.bias'"):
         upcycle(gguf_path, tmp_path / "out", dar_block_size=2, progress=False)
     assert_nothing_written(tmp_path, before)
+
+
+def test_a_row_outside_a_tensor_is_an_error_naming_it_not_an_empty_read(tmp_path):
+    """Rows are read at their byte offsets: a row past the end came back empty (or would be the next tensor's
+    bytes), and the error surfaced later as a shape mismatch that named nothing."""
+    source = save_source(tmp_path / "source")
+    folder = SafetensorsCheckpoint(source)
+    in_memory = StateDictCheckpoint(load_file(source / "model.safetensors"))
+    try:
+        for checkpoint in (folder, in_memory):
+            assert checkpoint.read_rows("model.embed_tokens.weight", torch.tensor([3, 0, 3])).shape == (3, 32)
+            for row in (320, -1):
+                with pytest.raises(IndexError, match=rf"row {row} of tensor 'model\.embed_tokens\.weight' is out of "
+                                                     r"range \(it has 320 rows\)"):
+                    checkpoint.read_rows("model.embed_tokens.weight", torch.tensor([5, row]))
+    finally:
+        folder.close()
+
+
+def rewrite_safetensors(path, edit_header, pad_front: int = 0, pad_back: int = 0) -> None:
+    """Rewrite a safetensors file's header with `edit_header(header)`, its data buffer padded with zero bytes."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    edit_header(header)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(pad_front) + raw[8 + size:] + bytes(pad_back))
+
+
+def point_layer_1_norm_at_layer_0s(header):
+    header["model.layers.1.input_layernorm.weight"]["data_offsets"] = \
+        header["model.layers.0.input_layernorm.weight"]["data_offsets"]
+
+
+def shift_every_tensor(header):
+    for name, entry in header.items():
+        if name != "__metadata__":
+            entry["data_offsets"] = [offset + 8 for offset in entry["data_offsets"]]
+
+
+@pytest.mark.parametrize("damage, edit, pad_front, pad_back, expected", [
+    ("overlapping", point_layer_1_norm_at_layer_0s, 0, 0,
+     r"tensor 'model\.layers\.1\.input_layernorm\.weight': data offsets \d+\.\.\d+ overlap tensor "
+     r"'model\.layers\.0\.input_layernorm\.weight', which ends at \d+"),
+    ("not from 0", shift_every_tensor, 8, 0, r"tensor '[\w.]+': data offsets 8\.\.\d+ do not start the data buffer at 0"),
+    ("trailing bytes", lambda header: None, 0, 16, r"its tensors' data ends at byte (\d+) of a \d+-byte data buffer"),
+])
+def test_a_safetensors_header_whose_tensors_do_not_tile_the_data_is_refused_as_the_library_does(
+        tmp_path, damage, edit, pad_front, pad_back, expected):
+    """Each tensor's byte length and end were checked, not that the tensors tile the data buffer: a header pointing
+    layer 1's norm at layer 0's bytes, which the safetensors library and transformers refuse ("invalid offset"),
+    converted PASSED with layer 0's norm in layer 1. Refused as the library does, naming the file and the tensor."""
+    source = save_source(tmp_path / "source")
+    weights = source / "model.safetensors"
+    rewrite_safetensors(weights, edit, pad_front, pad_back)
+    with pytest.raises(Exception):  # the library's own verdict on the same file
+        with safe_open(str(weights), "pt") as file:
+            file.get_tensor("model.norm.weight")
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=rf"Could not load the weights in .*source: model\.safetensors is not a valid "
+                                         rf"safetensors file \({expected}\)"):
+        upcycle(source, tmp_path / "out", dar_block_size=2, progress=False)
+    assert_nothing_written(tmp_path, before)
+
+
+@pytest.mark.parametrize("metadata, named", [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, r"llama\.rope\.scaling\.type = 'linear'"),
+    ({"llama.rope.scaling.factor": 4.0}, r"llama\.rope\.scaling\.factor = 4\.0"),
+    ({"llama.attention.sliding_window": 16}, r"llama\.attention\.sliding_window = 16"),
+    ({"llama.logit_scale": 0.25}, r"llama\.logit_scale = 0\.25"),
+])
+def test_gguf_metadata_that_transformers_drops_but_changes_the_function_is_refused(tmp_path, metadata, named):
+    """Rope scaling (a context-extended GGUF), a sliding window or a logit scale in a Llama GGUF's metadata: llama.cpp
+    applies them, transformers' GGUF config reader drops them, and the converter used to verify PASSED against that
+    default-rope reading (5.6 logits away from the file's model). Refused before any weight is read, naming the key
+    and its value; nothing written."""
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
+                                extra_metadata=metadata)
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=rf"GGUF file .*tiny\.gguf: its metadata {named} changes what the model "
+                                         r"computes in llama\.cpp, and transformers' GGUF reader drops it"):
+        upcycle(gguf_path, tmp_path / "out", dar_block_size=2, progress=False)
+    assert_nothing_written(tmp_path, before)
+
+
+def test_gguf_metadata_at_its_neutral_values_is_read_as_transformers_reads_it(tmp_path):
+    """The same keys at the values under which dropping them changes nothing (scaling "none", factor 1, window 0)."""
+    (tmp_path / "gguf").mkdir()
+    neutral = {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0,
+               "llama.attention.sliding_window": 0, "llama.attention.key_length": 8}
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
+                                extra_metadata=neutral)
+    assert load_source_config(gguf_path).model_type == "llama"
 
 
 def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dtype(tmp_path):

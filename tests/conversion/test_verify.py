@@ -141,9 +141,15 @@ def test_a_verification_that_compared_nothing_is_not_passed():
     assert not empty.passed and "FAILED: nothing was compared (no prompt was run)" in empty.table()
     undecided = VerificationReport("float32", 2e-4, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.0, 0, 0, None, [], [])])
     assert not undecided.passed and "no next token was compared" in undecided.table()
-    # A relaxed check compares logits only (Drop-Upcycling): it needs prompts, not decided positions.
-    relaxed = VerificationReport("float32", math.inf, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.5, 0, 0, None, [], [])])
-    assert relaxed.passed
+    # A relaxed check compares logits only (Drop-Upcycling): it needs prompts, not decided positions; without any it
+    # passes unverified, at inf as at a finite bar no margin reaches (1e30 read PASSED with 0/0 positions compared).
+    for tolerance, bar in ((math.inf, "inf"), (1e30, "1.0e+30")):
+        relaxed = VerificationReport("float32", tolerance, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.5, 0, 0, None, [], [])])
+        assert relaxed.passed and not relaxed.verified
+        assert "PASSED" not in relaxed.table() and f"NOT VERIFIED (tolerance {bar}: differences reported only" in \
+            relaxed.table()
+    decided = VerificationReport("float32", 0.5, 2e-4, 0, [PromptCheck("p", 5, 3.0, 0.25, 2, 2, None, [], [])])
+    assert decided.verified and "\nPASSED: " in decided.table()
     nan = VerificationReport("float32", 2e-4, 2e-4, 0, [PromptCheck("p", 5, 3.0, math.nan, 5, 5, None, [], [])])
     assert not nan.passed and math.isnan(nan.max_abs_logit_difference)
 

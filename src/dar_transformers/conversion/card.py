@@ -126,16 +126,33 @@ def _license_front_matter(source) -> list[str]:
     return yaml.safe_dump(fields, sort_keys=False, allow_unicode=True, width=math.inf).splitlines()
 
 
-def _function_sentence(exact: bool, report) -> str:
-    """What the card claims about the converted function: only what the conversion made true and the check showed."""
+def _function_sentence(exact: bool, report, source) -> str:
+    """What the card claims about the converted function: only what the conversion made true and the check showed.
+
+    The function is the source model's, or, for a source whose config.json maps the model to its own code
+    (`Source.custom_code`, never run), that of transformers' built-in class for its model_type. The claim is exact
+    when verified at the default bar, approximate (within the tolerance) when the bar was relaxed, and unverified
+    when nothing was compared at it (`VerificationReport.verified`)."""
     if not exact:
         return ("that much holds, but this conversion **deliberately changed the function** (its experts were perturbed: "
                 "Drop-Upcycling), so the model does NOT compute the source model's function; the differences are "
                 "reported below.")
-    if report is None or math.isinf(report.tolerance):
-        return ("**at conversion the model computes the source model's function** by construction, which this "
-                "conversion did NOT verify (see below).")
-    return "**at conversion the model computes the source model's function**, verified below."
+    function = "the source model's function"
+    caveat = ""
+    if source.custom_code:
+        function = (f"the function of transformers' built-in `{source.builtin_class}` with the source's weights and "
+                    "config")
+        caveat = (f" The source's config.json maps the model to its own code (auto_map: "
+                  f"{'; '.join(f'`{entry}`' for entry in source.custom_code)}), which the conversion neither ran nor "
+                  "reproduces: where that code computes something else, this model does not.")
+    if report is None or not report.verified:
+        return (f"**at conversion the model computes {function}** by construction, which this conversion did NOT "
+                f"verify (see below).{caveat}")
+    if report.relaxed:
+        return (f"**at conversion the model approximates {function}**: within a max abs logit difference of "
+                f"{report.tolerance:.1e} (a tolerance relaxed from the default {report.default_tolerance:.1e}), "
+                f"verified below; it is not an exact conversion.{caveat}")
+    return f"**at conversion the model computes {function}**, verified below.{caveat}"
 
 
 def render_model_card(
@@ -170,7 +187,7 @@ def render_model_card(
         )
     return CARD_TEMPLATE.format(
         chat_check=chat_check,
-        function_sentence=_function_sentence(exact, report),
+        function_sentence=_function_sentence(exact, report, source),
         front_matter="\n".join(front_matter),
         title=f"{base_model or source.name} + DAR",
         source_sentence=source_sentence,

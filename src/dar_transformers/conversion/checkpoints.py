@@ -84,7 +84,17 @@ class Checkpoint:
 
     def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """Rows `indices` (any order, repeats allowed) of a 2-D tensor, e.g. embedding rows of a prompt."""
+        self.check_rows(name, indices)
         return self.read(name)[indices]
+
+    def check_rows(self, name: str, indices: torch.Tensor) -> None:
+        """Raise, naming the tensor, if a row of `indices` is outside it (a row read at its byte offset past the end
+        would come back empty or as the next tensor's bytes)."""
+        rows = self.infos()[name].shape[0]
+        outside = indices[(indices < 0) | (indices >= rows)]
+        if len(outside):
+            raise IndexError(f"{self.description}: row {int(outside[0])} of tensor {name!r} is out of range (it has "
+                             f"{rows} rows).")
 
     def byte_range(self, name: str) -> tuple[int, int, int, Path] | None:
         """(file descriptor, offset, length, file path) of the tensor's bytes when they can be copied as they are."""
@@ -138,6 +148,23 @@ class FiniteCheckpoint(Checkpoint):
         chunk = self.checkpoint.read_rows(name, indices)
         require_finite(chunk, name, self.description)
         return chunk
+
+
+def check_tiled(spans: list[tuple[int, int, str]], buffer_size: int) -> None:
+    """Raise unless the (begin, end, name) byte spans of a safetensors file's tensors tile its data buffer of
+    `buffer_size` bytes: in order of their offsets, the first begins at 0, each where the previous ends, the last at the
+    buffer's end. The safetensors library refuses any other header ("invalid offset"); a tensor pointing into another
+    one's bytes would otherwise be read as a copy of it."""
+    expected, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != expected:
+            where = ("do not start the data buffer at 0" if previous is None
+                     else f"{'overlap' if begin < expected else 'leave a gap after'} tensor {previous!r}, which ends at "
+                          f"{expected}")
+            raise ValueError(f"tensor {name!r}: data offsets {begin}..{end} {where}")
+        expected, previous = end, name
+    if expected != buffer_size:
+        raise ValueError(f"its tensors' data ends at byte {expected} of a {buffer_size}-byte data buffer")
 
 
 class _DuplicateTensor(Exception):
@@ -200,6 +227,7 @@ class SafetensorsCheckpoint(Checkpoint):
                 raise ValueError(f"header size {header_size} does not fit a file of {size} bytes")
             header = json.loads(pread_exact(fd, header_size, 8).decode("utf-8"))
             data_start = 8 + header_size
+            spans = []  # (begin, end, name) of every tensor, checked to tile the data buffer below
             for name, entry in header.items():
                 if name == "__metadata__":
                     continue
@@ -212,6 +240,8 @@ class SafetensorsCheckpoint(Checkpoint):
                 if name in self._entries:
                     raise _DuplicateTensor(name, self._files[self._entries[name][0]].name)
                 self._entries[name] = (fd, data_start + begin, info)
+                spans.append((begin, end, name))
+            check_tiled(spans, size - data_start)
         except _DuplicateTensor as duplicate:
             raise ValueError(
                 f"Could not load the weights in {self.folder}: tensor {duplicate.args[0]!r} is in both "
@@ -235,6 +265,7 @@ class SafetensorsCheckpoint(Checkpoint):
         return _tensor_from_bytes(buffer, info.dtype, (stop - start, *info.shape[1:]))
 
     def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        self.check_rows(name, indices)
         unique, inverse = torch.unique(indices, return_inverse=True)
         rows = torch.cat([self.read(name, slice(index, index + 1)) for index in unique.tolist()])
         return rows[inverse]

@@ -86,12 +86,18 @@ class VerificationReport:
         return math.nan if not differences or any(map(math.isnan, differences)) else max(differences)
 
     @property
+    def top1_checked(self) -> int:
+        """Positions, over all prompts, whose next token is decided at the bar (source margin > 2 x tolerance)."""
+        return sum(check.top1_checked for check in self.checks)
+
+    @property
     def nothing_compared(self) -> str | None:
         """Why the verification compared nothing (no prompt, or no position whose next token is decided), or None.
-        A relaxed check compares logits only, so it needs prompts, not decided positions."""
+        A relaxed check compares logits only, so it needs prompts, not decided positions (without them it passes
+        unverified: `verified`)."""
         if not self.checks or not sum(check.num_tokens for check in self.checks):
             return "no prompt was run"
-        if not self.relaxed and not sum(check.top1_checked for check in self.checks):
+        if not self.relaxed and not self.top1_checked:
             return "no position's source top-1/top-2 margin exceeds 2 x tolerance, so no next token was compared"
         return None
 
@@ -112,12 +118,19 @@ class VerificationReport:
         within = self.max_abs_logit_difference <= self.tolerance  # False for NaN
         return within and (self.greedy_identical or self.relaxed)
 
+    @property
+    def verified(self) -> bool:
+        """Passed, and at least one next token compared. A relaxed bar so high that no position's next token is
+        decided at it (tolerance inf, or 1e30) passes with its differences reported only: NOT VERIFIED, never PASSED,
+        and the model card does not claim the source's function as verified."""
+        return self.passed and self.top1_checked > 0
+
     def checks_run(self) -> str:
         """One sentence saying which checks ran (for the table and the model card)."""
         computed = f"computed in {self.dtype}" + (
             f" from {self.storage_dtype} weights" if self.storage_dtype and self.storage_dtype != self.dtype else ""
         )
-        checked = sum(check.top1_checked for check in self.checks)
+        checked = self.top1_checked
         total = sum(check.num_tokens for check in self.checks)
         greedy = (f"full greedy continuations of {self.max_new_tokens} tokens per prompt" if self.greedy_ran
                   else f"no full greedy continuations ({self.greedy_skipped})")
@@ -139,9 +152,11 @@ class VerificationReport:
                 f"| {check.name} | {check.num_tokens} | {check.max_abs_logit:.2f} | "
                 f"{check.max_abs_logit_difference:.3e} | {check.top1_agreed}/{check.top1_checked} | {greedy} |"
             )
-        verdict = "PASSED" if self.passed else "FAILED"
-        if self.passed and math.isinf(self.tolerance):
-            verdict = "NOT VERIFIED (tolerance inf: differences reported only)"
+        verdict = "PASSED" if self.verified else "FAILED"
+        if self.passed and not self.verified:
+            verdict = ("NOT VERIFIED (tolerance inf: differences reported only)" if math.isinf(self.tolerance) else
+                       f"NOT VERIFIED (tolerance {self.tolerance:.1e}: differences reported only; no position's source "
+                       "top-1/top-2 margin exceeds 2 x tolerance, so no next token was compared)")
         bar = f"tolerance {self.tolerance:.1e} in {self.dtype}"
         if self.relaxed:
             bar += f" (RELAXED from the default {self.default_tolerance:.1e}; greedy mismatches only reported)"

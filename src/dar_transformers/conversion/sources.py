@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig, PreTrainedModel
+from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
 from .checkpoints import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint
-from .families import check_model_type, one_line, source_family
+from .families import ALL_SOURCE_FAMILIES, check_model_type, one_line, source_family
 
 logger = logging.get_logger(__name__)
 
@@ -29,6 +31,25 @@ LICENSE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "COPYING*", "USE_POLICY*")
 TOKENIZER_SIDE_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
 # MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
 MOE_GGUF_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+# `{architecture}.*` GGUF metadata that llama.cpp applies and transformers' GGUF config reader drops for the families
+# that convert (`GGUF_CONFIG_MAPPING` has no config field for it), with the values under which dropping it changes
+# nothing. Any other value means transformers' reading, and so a conversion verified against it, computes something
+# other than what the file's model computes in llama.cpp (issue: rope scaling x4 read as no scaling, PASSED).
+GGUF_DROPPED_METADATA: dict[str, tuple] = {
+    "rope.scaling.type": ("none",),  # linear, yarn, longrope: llama.cpp rescales the rotary frequencies
+    "rope.scaling.factor": (0.0, 1.0),  # applied as linear scaling even without a type (0: unset)
+    "rope.scale_linear": (0.0, 1.0),  # the factor's older name
+    "rope.scaling.attn_factor": (1.0,),  # scales every rotary cos/sin
+    "attention.sliding_window": (0,),  # a window transformers' config would not have
+    "attention.scale": (0.0,),  # 0: 1/sqrt(head_dim)
+    "logit_scale": (1.0,),
+    "embedding_scale": (1.0,),
+    "residual_scale": (1.0,),
+    "attn_logit_softcapping": (0.0,),
+    "final_logit_softcapping": (0.0,),
+}
+# Dropped metadata that must equal the config's head dimension (a partial rotary or a different head size otherwise).
+GGUF_HEAD_DIM_METADATA = ("rope.dimension_count", "attention.key_length", "attention.value_length")
 
 
 @dataclasses.dataclass
@@ -46,6 +67,12 @@ class Source:
     generation_config: GenerationConfig | None = None
     folder: Path | None = None  # an HF folder source: its README.md front matter gives the card's license
     side_files: tuple[Path, ...] = ()  # source files the output carries byte for byte (`copied_side_files`)
+    custom_code: tuple[str, ...] = ()  # its config.json's `auto_map` entries, never run (`custom_code_entries`)
+
+    @property
+    def builtin_class(self) -> str:
+        """transformers' own causal-LM class for the source's model_type: what the conversion reproduces."""
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.config.model_type]
 
 
 
@@ -70,9 +97,11 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
             raise ValueError(f"Source file {path} is not a .gguf file; pass an HF model folder or a GGUF file.")
         folder, gguf_file = _gguf_location(path)
         try:
-            return AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
+            config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
         except Exception as error:  # gguf-py raises whatever a truncated or foreign file trips over
             raise ValueError(f"Could not read the GGUF metadata of {path}: {one_line(error)}") from error
+        check_gguf_metadata(path, config)
+        return config
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"Source folder {path} has no config.json; it is not a Hugging Face model folder.")
@@ -85,9 +114,53 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
     # Before any Auto call: a custom model_type (with an auto_map to code in the folder) never reaches transformers.
     check_model_type(fields.get("model_type"), str(config_file))
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as error:  # transformers' validators raise StrictDataclass*, ValueError, TypeError, KeyError
         raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
+    entries = custom_code_entries(config)
+    if entries:
+        builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
+        logger.warning(
+            f"{config_file} maps the model to code in the source (auto_map: {'; '.join(entries)}), which the converter "
+            f"never runs: the conversion reproduces, and is verified against, transformers' built-in {builtin} for "
+            f"model_type {config.model_type!r} with the same weights and config, not that code. If the code computes "
+            "something else (a logit scale, another rope), the converted model does not; the model card says so."
+        )
+    return config
+
+
+def custom_code_entries(config: PreTrainedConfig) -> tuple[str, ...]:
+    """A folder config's `auto_map` ("AutoModelForCausalLM: module.Class", ...): the source's own code for its config
+    or model, which the converter never runs (the model's `model_type` picks transformers' built-in classes)."""
+    auto_map = getattr(config, "auto_map", None)
+    return tuple(f"{name}: {target}" for name, target in auto_map.items()) if isinstance(auto_map, dict) else ()
+
+
+def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
+    """Refuse a GGUF file of a family that converts whose `{architecture}.*` metadata changes the model's function
+    but is dropped by transformers' GGUF config reader (`GGUF_DROPPED_METADATA`, `GGUF_HEAD_DIM_METADATA`): as the
+    file's tensors that transformers skips are refused (`GGUFCheckpoint`), so are its settings, naming key and value."""
+    if config.model_type not in ALL_SOURCE_FAMILIES:
+        return  # refused by family, naming the supported ones
+    import gguf  # present: transformers just read the file's metadata with it
+
+    reader = gguf.GGUFReader(str(path))
+    architecture = reader.fields["general.architecture"].contents()
+    carried = {key for key, field in GGUF_CONFIG_MAPPING.get(config.model_type, {}).items() if field is not None}
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for key, field in reader.fields.items():
+        setting = key.removeprefix(f"{architecture}.")
+        if setting == key or setting in carried:
+            continue
+        neutral = (head_dim,) if setting in GGUF_HEAD_DIM_METADATA else GGUF_DROPPED_METADATA.get(setting)
+        value = field.contents()
+        if neutral is not None and value not in neutral:
+            raise ValueError(
+                f"GGUF file {path}: its metadata {key} = {value!r} changes what the model computes in llama.cpp, and "
+                f"transformers' GGUF reader drops it (allowed: {' or '.join(map(repr, neutral))}), so neither "
+                "transformers nor a conversion would compute what this file's model computes; nothing is converted. "
+                "Convert the model's Hugging Face folder instead (its config.json carries the setting)."
+            )
 
 
 def _load_tokenizer(folder: Path, gguf_file: str | None = None):
@@ -241,7 +314,8 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     else:
         generation_config = GenerationConfig.from_model_config(source_config)
     return Source(None, loaded_tokenizer, path.name, f"HF folder {path.name}", source_config, checkpoint,
-                  generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None))
+                  generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None),
+                  custom_code_entries(source_config))
 
 
 def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
@@ -290,5 +364,5 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-__all__ = ["Source", "display_name", "exact_storage_dtype", "load_source", "load_source_config", "open_source",
-           "rounded_tensors", "source_storage_dtype"]
+__all__ = ["Source", "check_gguf_metadata", "custom_code_entries", "display_name", "exact_storage_dtype", "load_source",
+           "load_source_config", "open_source", "rounded_tensors", "source_storage_dtype"]

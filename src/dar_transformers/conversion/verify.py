@@ -57,6 +57,21 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
     "large pot and",
 )
 CHAT_PROMPT = "What is the capital of France?"
+# generate() settings of the greedy check over the model's generation config (the source's generation_config.json,
+# which the written folder carries), the same for both models: plain greedy search, one sequence per prompt, every
+# one of `max_new_tokens` tokens, returned as a tensor. The config's logits processors (repetition_penalty,
+# no_repeat_ngram_size, ...) still apply, as from_pretrained loads them; its search strategy and stopping rules do not
+# (beam search refuses the progress streamer, stop_strings need a tokenizer, num_return_sequences > 1 needs sampling,
+# max_time could stop the two models at different lengths, a quantized cache needs another package).
+GREEDY_SEARCH: dict[str, object] = dict(
+    do_sample=False, num_beams=1, num_beam_groups=1, num_return_sequences=1,
+    penalty_alpha=None, dola_layers=None, constraints=None, force_words_ids=None,  # contrastive, DoLa, constrained
+    prompt_lookup_num_tokens=None, assistant_early_exit=None, use_mtp=False,  # assisted generation
+    eos_token_id=None, stop_strings=None, max_time=None, token_healing=False,  # stop after max_new_tokens only
+    cache_implementation=None,  # the model's default cache: the cache does not change the function
+    return_dict_in_generate=False, output_scores=False, output_logits=False, output_attentions=False,
+    output_hidden_states=False,
+)
 
 
 def top1_agreement(source_logits: torch.Tensor, target_logits: torch.Tensor, tolerance: float) -> tuple[int, int]:
@@ -89,6 +104,16 @@ def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None
             logger.warning(f"The chat template (chat_template.jinja or tokenizer_config.json) fails on one user message "
                            f"({type(error).__name__}: {one_line(error)}); the chat prompt is left out of the "
                            "verification.")
+    for name, ids in prompts:  # an id past the embedding has no row to read, in the source as in the conversion
+        if ids.max() >= vocab_size:
+            token = tokenizer.convert_ids_to_tokens(int(ids.max()))
+            raise ValueError(
+                f"The tokenizer encodes the verification prompt {name} to token id {int(ids.max())} ({token!r}), but "
+                f"the model has no embedding row for it: the tokenizer has {len(tokenizer)} tokens and the source "
+                f"config's vocab_size is {vocab_size} (tokens added to the tokenizer without resizing the embeddings?). "
+                "Resize them (model.resize_token_embeddings(len(tokenizer))) and save the model, or use the tokenizer "
+                "that matches its weights."
+            )
     return prompts
 
 
@@ -125,7 +150,8 @@ def greedy_continuations(
 ) -> list[list[int]]:
     """Exactly `max_new_tokens` greedy tokens per prompt, all prompts in one left-padded batch.
 
-    End-of-sequence does not stop generation, so every one of the tokens is compared.
+    End-of-sequence does not stop generation, so every one of the tokens is compared; whatever the model's generation
+    config says, the search is plain greedy (`GREEDY_SEARCH`).
     """
     length = max(ids.shape[1] for ids in prompts)
     input_ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)  # [N, T]
@@ -137,9 +163,8 @@ def greedy_continuations(
         input_ids,
         attention_mask=attention_mask,
         max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
         pad_token_id=pad_token_id,
+        **GREEDY_SEARCH,
         streamer=TokenProgress(max_new_tokens, description, progress),
     )
     return output[:, length:].tolist()
