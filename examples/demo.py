@@ -83,7 +83,11 @@ def main() -> None:
             output = args.output or Path("outputs/smollm2-135m-instruct-dar")
         print(f"[1/3] Converting {source.name} into DAR (write tensor by tensor, verify the written folder layer by "
               f"layer against the source, move it to {output}) ...")
-        result = upcycle(source, output, overwrite=True, base_model=base_model, dar_block_size=args.block_size)
+        try:
+            result = upcycle(source, output, overwrite=True, base_model=base_model, dar_block_size=args.block_size)
+        except FileExistsError as error:  # not a previous conversion output as written (or one of an older version)
+            raise SystemExit(f"demo: {error}\nThe demo replaces only its own previous output, unchanged; remove "
+                             f"{output} yourself (or pass --output) and run it again.") from None
         converted = time.perf_counter()
         config = result.config
         print(f"\n[2/3] Verification, source vs DAR (block size {config.dar_block_size} of {config.dar_num_branches} "
