@@ -218,11 +218,12 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 def memo_free_logits(model, input_ids) -> torch.Tensor:
     """Logits of a gradient-free forward of a copy of `model` with every memoised derived tensor dropped (the
-    optimised backends memoise gates and folded queries per module, `depth_backends._derived`): what a memo hit
-    must reproduce exactly."""
+    optimised backends memoise gates and folded queries per module, `depth_backends._derived`, and for all residuals
+    at once, `_model_memo`): what a memo hit must reproduce exactly."""
     fresh = copy.deepcopy(model)
     for module in fresh.modules():
         module.__dict__.pop("_dar_fast_memo", None)
+        module.__dict__.pop("_dar_model_memo", None)
     with torch.no_grad():
         return fresh(input_ids).logits
 

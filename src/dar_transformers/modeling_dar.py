@@ -30,6 +30,7 @@ entries may be stored in the model dtype instead (`config.dar_history_dtype`, `d
 
 import math
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 import torch.nn.functional as F
@@ -339,10 +340,11 @@ class DARDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple:
         state = DepthState.from_args(*state)
         dtype = self.input_layernorm.weight.dtype
+        attn_residual, mlp_residual = self.attn_residual, self.mlp_residual  # one module lookup each per token
         # Phase 1 of both reads at once when the attention branch does not commit (DESIGN.md section 7).
-        attn_read, mlp_read = state.backend.plan(state, self.attn_residual, self.mlp_residual)
+        attn_read, mlp_read = state.backend.plan(state, attn_residual, mlp_residual)
 
-        hidden_states = self.attn_residual.read(state, dtype, attn_read)  # [B, T, D]
+        hidden_states = attn_residual.read(state, dtype, attn_read)  # [B, T, D]
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -352,11 +354,11 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        state = self.attn_residual.write(state, hidden_states)
+        state = attn_residual.write(state, hidden_states)
 
-        hidden_states = self.mlp_residual.read(state, dtype, mlp_read)  # [B, T, D]
+        hidden_states = mlp_residual.read(state, dtype, mlp_read)  # [B, T, D]
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        state = self.mlp_residual.write(state, hidden_states)
+        state = mlp_residual.write(state, hidden_states)
         return state.as_args()
 
 
@@ -440,8 +442,8 @@ class DARModel(DARPreTrainedModel):
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
-        residuals = [
-            residual for layer in self.layers[: config.num_hidden_layers]
+        residuals = [  # islice: slicing a ModuleList builds a new one, registering every layer again
+            residual for layer in islice(self.layers, config.num_hidden_layers)
             for residual in (layer.attn_residual, layer.mlp_residual)
         ]
         return depth_backend(config).start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
