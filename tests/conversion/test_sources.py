@@ -120,14 +120,20 @@ def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp
     """A Llama GGUF with attention biases (which a Llama config without attention_bias has no parameter for):
     transformers' GGUF loader skips them, and so did the converter, verifying PASSED against the same bias-less
     reading. Refused like a safetensors source's unplaceable tensors, naming them; nothing written."""
-    (tmp_path / "gguf").mkdir()
     biases = {f"blk.{layer}.attn_{name}.bias": np.full(rows, 0.5, dtype=np.float32)
               for layer in range(2) for name, rows in (("q", 32), ("k", 16))}
+    assert_gguf_refused(tmp_path, r"holds 4 tensor\(s\) that LlamaForCausalLM of its config has no parameter for: "
+                                  r"\['blk\.0\.attn_q\.bias', 'blk\.0\.attn_k\.bias'", extra_tensors=biases)
+
+
+def assert_gguf_refused(tmp_path, match: str, **gguf_fields) -> None:
+    """A tiny untied Llama GGUF written with `gguf_fields` (`write_tiny_gguf`'s extras) is refused by `upcycle` with
+    an error matching `match`, and nothing is written."""
+    (tmp_path / "gguf").mkdir()
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
-                                extra_tensors=biases)
+                                **gguf_fields)
     before = {p.name for p in tmp_path.iterdir()}
-    with pytest.raises(ValueError, match=r"holds 4 tensor\(s\) that LlamaForCausalLM of its config has no parameter "
-                                         r"for: \['blk\.0\.attn_q\.bias', 'blk\.0\.attn_k\.bias'"):
+    with pytest.raises(ValueError, match=match):
         upcycle(gguf_path, tmp_path / "out", dar_block_size=2, progress=False)
     assert_nothing_written(tmp_path, before)
 
@@ -207,14 +213,8 @@ def test_gguf_metadata_that_transformers_drops_but_changes_the_function_is_refus
     applies them, transformers' GGUF config reader drops them, and the converter used to verify PASSED against that
     default-rope reading (5.6 logits away from the file's model). Refused before any weight is read, naming the key
     and its value; nothing written."""
-    (tmp_path / "gguf").mkdir()
-    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
-                                extra_metadata=metadata)
-    before = {p.name for p in tmp_path.iterdir()}
-    with pytest.raises(ValueError, match=rf"GGUF file .*tiny\.gguf: its metadata {named} changes what the model "
-                                         r"computes in llama\.cpp, and transformers' GGUF reader drops it"):
-        upcycle(gguf_path, tmp_path / "out", dar_block_size=2, progress=False)
-    assert_nothing_written(tmp_path, before)
+    assert_gguf_refused(tmp_path, rf"GGUF file .*tiny\.gguf: its metadata {named} changes what the model computes in "
+                                  r"llama\.cpp, and transformers' GGUF reader drops it", extra_metadata=metadata)
 
 
 def test_gguf_metadata_at_its_neutral_values_is_read_as_transformers_reads_it(tmp_path):
