@@ -12,8 +12,10 @@ import shutil
 import pytest
 from transformers import AutoModelForCausalLM
 
-from dar_transformers.conversion import convert, upcycle_to_dar_moe
-from dar_transformers.conversion.output import MANIFEST_NAME, not_a_conversion_output, write_manifest
+from dar_transformers.conversion import convert, output as output_module, upcycle_to_dar_moe
+from dar_transformers.conversion.output import (
+    MANIFEST_NAME, STAGING_MARKER, not_a_conversion_output, remove_stale_runs, write_manifest,
+)
 
 from conftest import FAST, make_source, make_tokenizer, run_convert_in_process, save_source
 
@@ -233,3 +235,25 @@ def test_every_written_output_has_a_manifest_and_can_be_overwritten(source, tmp_
         else:
             convert(make_source(), out, tokenizer=make_tokenizer(), overwrite=again, **FAST)
         assert (out / MANIFEST_NAME).is_file() and not_a_conversion_output(out) is None
+
+
+def test_a_file_written_into_the_output_during_the_swap_is_kept_not_removed(source, previous, monkeypatch, caplog):
+    """The output is checked just before the swap, but a process saving into it (a Trainer's checkpoint) may write
+    between that check and the rename: the replaced folder is checked again after the swap, and, changed, kept
+    (unmarked, so no later run removes it) with a warning naming it, instead of removed with the new file in it."""
+    take_over = output_module._take_over_metadata
+
+    def written_meanwhile(staging, existing):  # runs after the last check, just before the rename
+        (previous / "late-checkpoint.bin").write_bytes(b"weights saved meanwhile")
+        take_over(staging, existing)
+
+    monkeypatch.setattr(output_module, "_take_over_metadata", written_meanwhile)
+    code, stderr = overwrite(source, previous)
+    assert code == 0, stderr
+    assert not_a_conversion_output(previous) is None and not (previous / "late-checkpoint.bin").exists()
+    (kept,) = [path for path in previous.parent.iterdir() if path.name.startswith(f".{previous.name}.")]
+    assert (kept / previous.name / "late-checkpoint.bin").read_bytes() == b"weights saved meanwhile"
+    assert not (kept / STAGING_MARKER).exists()
+    assert remove_stale_runs(previous.parent) == [] and kept.exists()
+    assert "changed while it was being replaced (not written by the conversion: late-checkpoint.bin)" in caplog.text
+    assert str(kept / previous.name) in caplog.text

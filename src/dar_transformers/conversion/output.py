@@ -18,9 +18,10 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
 - The output may not be a mount point (or lie on another device than its parent): the swap renames folders in the
   parent, which cannot replace a mount point. Refused before any work.
 - The new folder is written and verified in a staging folder next to the output, and only then renamed into place;
-  a replaced output is moved aside first and removed last. The new folder takes the replaced folder's permission bits
-  (setgid included) and, as far as this process may, its owner and group. Signals are held back while folders are
-  swapped or cleaned up, and any error (or interrupt) removes what this run created.
+  a replaced output is moved aside first and removed last (kept, with a warning, if it was written to after its
+  last check). The new folder takes the replaced folder's permission bits (setgid included) and, as far as this
+  process may, its owner and group. Signals are held back while folders are swapped or cleaned up, and any error
+  (or interrupt) removes what this run created.
 - Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process; a later run removes
   those of runs that are no longer alive (a SIGKILL leaves them behind) and never touches a folder without it.
 """
@@ -405,7 +406,8 @@ def _marked_folder(output: Path, suffix: str) -> Path:
 
 def _move_into_place(staging: Path, output: Path) -> None:
     """Rename the complete staging folder to `output`; an existing output is moved into a marked retired folder
-    first (moved back if the rename fails) and removed after, its metadata taken over first. Call with signals held."""
+    first (moved back if the rename fails) and removed after, its metadata taken over first, unless it changed after
+    it was last checked (`_changed_since_checked`): then it is kept. Call with signals held."""
     (staging / STAGING_MARKER).unlink()
     try:
         existing = os.lstat(output)
@@ -425,11 +427,25 @@ def _move_into_place(staging: Path, output: Path) -> None:
         os.replace(retired / output.name, output)
         shutil.rmtree(retired, ignore_errors=True)
         raise
+    changed = _changed_since_checked(retired / output.name)
+    if changed:  # written to between the last check and the swap (a Trainer saving into it): never removed
+        (retired / STAGING_MARKER).unlink()  # unmarked, so no later run removes it either
+        logger.warning(f"Wrote {output}. The folder it replaced changed while it was being replaced ({changed}), so "
+                       f"it was kept, not removed: {retired / output.name}")
+        return
     try:
         _remove_marked(retired)
     except OSError as error:  # the new output is in place; say what is left rather than fail
         logger.warning(f"Wrote {output}, but the previous output moved to {retired} could not be removed "
                        f"({_describe(error)}); remove it yourself.")
+
+
+def _changed_since_checked(replaced: Path) -> str | None:
+    """Why the folder just replaced may not be removed (None if it may): `check_output_folder` found it empty or a
+    previous conversion output as written, but a process may have written into it since, up to the rename."""
+    if not any(replaced.iterdir()):
+        return None
+    return not_a_conversion_output(replaced)
 
 
 def _take_over_metadata(staging: Path, existing: os.stat_result) -> None:
