@@ -219,6 +219,7 @@ def _mount_points() -> set[str]:
 
 
 def _suggested_name(source: object) -> str:
+    """The output name a refusal suggests: the source folder's name (a file's stem) + "-dar"."""
     if not isinstance(source, (str, os.PathLike)):
         return "dar-model"
     source = Path(source)
@@ -238,7 +239,7 @@ def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike) 
         elif _inside(protected, output):
             relation = "contains"
         if relation:
-            suggestion = source_path.with_name((source_path.name if source_path.is_dir() else source_path.stem) + "-dar")
+            suggestion = source_path.with_name(_suggested_name(source_path))
             raise ValueError(
                 f"Output {shown} {relation} {what} {protected}; the source is never modified, with or without "
                 f"--overwrite. Choose an output folder outside it, e.g. {suggestion}."
