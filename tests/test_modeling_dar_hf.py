@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from packaging.requirements import Requirement
+from packaging.version import Version
 from conftest import (
     TINY_LLAMA_FIELDS,
     dar_parameter_names,
@@ -46,7 +47,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from dar_transformers import DARConfig, DARForCausalLM, DARForSequenceClassification, DARModel
+from dar_transformers import DARConfig, DARForCausalLM, DARForSequenceClassification, DARModel, modeling_dar
 from dar_transformers.modeling_dar import (
     DARDepthAttention,
     DARReadGate,
@@ -205,6 +206,30 @@ def test_generate_with_kv_cache_gives_the_tokens_of_generate_without(dar, mode):
         tokens[use_cache] = dar.generate(input_ids, use_cache=use_cache, **mode, **GENERATION)
     assert tokens[True].shape == (2, 5 + 8)
     assert torch.equal(tokens[True], tokens[False])
+
+
+def test_the_kv_cache_goes_by_the_installed_transformers_name_without_deprecation_warnings(dar, caplog):
+    """transformers 5.24 renamed `past_key_values` to `cache` in the attention modules, the mask functions and the
+    outputs; the old name still works there through shims that warn (FutureWarning, or a logged warning once per
+    process). A DAR forward, cached generation and a Mistral branch with a sliding window pass the name the
+    installed release takes, so none of them warns; on 5.19 (the compat run) the name is the old one."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger().warning_once.cache_clear()  # warned earlier in this process: would be silent here
+    mistral = DARForCausalLM(tiny_dar_config(dar_branch_family="mistral", sliding_window=3)).eval()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="transformers"):
+        warnings.simplefilter("always")
+        for model in (dar, mistral):
+            output = model(random_input_ids(length=5), use_cache=True)
+            model.generate(random_input_ids(length=5), do_sample=False, **GENERATION)
+    messages = [str(warning.message) for warning in caught] + [record.getMessage() for record in caplog.records]
+    assert not [message for message in messages if "past_key_values" in message], messages
+    expected = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+    assert modeling_dar.OUTPUT_CACHE_FIELD == modeling_dar.MASK_CACHE_KEYWORD == expected
+    assert {layer.cache_keyword for layer in dar.model.layers} == {expected}
+    assert output[expected].get_seq_length() == 5  # the cache came back under the installed name
 
 
 def test_sampling_depends_on_the_seed(dar):

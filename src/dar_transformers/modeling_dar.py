@@ -28,6 +28,7 @@ float64 model); the branch input u is cast once to the model dtype, the branch o
 entries may be stored in the model dtype instead (`config.dar_history_dtype`, `dar_history_dtype`).
 """
 
+import inspect
 import math
 from dataclasses import dataclass
 from itertools import islice
@@ -95,12 +96,24 @@ def dar_parameter_dtype() -> torch.dtype:
 
 def kv_cache_argument(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
     """The KV cache, whichever name the installed transformers passes it under: `past_key_values` up to 5.23,
-    `cache` from 5.24 (`generate` and the heads pass `cache=`; Llama's modules still take the old name, with a
-    deprecation shim). Popped from `kwargs`, so that it reaches the decoder layers once, under the old name."""
+    `cache` from 5.24 (`generate` and the heads pass `cache=`). Popped from `kwargs`, so that it reaches the decoder
+    layers once; they hand it to the branch modules under the name those take (`cache_keyword`)."""
     cache = kwargs.pop("cache", None)
     if cache is not None and past_key_values is not None:
         raise ValueError("DARModel.forward got both `cache` and `past_key_values`; pass the KV cache once.")
     return past_key_values if past_key_values is not None else cache
+
+
+def cache_keyword(function) -> str:
+    """The name `function` takes the KV cache under: `cache` from transformers 5.24, whose attention modules and mask
+    functions still accept `past_key_values` through a shim that warns (FutureWarning) and costs a call each time;
+    `past_key_values` up to 5.23. Read from the signature (`inspect` follows the shim's `__wrapped__`)."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+
+
+MASK_CACHE_KEYWORD = cache_keyword(create_causal_mask)  # create_sliding_window_causal_mask's is the same
+# The output field holding it (5.24 renamed it too; the old name is accepted with a logged warning).
+OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def _register_branch_family(name: str, attention_class: type[nn.Module], mlp_class: type[nn.Module]) -> None:
@@ -321,6 +334,7 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         self.mlp = self.build_mlp(config, layer_idx)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.cache_keyword = cache_keyword(attention_class.forward)
         self.attn_residual = DARBranchResidual(config, branch_index=2 * layer_idx)
         self.mlp_residual = DARBranchResidual(config, branch_index=2 * layer_idx + 1)
 
@@ -349,9 +363,9 @@ class DARDecoderLayer(GradientCheckpointingLayer):
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            **{self.cache_keyword: past_key_values},
             **kwargs,
         )
         state = attn_residual.write(state, hidden_states)
@@ -481,8 +495,8 @@ class DARModel(DARPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{MASK_CACHE_KEYWORD: past_key_values},
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
@@ -501,7 +515,7 @@ class DARModel(DARPreTrainedModel):
                 )
             readout, _ = self.final_readout(*state)  # [B, T, D], compute dtype
         hidden_states = self.norm(readout.to(inputs_embeds.dtype))
-        return self.output_class(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return self.output_class(last_hidden_state=hidden_states, **{OUTPUT_CACHE_FIELD: past_key_values})
 
 
 class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
