@@ -266,8 +266,8 @@ def test_every_traced_training_read_is_the_one_opaque_operator(compiled_read="op
 class _ReferenceWithoutCountScaling(depth_backends.ReferenceDepthBackend):
     """The reference equations with the count scaling N dropped (a wrong backend, for the negative control)."""
 
-    def read(self, residual, state, read_partial, planned=None):
-        branch_input, weights = super().read(residual, state, read_partial, planned)
+    def read(self, residual, state, read_partial, planned=None, dtype=None):
+        branch_input, weights = super().read(residual, state, read_partial, planned, dtype)
         return branch_input / weights.shape[0], weights
 
 

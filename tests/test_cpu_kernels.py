@@ -23,7 +23,7 @@ from test_inference_backend import GRID, NUM_LAYERS, max_relative_diff, perturbe
 from dar_transformers import DARConfig, DARForCausalLM, cpu_kernels, depth_backends
 from dar_transformers.cpu_kernels import KERNEL_MAX_TOKENS
 
-KERNELS = ("phase_one", "read_partial", "write_partial", "commit")
+KERNELS = ("phase_one", "read_partial", "write_first", "write_partial", "commit")
 
 
 class CountedKernels:
@@ -79,6 +79,34 @@ def test_the_kernels_match_the_reference_in_float64(counted_kernels, block_size,
     assert counted_kernels.calls["commit"] == blocks + (streams == 1)
     two_stream_writes = partial_reads if streams == 2 else 0  # a write into an open block of two streams
     assert counted_kernels.calls["write_partial"] == two_stream_writes
+    assert counted_kernels.calls["write_first"] == (blocks if streams == 2 else 0)  # a block's first write
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_read_in_the_branch_dtype_is_the_float32_read_rounded_and_writes_are_the_pytorch_ops(dtype):
+    """read_partial writes u in the branch's dtype as `.to(dtype)` rounds the float32 u (so no conversion follows);
+    write_first is beta * y exactly; write_partial is lerp + addcmul up to one rounding (a fused multiply-add)."""
+    kernels = cpu_kernels.cpu_kernels()
+    generator = torch.Generator().manual_seed(0)
+    batch, tokens, streams, hidden = 2, 5, 2, 40
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    partial, query, gate = rand(batch, tokens, streams, hidden), rand(streams, hidden), rand(streams)
+    gated, mean, log_sum_exp = rand(batch, tokens, hidden), rand(batch, tokens, streams, hidden), rand(batch, tokens, streams)
+    arguments = (partial, query, gate, gated, mean, log_sum_exp, [1, 0], [0, 1], 1e-5)
+    in_float32 = kernels.read_partial(*arguments, torch.empty(0))
+    in_dtype = kernels.read_partial(*arguments, torch.empty(0, dtype=dtype))
+    assert in_float32.dtype == torch.float32 and in_dtype.dtype == dtype
+    assert torch.equal(in_dtype, in_float32.to(dtype))
+    assert not torch.equal(in_float32, gated)  # the partial is merged
+
+    beta, rho, written = rand(streams, hidden), torch.sigmoid(rand(1)), rand(batch, tokens, hidden, dtype=torch.bfloat16)
+    assert torch.equal(kernels.write_first(beta, written), beta * written.unsqueeze(-2))
+    for weight in (rho, 1 - rho):  # both of torch.lerp's forms
+        expected = torch.lerp(partial.flip(-2), partial, weight).addcmul_(beta, written.unsqueeze(-2))
+        torch.testing.assert_close(kernels.write_partial(partial, weight, beta, written), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_negative_control_a_kernel_read_without_the_partial_merge_is_caught(counted_kernels):

@@ -130,9 +130,32 @@ def test_bf16_inference_gives_the_training_paths_logits(history_dtype):
     assert (logits == trained_logits).float().mean() > 0.5  # most logits identical
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["policy", "negative_control"])
+def test_depth_mixing_runs_without_autocast_under_bf16_autocast(monkeypatch, broken):
+    """The precision policy under autocast (checked once per forward at `start`): phase 1, the partial's reads and
+    the writes run with autocast off, so the depth products stay float32. Negative control: with the mixing
+    context left out, the same probes see autocast on."""
+    if broken:
+        monkeypatch.setattr(InferenceDepthBackend, "_mixing", lambda self: depth_backends.nullcontext())
+    seen = []
+    for name in ("_phase_one", "_read_with_partial", "_write"):
+        original = getattr(InferenceDepthBackend, name)
+
+        def probe(self, *args, _original=original):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return _original(self, *args)
+
+        monkeypatch.setattr(InferenceDepthBackend, name, probe)
+    model = perturbed_dar(torch.float32, "fast", 2, "dar", 2, "duplicate", True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(random_input_ids())
+    assert len(seen) > 3 * NUM_LAYERS
+    assert not any(seen) if not broken else all(seen)
+
+
 def test_negative_control_a_read_without_the_partial_merge_is_caught(monkeypatch):
     """The float64 comparison can fail: an inference read that ignores the partial block state."""
-    monkeypatch.setattr(InferenceDepthBackend, "_read_with_partial", lambda self, residual, state, planned: (
+    monkeypatch.setattr(InferenceDepthBackend, "_read_with_partial", lambda self, residual, state, planned, dtype: (
         planned.gated, None))
     with pytest.raises(AssertionError):
         test_inference_matches_the_reference_in_float64(2, "dar", 2, "duplicate", True)

@@ -10,8 +10,11 @@ weights; README, Overhead), not the bytes it moves. These kernels compute the sa
   phase_one(history, S, key_scale, queries, gates, kappa, nu) -> gated [R, B, T, D], mean [R, B, T, J, D], L [R, B, T, J]
       phase 1 of R reads (a list of R folded queries [J, D] and gates [J]) over the S committed entries: scores,
       depth softmax with its log-sum-exp, the value sums Obar, and sum_j gate_j Obar^j;
-  read_partial(P, query, gate, gated, mean, L, kappa, nu, eps) -> u [B, T, D]
-      phase 2 of a read of the partial: u = gated + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
+  read_partial(P, query, gate, gated, mean, L, kappa, nu, eps, like) -> u [B, T, D] in like's dtype
+      phase 2 of a read of the partial: u = gated + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j), rounded
+      to the branch's dtype as `Tensor.to` rounds it;
+  write_first(beta, y)                                        -> P [B, T, J, D]
+      (6) at a block's first branch: P = beta * y;
   write_partial(P, rho, beta, y)                              -> P' [B, T, 2, D]
       (6) after a block's first branch: P' = lerp(swap(P), P, rho) + beta * y;
   commit(P, history, n, key_scale, kappa, eps)                -> None
@@ -46,7 +49,26 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+// float -> the branch's dtype, rounded as Tensor.to rounds: to nearest even (bfloat16 spelled out with integer
+// operations, which vectorise, where c10::BFloat16's constructor does not).
+template <typename out_t>
+inline out_t to_branch_dtype(float value) {
+  return static_cast<out_t>(value);
+}
+template <>
+inline c10::BFloat16 to_branch_dtype<c10::BFloat16>(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return c10::BFloat16(std::isnan(value) ? uint16_t(0x7FC0) : rounded, c10::BFloat16::from_bits());
+}
+template <typename out_t>
+inline out_t to_branch_dtype(double value) {
+  return static_cast<out_t>(value);
+}
 
 // Rows are the B * T tokens of a forward (at most KERNEL_MAX_TOKENS): a few streams of D values each, run in turn on
 // the calling thread (decoding is one token per sequence; vLLM's CPU worker runs on one core).
@@ -166,13 +188,13 @@ std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, co
   return {gated, mean, log_sum_exp};
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename out_t>
 void read_partial_rows(const scalar_t* partial, const scalar_t* query, const scalar_t* gate, const scalar_t* gated,
                        const scalar_t* mean, const scalar_t* log_sum_exp, const std::vector<int64_t>& key_streams,
                        const std::vector<int64_t>& value_streams, double eps, int64_t rows, int64_t streams,
-                       int64_t hidden, scalar_t* out) {
+                       int64_t hidden, out_t* out) {
   const scalar_t offset = static_cast<scalar_t>(hidden * eps);
-  std::vector<scalar_t> scale(streams), coefficient(streams);
+  std::vector<scalar_t> scale(streams), coefficient(streams), u(hidden);
   for (int64_t row = 0; row < rows; ++row) {
     const scalar_t* p = partial + row * streams * hidden;
     for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
@@ -191,9 +213,8 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
       const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
       coefficient[j] = gate[j] / (1 + std::exp(-z));
     }
-    scalar_t* u = out + row * hidden;
     const scalar_t* g = gated + row * hidden;
-    for (int64_t d = 0; d < hidden; ++d) u[d] = g[d];
+    std::copy_n(g, hidden, u.data());
     for (int64_t j = 0; j < streams; ++j) {
       const scalar_t c = coefficient[j];
       const scalar_t* v = p + value_streams[j] * hidden;
@@ -201,12 +222,17 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
 #pragma omp simd
       for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
     }
+    // u in the branch's dtype, rounded as Tensor.to rounds (to nearest even), so that no conversion follows the call
+    out_t* o = out + row * hidden;
+#pragma omp simd
+    for (int64_t d = 0; d < hidden; ++d) o[d] = to_branch_dtype<out_t>(u[d]);
   }
 }
 
 at::Tensor read_partial(const at::Tensor& partial, const at::Tensor& query, const at::Tensor& gate,
                         const at::Tensor& gated, const at::Tensor& mean, const at::Tensor& log_sum_exp,
-                        std::vector<int64_t> key_streams, std::vector<int64_t> value_streams, double eps) {
+                        std::vector<int64_t> key_streams, std::vector<int64_t> value_streams, double eps,
+                        const at::Tensor& out_like) {
   TORCH_CHECK(partial.dim() == 4 && partial.is_contiguous() && query.is_contiguous() && gate.is_contiguous() &&
                   gated.is_contiguous() && mean.is_contiguous() && log_sum_exp.is_contiguous(),
               "read_partial: contiguous operands");
@@ -216,12 +242,15 @@ at::Tensor read_partial(const at::Tensor& partial, const at::Tensor& query, cons
                   log_sum_exp.numel() == rows * streams && query.numel() == streams * hidden &&
                   int64_t(key_streams.size()) == streams && int64_t(value_streams.size()) == streams,
               "read_partial: inconsistent shapes");
-  at::Tensor out = at::empty({batch, tokens, hidden}, partial.options());
+  at::Tensor out = at::empty({batch, tokens, hidden}, partial.options().dtype(out_like.scalar_type()));
   AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "read_partial", [&] {
-    read_partial_rows<scalar_t>(partial.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(),
-                                gated.data_ptr<scalar_t>(), mean.data_ptr<scalar_t>(),
-                                log_sum_exp.data_ptr<scalar_t>(), key_streams, value_streams, eps, rows, streams,
-                                hidden, out.data_ptr<scalar_t>());
+    using compute_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "read_partial_out", [&] {
+      read_partial_rows<compute_t, scalar_t>(
+          partial.data_ptr<compute_t>(), query.data_ptr<compute_t>(), gate.data_ptr<compute_t>(),
+          gated.data_ptr<compute_t>(), mean.data_ptr<compute_t>(), log_sum_exp.data_ptr<compute_t>(), key_streams,
+          value_streams, eps, rows, streams, hidden, out.data_ptr<scalar_t>());
+    });
   });
   return out;
 }
@@ -267,41 +296,82 @@ void commit(const at::Tensor& entry, const at::Tensor& history, int64_t slot, co
   });
 }
 
+template <typename state_t, typename y_t>
+void write_partial_rows(const state_t* partial, state_t rho, const state_t* beta, const y_t* written, int64_t rows,
+                        int64_t hidden, state_t* out) {
+  const bool low = rho < 0.5;  // torch.lerp's two forms, by the weight
+  for (int64_t row = 0; row < rows; ++row) {
+    const y_t* y = written + row * hidden;
+    for (int64_t j = 0; j < 2; ++j) {  // torch.lerp(other, own, rho), then + beta * y
+      const state_t* own = partial + (row * 2 + j) * hidden;
+      const state_t* other = partial + (row * 2 + 1 - j) * hidden;
+      const state_t* b = beta + j * hidden;
+      state_t* o = out + (row * 2 + j) * hidden;
+      if (low) {
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d)
+          o[d] = (other[d] + rho * (own[d] - other[d])) + b[d] * static_cast<state_t>(y[d]);
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d)
+          o[d] = (own[d] - (own[d] - other[d]) * (1 - rho)) + b[d] * static_cast<state_t>(y[d]);
+      }
+    }
+  }
+}
+
 at::Tensor write_partial(const at::Tensor& partial, const at::Tensor& rho, const at::Tensor& beta,
                          const at::Tensor& written) {
   TORCH_CHECK(partial.dim() == 4 && partial.size(2) == 2 && partial.is_contiguous() && beta.is_contiguous() &&
-                  written.is_contiguous() && rho.numel() == 1,
+                  written.is_contiguous() && rho.numel() == 1 && rho.scalar_type() == partial.scalar_type() &&
+                  beta.scalar_type() == partial.scalar_type(),
               "write_partial: a contiguous two-stream partial [B, T, 2, D], beta [2, D], y [B, T, D], rho (1,)");
   const int64_t rows = partial.size(0) * partial.size(1), hidden = partial.size(3);
   TORCH_CHECK(written.numel() == rows * hidden && beta.numel() == 2 * hidden, "write_partial: inconsistent shapes");
   at::Tensor out = at::empty_like(partial);
   AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "write_partial", [&] {
     using state_t = scalar_t;
-    const state_t* p = partial.data_ptr<state_t>();
-    const state_t* b = beta.data_ptr<state_t>();
-    const state_t r = rho.item<state_t>();
-    state_t* o = out.data_ptr<state_t>();
+    const state_t r = *rho.data_ptr<state_t>();  // not rho.item(): a dispatch per call
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, written.scalar_type(), "write_partial_y", [&] {
-      const scalar_t* y = written.data_ptr<scalar_t>();
-      for (int64_t row = 0; row < rows; ++row) {
-        for (int64_t j = 0; j < 2; ++j) {
-          const state_t* own = p + (row * 2 + j) * hidden;
-          const state_t* other = p + (row * 2 + 1 - j) * hidden;
-          state_t* dst = o + (row * 2 + j) * hidden;
-          for (int64_t d = 0; d < hidden; ++d) {  // torch.lerp(other, own, rho), then + beta * y
-            const state_t difference = own[d] - other[d];
-            const state_t mixed = r < 0.5 ? other[d] + r * difference : own[d] - difference * (1 - r);
-            dst[d] = mixed + b[j * hidden + d] * static_cast<state_t>(y[row * hidden + d]);
-          }
-        }
-      }
+      write_partial_rows<state_t, scalar_t>(partial.data_ptr<state_t>(), r, beta.data_ptr<state_t>(),
+                                            written.data_ptr<scalar_t>(), rows, hidden, out.data_ptr<state_t>());
+    });
+  });
+  return out;
+}
+
+template <typename state_t, typename y_t>
+void write_first_rows(const state_t* beta, const y_t* written, int64_t rows, int64_t streams, int64_t hidden,
+                      state_t* out) {
+  for (int64_t row = 0; row < rows; ++row) {
+    const y_t* y = written + row * hidden;
+    for (int64_t j = 0; j < streams; ++j) {  // P = beta * y, as beta [J, D] * y [B, T, 1, D] promotes it
+      const state_t* b = beta + j * hidden;
+      state_t* o = out + (row * streams + j) * hidden;
+#pragma omp simd
+      for (int64_t d = 0; d < hidden; ++d) o[d] = b[d] * static_cast<state_t>(y[d]);
+    }
+  }
+}
+
+at::Tensor write_first(const at::Tensor& beta, const at::Tensor& written) {
+  TORCH_CHECK(beta.dim() == 2 && beta.is_contiguous() && written.dim() == 3 && written.is_contiguous() &&
+                  beta.size(1) == written.size(2),
+              "write_first: beta [J, D] and y [B, T, D], contiguous");
+  const int64_t streams = beta.size(0), hidden = beta.size(1), rows = written.size(0) * written.size(1);
+  at::Tensor out = at::empty({written.size(0), written.size(1), streams, hidden}, beta.options());
+  AT_DISPATCH_FLOATING_TYPES(beta.scalar_type(), "write_first", [&] {
+    using state_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, written.scalar_type(), "write_first_y", [&] {
+      write_first_rows<state_t, scalar_t>(beta.data_ptr<state_t>(), written.data_ptr<scalar_t>(), rows, streams,
+                                          hidden, out.data_ptr<state_t>());
     });
   });
   return out;
 }
 """
 
-_FUNCTIONS = ["commit", "phase_one", "read_partial", "write_partial"]
+_FUNCTIONS = ["commit", "phase_one", "read_partial", "write_first", "write_partial"]
 _loaded: dict[str, object] = {}  # "module" -> the built extension, or None after a failed build
 
 

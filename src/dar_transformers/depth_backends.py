@@ -136,7 +136,9 @@ class ReferenceDepthBackend:
     def keeping_partials_lean(self):
         return nullcontext()
 
-    def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, residual, state: DepthState, read_partial: bool, planned=None, dtype=None) -> tuple:
+        """(u [B, T, D] in the compute dtype, depth weights [N, B, T, J]). `dtype`: the branch's, which a backend
+        may return u in already (the inference backend's kernels do); the caller converts u otherwise."""
         compute_dtype = dar_compute_dtype(state.history[0].dtype)
         sources = torch.stack([source.to(compute_dtype) for source in state.sources(read_partial)])  # [N, B, T, J, D]
         extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
@@ -746,6 +748,9 @@ def reads_planned_together(residuals) -> list:
     return planned
 
 
+_NO_CONTEXT = nullcontext()  # reusable: enters and exits as often as asked
+
+
 def _without_autocast(device_type: str):
     """The precision policy also under autocast: autocast off around depth mixing (a no-op context when it is off)."""
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
@@ -797,7 +802,7 @@ class TwoPhaseDepthBackend:
             )
         return (*phases, *(None for _ in residuals[len(planned):]))
 
-    def read(self, residual, state: DepthState, read_partial: bool, planned: PhaseOne | None = None):
+    def read(self, residual, state: DepthState, read_partial: bool, planned: PhaseOne | None = None, dtype=None):
         attention, read_gate = residual.depth_attention, residual.read_gate
         like, num_sources = state.history_inv_rms, len(state.history) + int(read_partial)
         traced = _traced_training()
@@ -916,6 +921,8 @@ class InferenceDepthBackend:
         self.planned: dict[torch.nn.Module, _PlannedRead] = {}  # phase 1 of reads ahead in the open block
         self.block_size = config.dar_block_size
         self.residuals: tuple = ()
+        self.autocast = False  # whether autocast is on for the history's device (`start`: read once per forward)
+        self.dtype_likes: dict[torch.dtype, torch.Tensor] = {}  # empty tensors naming a branch dtype, for the kernels
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
         """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights;
@@ -928,6 +935,7 @@ class InferenceDepthBackend:
         ):
             self.kernels = cpu_kernels()  # None where they cannot be built (warned once)
         compute_dtype = dar_compute_dtype(entry.dtype)
+        self.autocast = torch.is_autocast_enabled(entry.device.type)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         # [S_max, B, T, J], in the compute dtype
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1], dtype=compute_dtype)
@@ -941,9 +949,13 @@ class InferenceDepthBackend:
         first = residuals[0]
         if first not in self.planned:
             group = self._reads_ahead(first) or reads_planned_together(residuals)
-            with _without_autocast(self.history_buffer.device.type):
+            with self._mixing():
                 self.planned.update(zip(group, self._phase_one(state, group)))
         return tuple(self.planned.pop(residual, None) for residual in residuals)
+
+    def _mixing(self):
+        """The precision policy also under autocast (`_without_autocast`), as of the forward's start."""
+        return torch.autocast(self.history_buffer.device.type, enabled=False) if self.autocast else _NO_CONTEXT
 
     def _reads_ahead(self, first) -> list:
         """The reads from `first` to the end of its block (they see the same committed entries), when the model gave
@@ -1044,22 +1056,28 @@ class InferenceDepthBackend:
         )  # [R, B, T, D], [R, B, T, J, D], [R, B, T, J]
         return [_PlannedRead(*read, None) for read in zip(gated.unbind(0), means.unbind(0), log_sum_exp.unbind(0))]
 
-    def read(self, residual, state: DepthState, read_partial: bool, planned: _PlannedRead | None = None):
+    def read(self, residual, state: DepthState, read_partial: bool, planned: _PlannedRead | None = None,
+             dtype: torch.dtype | None = None):
+        """u [B, T, D] in the compute dtype, or already in `dtype` (the branch's) where the kernels write it so."""
         if planned is None:
             planned = self.plan(state, residual)[0]
         if not read_partial:
             return planned.gated, (planned.weights if self.keep_weights else None)
-        with _without_autocast(self.history_buffer.device.type):
-            return self._read_with_partial(residual, state, planned)
+        with self._mixing():
+            return self._read_with_partial(residual, state, planned, dtype)
 
-    def _read_with_partial(self, residual, state: DepthState, planned: _PlannedRead):
+    def _read_with_partial(self, residual, state: DepthState, planned: _PlannedRead, dtype: torch.dtype | None):
         attention, partial = residual.depth_attention, state.partial
         constants = self._constants(residual, len(state.history) + 1)
         if self.kernels is not None:
+            dtype = dtype or partial.dtype
+            like = self.dtype_likes.get(dtype)
+            if like is None:
+                like = self.dtype_likes[dtype] = partial.new_empty(0, dtype=dtype)
             branch_input = self.kernels.read_partial(
                 partial, constants.query, constants.gate, planned.gated, planned.mean, planned.log_sum_exp,
-                attention.key_streams, attention.value_streams, self.eps,
-            )  # [B, T, D]
+                attention.key_streams, attention.value_streams, self.eps, like,
+            )  # [B, T, D] in `dtype`: rounded as `.to(dtype)` would round it
             return branch_input, None
         batch, tokens, streams, hidden = partial.shape
         partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
@@ -1081,19 +1099,23 @@ class InferenceDepthBackend:
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
         constants = self._constants(residual, len(state.history) + int(residual.reads_partial))
-        with _without_autocast(self.history_buffer.device.type):
-            partial = self._write(constants, state.partial, branch_output.unsqueeze(-2))  # y [B, T, 1, D], model dtype
+        with self._mixing():
+            partial = self._write(constants, state.partial, branch_output)  # y [B, T, D] in the model dtype
         if commits:
             return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
         return DepthState(self, partial, state.history)
 
-    def _write(self, constants: _InferenceConstants, partial, written) -> torch.Tensor:
+    def _write(self, constants: _InferenceConstants, partial, branch_output) -> torch.Tensor:
+        if self.kernels is not None and constants.beta is not None:  # two streams
+            branch_output = branch_output.contiguous()
+            if partial is None:
+                return self.kernels.write_first(constants.beta, branch_output)
+            return self.kernels.write_partial(partial, constants.rho, constants.beta, branch_output)
+        written = branch_output.unsqueeze(-2)  # y [B, T, 1, D]
         if constants.beta is None:  # one stream (AttnRes): y unchanged
             partial = written.to(self.inv_rms_buffer.dtype) if partial is None else partial + written
         elif partial is None:
             partial = constants.beta * written  # [B, T, J, D], promoted to the compute dtype
-        elif self.kernels is not None:
-            partial = self.kernels.write_partial(partial, constants.rho, constants.beta, written.contiguous())
         else:  # [[rho, 1-rho], [1-rho, rho]] P + beta * y
             partial = torch.lerp(partial.flip(-2), partial, constants.rho).addcmul_(constants.beta, written)
         return partial
@@ -1399,7 +1421,7 @@ class FastDepthBackend:
     def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
         return commit_entry(entry, self.history_buffer, self.inv_rms_buffer, slot, self.eps, self.gradients)
 
-    def read(self, residual, state: DepthState, read_partial: bool, planned=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, residual, state: DepthState, read_partial: bool, planned=None, dtype=None) -> tuple:
         attention, read_gate = residual.depth_attention, residual.read_gate
         like, num_sources = self.history_buffer, len(state.history) + int(read_partial)
         routed = _derived(

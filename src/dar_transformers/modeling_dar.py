@@ -293,8 +293,8 @@ class DARBranchResidual(nn.Module):
         """The read: (u [B, T, D] in `dtype`, depth weights [N, B, T, J]). A forward, so that `output_hidden_states`
         and `output_depth_weights` record them. `planned`: this read's phase 1, if the backend planned it with
         others (`plan`)."""
-        branch_input, weights = state.backend.read(self, state, self.reads_partial, planned)
-        return branch_input.to(dtype), weights
+        branch_input, weights = state.backend.read(self, state, self.reads_partial, planned, dtype)
+        return (branch_input if branch_input.dtype == dtype else branch_input.to(dtype)), weights
 
     def read(self, state: DepthState, dtype: torch.dtype, planned=None) -> torch.Tensor:
         """u [B, T, D] in the model dtype, eq. (2)-(5)."""
