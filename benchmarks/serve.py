@@ -21,6 +21,12 @@ load are printed and written to benchmarks/results/serve.json.
                                                                     #   remote code, measured in the same rounds
     python benchmarks/serve.py --dar-kernel cpp        # + the DAR folder with `dar_inference_kernel="cpp"` (the C++
                                                        #   kernels of eager decoding), in the same rounds
+    python benchmarks/serve.py --interleaved           # every model's engine in one process per round, alternated
+                                                       #   repeat by repeat (the drift-robust comparison)
+
+`--interleaved` also prints the paired ratio: per repeat, DAR's figure over Llama's of the same cycle (measured
+seconds apart), median over repeats and rounds. Separate engines run minutes apart, and on a shared CPU the
+machine's speed moves by up to 30 % over minutes, so there the paired ratio is the one to read.
 """
 
 import argparse
@@ -91,11 +97,15 @@ def add_kernel_variant(folders: dict[str, Path], kernel: str) -> str:
     return f"dar-{kernel}"
 
 
-def run_engine(python: Path, folder: Path, prompts: Path, args, compiled: bool, model_impl: str, out: Path) -> dict:
+def run_engine(python: Path, folder: Path, prompts: Path, args, compiled: bool, model_impl: str, out: Path,
+               interleave: tuple[Path, ...] = ()) -> dict:
+    """One runner process: the engine of `folder` (and one per `interleave` folder, alternated repeat by repeat:
+    the result is then by folder path)."""
     command = [str(python), str(RUNNER), "throughput", str(folder), "--prompts", str(prompts), "--max-tokens",
                str(args.new_tokens), "--repeats", str(args.repeats), "--dtype", args.dtype, "--max-model-len",
                str(args.max_model_len), "--model-impl", model_impl, "--out", str(out)]
     command += ["--compile"] if compiled else []
+    command += [argument for path in interleave for argument in ("--interleave", str(path))]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "PYTHONPATH": "",
            "VLLM_CACHE_ROOT": str(out.parent / "vllm-cache")}
     log = out.with_suffix(".log")
@@ -107,7 +117,9 @@ def run_engine(python: Path, folder: Path, prompts: Path, args, compiled: bool, 
         raise SystemExit(f"vLLM failed ({folder.name}, {'compiled' if compiled else 'eager'}):\n"
                          f"{log.read_text()[-3000:]}")
     result = json.loads(out.read_text())
-    result["engine_wall_s"] = time.perf_counter() - start
+    wall_s = time.perf_counter() - start
+    for metrics in (result.values() if interleave else [result]):
+        metrics["engine_wall_s"] = wall_s
     return result
 
 
@@ -128,6 +140,8 @@ def main() -> None:
     parser.add_argument("--dar-kernel", action="append", default=[], choices=["cpp"],
                         help="also the DAR folder with this `dar_inference_kernel`, in the same rounds")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per engine")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="one process per round holding every model's engine, alternated repeat by repeat")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "serve.json")
     args = parser.parse_args()
     if not args.vllm_python.exists():
@@ -148,11 +162,22 @@ def main() -> None:
         for mode in args.modes.split(","):
             rounds = args.compiled_rounds if mode == "compiled" and args.compiled_rounds is not None else args.rounds
             for round_index in range(rounds):
-                for name, model_impl in models:
-                    key = f"{name}{'-native' if model_impl == 'auto' else ''}/{mode}"
-                    out = scratch / f"{key.replace('/', '-')}-{round_index}.json"
-                    result = run_engine(args.vllm_python, folders[name], prompts, args, mode == "compiled",
-                                        model_impl, out)
+                if args.interleaved:
+                    if any(model_impl != "transformers" for _, model_impl in models):
+                        raise SystemExit("--interleaved runs the Transformers backend only (drop --llama-native)")
+                    out = scratch / f"interleaved-{mode}-{round_index}.json"
+                    paths = [folders[name] for name, _ in models]
+                    by_path = run_engine(args.vllm_python, paths[0], prompts, args, mode == "compiled",
+                                         "transformers", out, interleave=tuple(paths[1:]))
+                    results = [(f"{name}/{mode}", by_path[str(path)]) for (name, _), path in zip(models, paths)]
+                else:
+                    results = []
+                    for name, model_impl in models:
+                        key = f"{name}{'-native' if model_impl == 'auto' else ''}/{mode}"
+                        out = scratch / f"{key.replace('/', '-')}-{round_index}.json"
+                        results.append((key, run_engine(args.vllm_python, folders[name], prompts, args,
+                                                        mode == "compiled", model_impl, out)))
+                for key, result in results:
                     entry = samples.setdefault(key, {})
                     for metric, values in result.items():
                         entry.setdefault(metric, []).extend(values if isinstance(values, list) else [values])
@@ -162,6 +187,13 @@ def main() -> None:
 
     results = {key: {metric: statistics.median(values) for metric, values in entry.items()}
                for key, entry in samples.items()}
+    if args.interleaved:  # per repeat, over Llama's of the same cycle
+        for key, entry in samples.items():
+            llama = samples[f"llama/{key.split('/')[1]}"]
+            results[key]["paired_throughput_ratio"] = statistics.median(
+                value / base for value, base in zip(entry["batch_tokens_per_s"], llama["batch_tokens_per_s"]))
+            results[key]["paired_latency_ratio"] = statistics.median(
+                value / base for value, base in zip(entry["decode_ms_per_token"], llama["decode_ms_per_token"]))
     print(f"\nvLLM {args.dtype}, {args.prompts} prompts x {args.new_tokens} new tokens, medians of "
           f"{args.rounds} rounds (compiled {args.compiled_rounds or args.rounds}) x {args.repeats} repeats; ratios DAR / Llama (same backend):")
     print(f"{'model/mode':<22} {'tokens/s':>9} {'ms/token':>9} {'throughput ratio':>17} {'latency ratio':>14}")
@@ -171,8 +203,10 @@ def main() -> None:
         ratio = value["batch_tokens_per_s"] / llama["batch_tokens_per_s"]
         latency = value["decode_ms_per_token"] / llama["decode_ms_per_token"]
         value.update(throughput_ratio_to_llama=ratio, latency_ratio_to_llama=latency)
+        paired = (f"   paired: {value['paired_throughput_ratio']:.3f}x / {value['paired_latency_ratio']:.3f}x"
+                  if "paired_throughput_ratio" in value else "")
         print(f"{key:<22} {value['batch_tokens_per_s']:9.1f} {value['decode_ms_per_token']:9.2f} {ratio:16.3f}x "
-              f"{latency:13.3f}x")
+              f"{latency:13.3f}x{paired}")
     load_after = os.getloadavg()
     print(f"load average before/after: {load_before[0]:.1f} / {load_after[0]:.1f} on {os.cpu_count()} CPUs")
     args.output.parent.mkdir(parents=True, exist_ok=True)

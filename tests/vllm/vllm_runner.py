@@ -6,12 +6,15 @@ would from the Hub. One command, one engine, one JSON file:
     python tests/vllm/vllm_runner.py offline  MODEL --prompts P.json --max-tokens N [--compile] --out R.json
     python tests/vllm/vllm_runner.py chat     MODEL --question Q --max-tokens N [--compile] --port P --out R.json
     python tests/vllm/vllm_runner.py throughput MODEL --prompts P.json --max-tokens N [--compile] --out R.json
+    python tests/vllm/vllm_runner.py throughput MODEL --interleave MODEL2 [--interleave ...] ... --out R.json
 
 `offline` decodes greedily with `LLM(..., model_impl="transformers")` from token ids and writes the generated
 token ids per prompt. `chat` starts the OpenAI-compatible server (`vllm serve`, bound to 127.0.0.1), waits for it
 (bounded), asks one chat completion through the `openai` client, stops the server and writes the answer.
 `throughput` times the batch of prompts (after one warm-up request) and the per-token latency of a single
-request.
+request. With `--interleave`, one process holds an engine per model and alternates them repeat by repeat (MODEL,
+MODEL2, ..., MODEL, MODEL2, ...), so that the machine's drift between engines, which on a shared CPU moves tokens/s by
+up to 30 % over minutes, hits every model alike; the JSON then has one result per model, by its path.
 """
 
 import argparse
@@ -71,31 +74,43 @@ def model_class(llm) -> str:
         return "unknown"
 
 
+def measure_once(llm, prompts, max_tokens: int, results: dict) -> None:
+    """One repeat: the batch's generated tokens per second, and one request's decode milliseconds per token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    batch_s = time.perf_counter() - start
+    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+    # One request alone: per-token latency of decoding (prefill excluded by subtracting a 1-token request).
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts[:1], first, use_tqdm=False)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    single_s = time.perf_counter() - start
+    results.setdefault("batch_tokens_per_s", []).append(generated / batch_s)
+    results.setdefault("decode_ms_per_token", []).append(1e3 * (single_s - prefill_s) / (max_tokens - 1))
+
+
 def run_throughput(args) -> dict:
     from vllm import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids in json.loads(Path(args.prompts).read_text())]
-    llm = LLM(**engine_arguments(args))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up: first-call allocations (and compiled graphs)
-    results = {}
-    for repeat in range(args.repeats):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        batch_s = time.perf_counter() - start
-        generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-        # One request alone: per-token latency of decoding (prefill excluded by subtracting a 1-token request).
-        single = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts[:1], first, use_tqdm=False)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        llm.generate(prompts[:1], single, use_tqdm=False)
-        single_s = time.perf_counter() - start
-        results.setdefault("batch_tokens_per_s", []).append(generated / batch_s)
-        results.setdefault("decode_ms_per_token", []).append(1e3 * (single_s - prefill_s) / (args.max_tokens - 1))
-    return results
+    models = [args.model, *args.interleave]
+    engines = []
+    for model in models:
+        llm = LLM(**{**engine_arguments(args), "model": model})
+        warm_up = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(prompts[:1], warm_up, use_tqdm=False)  # first-call allocations (and compiled graphs)
+        engines.append(llm)
+    results = {model: {} for model in models}
+    for _ in range(args.repeats):
+        for model, llm in zip(models, engines):
+            measure_once(llm, prompts, args.max_tokens, results[model])
+    return results if args.interleave else results[args.model]
 
 
 def wait_for_server(process: subprocess.Popen, port: int) -> None:
@@ -159,6 +174,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--model-impl", default="transformers", help="vLLM's backend (\"auto\": its native one)")
+    parser.add_argument("--interleave", action="append", default=[], metavar="MODEL",
+                        help="throughput: more models, one engine each in this process, alternated repeat by repeat")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
