@@ -57,7 +57,16 @@ def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):
     ({"num_attention_heads": 5, "num_key_value_heads": 5},
      [r"config\.json", r"hidden size \(32\) is not a multiple of the number of attention heads \(5\)"]),
     ({"rms_norm_eps": "abc"}, [r"config\.json", r"'rms_norm_eps' expected float, got str"]),
-])
+    # Past transformers' config validation, a bare KeyError traceback in the model's constructor:
+    ({"hidden_act": "swiglu"}, [r"config\.json: hidden_act 'swiglu' is not an activation transformers knows "
+                                r"\(allowed: .*gelu_pytorch_tanh, .*silu"]),
+    ({"rope_parameters": {"rope_type": "ntk", "rope_theta": 10000.0}},
+     [r"config\.json: rope type 'ntk' \(rope_parameters / rope_scaling\) is not one transformers knows \(allowed: "
+      r"default, linear, dynamic, yarn, longrope, llama3"]),
+    ({"rope_scaling": {"type": "ntk", "factor": 2.0}, "rope_theta": 10000.0, "rope_parameters": None},
+     [r"config\.json: rope type 'ntk'"]),
+    ({"model_type": ["llama"]}, [r"Cannot convert model_type \['llama'\] \(.*config\.json\): DAR converts"]),  # was
+])  # "unhashable type: 'list'"
 def test_an_invalid_source_config_is_one_line_naming_the_file_and_the_field(tmp_path, fields, patterns):
     source = save_source(tmp_path / "source")
     edit_json(source / "config.json", **fields)
@@ -130,6 +139,52 @@ def test_a_folder_with_both_a_single_file_and_shards_is_refused_naming_both(tmp_
                                r"model\.safetensors\.index\.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "source"]
     assert tree_digest(source) == before
+
+
+@pytest.mark.parametrize("weight_map", ["model-00001-of-00002.safetensors", [], None, {}, {"lm_head.weight": 1}])
+def test_an_index_whose_weight_map_names_no_files_is_one_line_naming_it(tmp_path, weight_map):
+    """A model.safetensors.index.json whose weight_map is not an object of tensor name -> file name (hand-edited, or
+    written by a broken tool): a string, list or null was an AttributeError traceback, a number a TypeError that named
+    no file, an empty map "has no safetensors weights" beside the shards. One line naming the index; nothing written."""
+    source = save_source(tmp_path / "source", shard="20KB")
+    edit_json(source / "model.safetensors.index.json", weight_map=weight_map)
+    before = tree_digest(source)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"source/model\.safetensors\.index\.json is not a safetensors index: its "
+                               r"weight_map must map each tensor name to the safetensors file that holds it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    assert tree_digest(source) == before
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_weights_file_that_is_a_broken_symlink_is_named_as_one(tmp_path, sharded):
+    """A Hub cache snapshot whose blob is missing (an interrupted download): model.safetensors, or a shard, is a symlink
+    to nothing. A single file was reported as "model.safetensors (listed in model.safetensors.index.json) does not
+    exist", an index the folder does not have. Named as the broken symlink it is; the index only when there is one."""
+    source = save_source(tmp_path / "source", shard="20KB" if sharded else None)
+    weights = sorted(source.glob("model-00002-of-*.safetensors") if sharded else [source / "model.safetensors"])[0]
+    weights.unlink()
+    weights.symlink_to(tmp_path / "blobs" / "0123abcd")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    listed = r" \(listed in .*model\.safetensors\.index\.json\)" if sharded else ""
+    assert_refused_in_one_line(code, stderr,
+                               rf"source/{weights.name}{listed} does not exist: a symlink to a missing file")
+    assert "index" in stderr.splitlines()[-1] if sharded else "index" not in stderr.splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_an_index_of_model_safetensors_itself_is_one_checkpoint_not_two(tmp_path):
+    """model.safetensors with a model.safetensors.index.json whose weight_map names model.safetensors alone (mlx-lm
+    writes such an index for a one-file model): refused as "two checkpoints", telling the user to move one of them
+    out, though both describe the same file. It converts, as transformers loads it."""
+    source = save_source(tmp_path / "source")
+    names = load_file(source / "model.safetensors").keys()
+    (source / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {name: "model.safetensors" for name in names}}))
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    norm = load_file(source / "model.safetensors")["model.norm.weight"]
+    assert written_tensors(tmp_path / "out")["model.norm.weight"].equal(norm)
 
 
 def test_other_safetensors_files_next_to_model_safetensors_are_not_read_and_are_named(tmp_path, caplog):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from dar_transformers.cli import main as cli_main
 from dar_transformers.conversion import chat_input_ids
 
-from conftest import REPO, make_tokenizer, save_source
+from conftest import REPO, make_tokenizer, run_convert_in_process, save_source
 
 
 def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
@@ -45,3 +45,13 @@ def test_demo_runs_in_its_tiny_mode(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "PASSED" in completed.stdout and "identical answers: True" in completed.stdout
+
+
+def test_a_source_named_dot_is_named_by_its_folder_in_the_card(tmp_path):
+    """`dar convert . ../out` from inside the source folder: `Path(".").name` is empty, so the card read "#  + DAR" and
+    "`` (HF folder )", naming no source. The folder's own name, as for any other spelling of the path."""
+    source = save_source(tmp_path / "SmolThing-135M")
+    code = run_convert_in_process(".", "../out", "--max-new-tokens", "0", cwd=source)[0]
+    assert code == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "# SmolThing-135M + DAR" in card and "`SmolThing-135M` (HF folder SmolThing-135M)" in card

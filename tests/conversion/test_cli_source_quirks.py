@@ -82,11 +82,13 @@ def test_a_repetition_penalty_in_generation_config_applies_to_both_sides_of_the_
     {"num_beams": 2},
     {"num_return_sequences": 2, "do_sample": True},
     {"max_time": 1e-9, "return_dict_in_generate": True},
-], ids=["stop_strings", "num_beams", "num_return_sequences", "max_time"])
+    {"exponential_decay_length_penalty": [2, 1.5]},  # was a RuntimeError traceback ("infer dtype of NoneType")
+], ids=["stop_strings", "num_beams", "num_return_sequences", "max_time", "exponential_decay_length_penalty"])
 def test_a_search_setting_in_generation_config_leaves_the_greedy_check_plain_greedy(tmp_path, capsys, fields):
     """Valid generation_config.json settings that are not plain greedy search: the greedy check copied them, and
     generate() raised about arguments the user never passed (stop strings without a tokenizer, beam search with a
-    streamer, two sequences without sampling), exit code 1 for an exact conversion. The check runs plain greedy
+    streamer, two sequences without sampling, an EOS length penalty without the EOS the check unsets), exit code 1
+    for an exact conversion. The check runs plain greedy
     search on both sides whatever the file says (max_time would stop them at different lengths)."""
     source = save_source(tmp_path / "source")
     (source / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, **fields}))
@@ -97,6 +99,19 @@ def test_a_search_setting_in_generation_config_leaves_the_greedy_check_plain_gre
     rows = [line for line in captured.out.splitlines() if line.startswith("| ") and "tokens)" in line]
     assert rows and all(row.endswith("| yes (4 tokens) |") for row in rows), rows
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()).items() >= fields.items()
+
+
+def test_an_architectures_field_that_is_not_a_list_converts(tmp_path):
+    """config.json with `"architectures": "LlamaForCausalLM"` or a number (hand-edited configs), which transformers
+    loads: the family check joined it as a list of names for its message, and refused the source with "can only join
+    an iterable" (a number) before any check. The field is only named in messages; the conversion runs."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", architectures=5)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    ids = random_tokens(32)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids),
+                               logits(AutoModelForCausalLM.from_pretrained(source).eval(), ids), atol=1e-5, rtol=0)
 
 
 def test_the_sources_license_and_vocabulary_files_travel_with_the_weights(tmp_path):

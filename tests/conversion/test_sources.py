@@ -5,6 +5,7 @@ file is read tensor by tensor exactly as transformers loads it."""
 import json
 import struct
 
+import gguf as gguf_py
 import numpy as np
 import pytest
 import torch
@@ -124,6 +125,24 @@ def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp
               for layer in range(2) for name, rows in (("q", 32), ("k", 16))}
     assert_gguf_refused(tmp_path, r"holds 4 tensor\(s\) that LlamaForCausalLM of its config has no parameter for: "
                                   r"\['blk\.0\.attn_q\.bias', 'blk\.0\.attn_k\.bias'", extra_tensors=biases)
+
+
+def test_a_gguf_tensor_of_a_type_gguf_cannot_dequantise_is_refused_naming_it(tmp_path, monkeypatch):
+    """A GGUF tensor stored in a GGML type that gguf-py's `dequantize` does not implement (Q8_1 here; F64, the
+    integer types and Q1_0 alike): the metadata, the config and the plan went through, and the write stopped on that
+    tensor with a NotImplementedError traceback. Refused in one line naming the file, the tensor and its type; the
+    staging folder is removed."""
+    add_tensor = gguf_py.GGUFWriter.add_tensor
+
+    def values_in_q8_1(self, name, array, *args, **kwargs):
+        if name == "blk.0.attn_v.weight":  # [16, 32]: one Q8_1 block (32 values, 40 bytes) per row
+            raw = np.zeros((array.shape[0], 40), dtype=np.uint8)
+            return add_tensor(self, name, raw, raw_dtype=gguf_py.GGMLQuantizationType.Q8_1)
+        return add_tensor(self, name, array, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_tensor", values_in_q8_1)
+    assert_gguf_refused(tmp_path, r"GGUF file .*tiny\.gguf: tensor blk\.0\.attn_v\.weight is stored as Q8_1, which the "
+                                  r"gguf package .* cannot dequantise .*Convert a GGUF file whose tensors are")
 
 
 def assert_gguf_refused(tmp_path, match: str, **gguf_fields) -> None:

@@ -181,17 +181,25 @@ class SafetensorsCheckpoint(Checkpoint):
         if files is None:
             index = self.folder / INDEX_NAME
             single = self.folder / "model.safetensors"
-            if index.is_file() and single.is_file():
-                raise ValueError(
-                    f"Source folder {self.folder} holds two checkpoints: {single.name} and the shards of "
-                    f"{index.name}. transformers' from_pretrained reads {single.name}; move the one you do not mean "
-                    "out of the folder, so that the conversion reads the weights you use."
-                )
             if index.is_file():
                 try:
-                    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                    weight_map = json.loads(index.read_text())["weight_map"]
                 except (json.JSONDecodeError, KeyError, TypeError) as error:
                     raise ValueError(f"{index} is not a safetensors index ({error!r}).") from error
+                if not (isinstance(weight_map, dict) and weight_map
+                        and all(isinstance(file, str) and file for file in weight_map.values())):
+                    raise ValueError(
+                        f"{index} is not a safetensors index: its weight_map must map each tensor name to the "
+                        f"safetensors file that holds it (a non-empty object of file names), got {weight_map!r:.200}."
+                    )
+                files = sorted(set(weight_map.values()))
+                # Both are one checkpoint when the index lists model.safetensors alone (mlx-lm writes such an index).
+                if single.is_file() and files != [single.name]:
+                    raise ValueError(
+                        f"Source folder {self.folder} holds two checkpoints: {single.name} and the shards of "
+                        f"{index.name}. transformers' from_pretrained reads {single.name}; move the one you do not "
+                        "mean out of the folder, so that the conversion reads the weights you use."
+                    )
             elif single.is_file():  # as transformers reads the folder: other *.safetensors (a LoRA adapter, a backup)
                 files = [single.name]  # are not this model's weights
                 others = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name != single.name)
@@ -216,7 +224,10 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def _open(self, path: Path) -> None:
         if not path.is_file():
-            raise FileNotFoundError(f"{path} (listed in {self.folder / INDEX_NAME}) does not exist.")
+            index = self.folder / INDEX_NAME
+            listed = f" (listed in {index})" if index.is_file() else ""
+            broken = ": a symlink to a missing file (an incomplete download?)" if path.is_symlink() else ""
+            raise FileNotFoundError(f"{path}{listed} does not exist{broken}.")
         fd = os.open(path, os.O_RDONLY)
         self._fds.append(fd)
         self._files[fd] = path
@@ -345,7 +356,15 @@ class GGUFCheckpoint(Checkpoint):
         self._last = None  # free the previous tensor before making the next
         gguf_name, tensor_type, raw_dtype, raw_shape, offset, nbytes, info = self._tensors[name]
         raw = np.frombuffer(pread_exact(self._fd, nbytes, offset, self.path), dtype=raw_dtype).reshape(raw_shape)
-        weights = gguf.dequantize(raw, tensor_type)
+        try:
+            weights = gguf.dequantize(raw, tensor_type)
+        except NotImplementedError as error:  # F64, the integer types, some quantisation types (Q8_1, Q8_K, Q1_0)
+            raise ValueError(
+                f"{self.description}: tensor {gguf_name} is stored as {tensor_type.name}, which the gguf package "
+                f"(which transformers reads GGUF files with) cannot dequantise ({error}); nothing is converted. "
+                "Convert a GGUF file whose tensors are F32, F16, BF16 or of a type such as Q8_0, Q4_K or IQ4_XS, or "
+                "the Hugging Face folder."
+            ) from error
         result = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping={}, parsed_parameters={})
         tensor = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(info.shape)
         self.dequantised += 1

@@ -79,7 +79,7 @@ def supported_families_sentence() -> str:
 
 def check_model_type(model_type: object, where: str) -> str:
     """The branch family of a source `model_type` read from `where`, or a one-line error listing the supported ones."""
-    if model_type not in ALL_SOURCE_FAMILIES:
+    if not isinstance(model_type, str) or model_type not in ALL_SOURCE_FAMILIES:  # a list or object is no type either
         raise UnsupportedArchitectureError(
             f"Cannot convert model_type {model_type!r} ({where}): {supported_families_sentence()}; custom model code is "
             "never run."
@@ -90,7 +90,8 @@ def check_model_type(model_type: object, where: str) -> str:
 def source_family(config: PreTrainedConfig) -> str:
     """The DAR branch family of a source config, or a clear error listing the supported ones."""
     architectures = getattr(config, "architectures", None) or [type(config).__name__]
-    return check_model_type(config.model_type, ", ".join(architectures))
+    where = ", ".join(map(str, architectures)) if isinstance(architectures, (list, tuple)) else str(architectures)
+    return check_model_type(config.model_type, where)
 
 
 def check_full_attention(source_config: PreTrainedConfig) -> None:

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
@@ -83,6 +85,11 @@ def display_name(name_or_path: str) -> str:
     return name_or_path
 
 
+def folder_name(path: Path) -> str:
+    """A source folder's own name, also when it is given as ".", ".." or "dir/." (whose `Path.name` is empty)."""
+    return Path(os.path.abspath(path)).name
+
+
 def _gguf_location(path: Path) -> tuple[str, str]:
     return str(path.parent), path.name
 
@@ -117,6 +124,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as error:  # transformers' validators raise StrictDataclass*, ValueError, TypeError, KeyError
         raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
+    check_model_builds(config, config_file)
     entries = custom_code_entries(config)
     if entries:
         builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
@@ -127,6 +135,31 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
             "something else (a logit scale, another rope), the converted model does not; the model card says so."
         )
     return config
+
+
+def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
+    """Refuse a config that transformers' own class for its model_type cannot build a model from, before any weight is
+    read: an activation (`hidden_act`) or a rope type (`rope_parameters`, `rope_scaling`) that transformers does not
+    know passes its config validation, then fails as a bare KeyError deep in the model's constructor. Those two are
+    named with the values allowed; anything else the constructor raises names the file and the error."""
+    allowed_rope_types = ("default", *ROPE_INIT_FUNCTIONS)
+    rope = getattr(config, "rope_parameters", None) or {}
+    for parameters in (rope, *(value for value in rope.values() if isinstance(value, dict))):
+        rope_type = parameters.get("rope_type", "default")
+        if rope_type not in allowed_rope_types:
+            raise ValueError(f"Invalid {config_file}: rope type {rope_type!r} (rope_parameters / rope_scaling) is not "
+                             f"one transformers knows (allowed: {', '.join(allowed_rope_types)}).")
+    activation = getattr(config, "hidden_act", None)
+    if isinstance(activation, str) and activation not in ACT2FN:
+        raise ValueError(f"Invalid {config_file}: hidden_act {activation!r} is not an activation transformers knows "
+                         f"(allowed: {', '.join(sorted(ACT2FN))}).")
+    try:
+        with torch.device("meta"):  # a copy: from_config sets the attention and experts implementations on its config
+            AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
+    except Exception as error:  # whatever the constructor trips over: a config the source's own class cannot build
+        builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
+        raise ValueError(f"Invalid {config_file}: transformers' {builtin} cannot be built from it "
+                         f"({type(error).__name__}: {one_line(error)}).") from error
 
 
 def custom_code_entries(config: PreTrainedConfig) -> tuple[str, ...]:
@@ -265,7 +298,8 @@ def load_source(
         return Source(model, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config=model.config)
     loaded_tokenizer = tokenizer or (_load_tokenizer(path) if need_tokenizer else None)
     model = _load_folder_model(path, dtype).eval()
-    return Source(model, loaded_tokenizer, path.name, f"HF folder {path.name}", config=model.config)
+    name = folder_name(path)
+    return Source(model, loaded_tokenizer, name, f"HF folder {name}", config=model.config)
 
 
 
@@ -313,7 +347,8 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
             raise ValueError(f"Invalid {path / 'generation_config.json'}: {one_line(error)}") from error
     else:
         generation_config = GenerationConfig.from_model_config(source_config)
-    return Source(None, loaded_tokenizer, path.name, f"HF folder {path.name}", source_config, checkpoint,
+    name = folder_name(path)
+    return Source(None, loaded_tokenizer, name, f"HF folder {name}", source_config, checkpoint,
                   generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None),
                   custom_code_entries(source_config))
 

@@ -62,12 +62,14 @@ CHAT_PROMPT = "What is the capital of France?"
 # one of `max_new_tokens` tokens, returned as a tensor. The config's logits processors (repetition_penalty,
 # no_repeat_ngram_size, ...) still apply, as from_pretrained loads them; its search strategy and stopping rules do not
 # (beam search refuses the progress streamer, stop_strings need a tokenizer, num_return_sequences > 1 needs sampling,
-# max_time could stop the two models at different lengths, a quantized cache needs another package).
+# max_time could stop the two models at different lengths, a quantized cache needs another package, the exponential
+# decay length penalty raises the EOS token's logits and fails without one).
 GREEDY_SEARCH: dict[str, object] = dict(
     do_sample=False, num_beams=1, num_beam_groups=1, num_return_sequences=1,
     penalty_alpha=None, dola_layers=None, constraints=None, force_words_ids=None,  # contrastive, DoLa, constrained
     prompt_lookup_num_tokens=None, assistant_early_exit=None, use_mtp=False,  # assisted generation
     eos_token_id=None, stop_strings=None, max_time=None, token_healing=False,  # stop after max_new_tokens only
+    exponential_decay_length_penalty=None,  # a stopping rule too: it pushes towards the EOS token, which is unset
     cache_implementation=None,  # the model's default cache: the cache does not change the function
     return_dict_in_generate=False, output_scores=False, output_logits=False, output_attentions=False,
     output_hidden_states=False,
