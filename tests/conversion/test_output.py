@@ -120,3 +120,32 @@ def test_an_existing_empty_output_folder_keeps_its_mode_owner_and_group(tmp_path
     assert not_a_conversion_output(out) is None
     upcycle(source, out, overwrite=True, tolerance=1e-5, **FAST)  # a previous output replaced keeps them too
     assert (oct(stat.S_IMODE(os.stat(out).st_mode)), os.stat(out).st_gid) == ("0o2750", before.st_gid)
+
+
+def test_an_output_path_that_is_not_utf8_is_refused_before_any_work(tmp_path):
+    """An output named with bytes that are not UTF-8 (`$'out\\xff'` in a shell): the whole conversion ran, then the
+    tokenizer's (Rust) writer refused the path with "'utf-8' codec can't encode character '\\udcff' ... surrogates not
+    allowed", naming no file. Refused up front, naming the output."""
+    source = save_source(tmp_path / "source")
+    out = tmp_path / os.fsdecode(b"out\xff")
+    with pytest.raises(ValueError, match=r"Output '.*out\\udcff' is not a valid UTF-8 path"):
+        check_output_folder(out, overwrite=False, source=source)
+    with pytest.raises(ValueError, match="is not a valid UTF-8 path"):
+        upcycle(source, out, **FAST)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+@pytest.mark.parametrize("given", ["", " "])
+def test_an_empty_output_path_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch, given):
+    """`dar convert SRC "$OUT"` with OUT unset resolved "" to the current folder: written into it when empty, replaced
+    with --overwrite when it was a previous output. Refused, naming what was given; the current folder is untouched."""
+    source = save_source(tmp_path / "source")
+    monkeypatch.chdir(tmp_path / "source")
+    with pytest.raises(ValueError, match="is an empty path"):
+        check_output_folder(given, overwrite=True, source=source)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    with pytest.raises(ValueError, match="is an empty path"):
+        upcycle(source, given, **FAST)
+    assert list(empty.iterdir()) == []

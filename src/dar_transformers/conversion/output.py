@@ -67,8 +67,16 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
 
     `source`: the source folder or file (a path); anything else (an in-memory model) has no files to protect."""
     given = os.fspath(output)
+    if not given.strip():  # `dar convert SRC "$OUT"` with OUT unset: not the current folder
+        raise ValueError(f"Output {given!r} is an empty path (an unset shell variable?); name the folder to write, "
+                         "for example ./model-dar.")
     output = resolve_path(given)
     shown = f"{given} (resolved: {output})" if str(output) != given else given
+    try:
+        os.fsencode(output).decode("utf-8")
+    except UnicodeDecodeError:  # else refused only after the whole write, by the tokenizer's (Rust) writer
+        raise ValueError(f"Output {ascii(str(output))} is not a valid UTF-8 path, which the tokenizer's writer (and "
+                         "the Hub) need; choose an output folder whose path is UTF-8.") from None
     if isinstance(source, (str, os.PathLike)):
         _refuse_source_overlap(output, shown, source)
     if os.path.lexists(output) and not output.is_dir():
