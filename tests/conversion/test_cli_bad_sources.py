@@ -343,3 +343,22 @@ def test_the_dar_moe_kind_exists_in_a_fresh_process_and_its_card_shows_experts_a
     assert "| experts E (sparse layers) | 3 (3 of 3 layers) |" in card
     assert "| experts per token (top-k) | 2 |" in card
     assert tree_digest(source) == before
+
+
+@pytest.mark.parametrize("escape", ["../elsewhere/{name}", "/tmp/{name}"])
+def test_an_index_listing_weights_outside_the_source_folder_is_refused(tmp_path, escape):
+    """An index entry that leaves the folder (`..` or an absolute path) was read as transformers reads it, beyond the
+    source folder whose overlap with the output the converter checks: with that folder as the output, --overwrite
+    could replace a shard the source reads. Refused naming the index and the entry; nothing written."""
+    source = save_source(tmp_path / "source", shard="20KB")
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    moved = sorted(set(index["weight_map"].values()))[-1]
+    entry = escape.format(name=moved)
+    edit_json(source / "model.safetensors.index.json",
+              weight_map={name: entry if file == moved else file for name, file in index["weight_map"].items()})
+    before = tree_digest(source)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"model\.safetensors\.index\.json lists weights outside the source folder "
+                               rf"\('{re.escape(entry)}'\)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    assert tree_digest(source) == before

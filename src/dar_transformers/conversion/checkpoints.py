@@ -193,6 +193,14 @@ class SafetensorsCheckpoint(Checkpoint):
                         f"safetensors file that holds it (a non-empty object of file names), got {weight_map!r:.200}."
                     )
                 files = sorted(set(weight_map.values()))
+                outside = [file for file in files
+                           if os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] == os.pardir]
+                if outside:  # read as transformers would, but beyond the source folder the output check protects
+                    raise ValueError(
+                        f"{index} lists weights outside the source folder ({', '.join(map(repr, outside[:3]))}); "
+                        "the converter reads only the folder's own files (which it keeps apart from the output). "
+                        "Copy or link the shards into the folder and list them by their names."
+                    )
                 # Both are one checkpoint when the index lists model.safetensors alone (mlx-lm writes such an index).
                 if single.is_file() and files != [single.name]:
                     raise ValueError(
