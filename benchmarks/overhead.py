@@ -45,6 +45,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from dar_transformers import DARConfig, DARForCausalLM
 from dar_transformers.configuration_dar import DAR_COMPILED_READS
+from dar_transformers.modeling_dar import OUTPUT_CACHE_FIELD, cache_keyword
 
 SHAPES = {
     "smollm2-135m": dict(
@@ -113,16 +114,19 @@ def time_prefill(model, prompt) -> float:
 @torch.no_grad()
 def time_decode(model, prompt, new_tokens: int) -> float:
     """Median seconds per decoded token (one-token forwards with the KV cache)."""
+    # The cache under the names the installed transformers uses (5.24 renamed it; the old names still work, with a
+    # warning and a shim call per token on Llama's side only).
+    keyword = cache_keyword(getattr(model, "_orig_mod", model).forward)
     output = model(input_ids=prompt, use_cache=True)
-    cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+    cache, token = output[OUTPUT_CACHE_FIELD], output.logits[:, -1:].argmax(-1)
     times = []
     for _ in range(new_tokens):
         synchronize(prompt.device)
         start = clock()
-        output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        output = model(input_ids=token, use_cache=True, **{keyword: cache})
         synchronize(prompt.device)
         times.append(clock() - start)
-        cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+        cache, token = output[OUTPUT_CACHE_FIELD], output.logits[:, -1:].argmax(-1)
     return statistics.median(times)
 
 
