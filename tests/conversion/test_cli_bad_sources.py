@@ -76,6 +76,16 @@ def test_an_invalid_source_config_is_one_line_naming_the_file_and_the_field(tmp_
     assert tree_digest(source) == before
 
 
+def assert_index_refused(tmp_path, source, pattern: str) -> None:
+    """Converting `source` into tmp_path/out is refused in one line matching `pattern`: nothing written, the source
+    unchanged."""
+    before = tree_digest(source)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, pattern)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    assert tree_digest(source) == before
+
+
 def written_tensors(folder) -> dict:
     return {name: tensor for file in folder.glob("*.safetensors") for name, tensor in load_file(file).items()}
 
@@ -148,12 +158,8 @@ def test_an_index_whose_weight_map_names_no_files_is_one_line_naming_it(tmp_path
     no file, an empty map "has no safetensors weights" beside the shards. One line naming the index; nothing written."""
     source = save_source(tmp_path / "source", shard="20KB")
     edit_json(source / "model.safetensors.index.json", weight_map=weight_map)
-    before = tree_digest(source)
-    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
-    assert_refused_in_one_line(code, stderr, r"source/model\.safetensors\.index\.json is not a safetensors index: its "
-                               r"weight_map must map each tensor name to the safetensors file that holds it")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
-    assert tree_digest(source) == before
+    assert_index_refused(tmp_path, source, r"source/model\.safetensors\.index\.json is not a safetensors index: its "
+                         r"weight_map must map each tensor name to the safetensors file that holds it")
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -356,9 +362,5 @@ def test_an_index_listing_weights_outside_the_source_folder_is_refused(tmp_path,
     entry = escape.format(name=moved)
     edit_json(source / "model.safetensors.index.json",
               weight_map={name: entry if file == moved else file for name, file in index["weight_map"].items()})
-    before = tree_digest(source)
-    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
-    assert_refused_in_one_line(code, stderr, r"model\.safetensors\.index\.json lists weights outside the source folder "
-                               rf"\('{re.escape(entry)}'\)")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
-    assert tree_digest(source) == before
+    assert_index_refused(tmp_path, source, r"model\.safetensors\.index\.json lists weights outside the source folder "
+                         rf"\('{re.escape(entry)}'\)")
