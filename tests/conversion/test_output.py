@@ -149,3 +149,24 @@ def test_an_empty_output_path_is_refused_not_taken_for_the_current_folder(tmp_pa
     with pytest.raises(ValueError, match="is an empty path"):
         upcycle(source, given, **FAST)
     assert list(empty.iterdir()) == []
+
+
+def test_a_staging_folder_of_a_live_run_whose_process_id_means_nothing_here_is_left_alone(tmp_path, caplog):
+    """A run in another container sharing the parent folder and the host name, with its own process ids: its marker
+    names a process id that is no process here. The next run removed that live run's staging folder, since stale
+    meant "process gone" alone; the run holds its marker locked (flock) while the folder is its own, so it is left
+    alone until the lock is released, then removed."""
+    output = tmp_path / "out"
+    staging = output_module._marked_folder(output, output_module.STAGING_SUFFIX)  # held, as a running conversion does
+    (staging / "model-00001-of-00002.safetensors").write_bytes(b"being written")
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    marker = staging / output_module.STAGING_MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "pid": finished.pid}))  # another namespace's id
+    try:
+        assert output_module.remove_stale_runs(tmp_path) == []
+        assert (staging / "model-00001-of-00002.safetensors").read_bytes() == b"being written"
+        assert f"{staging} belongs to a conversion that may still be running (process {finished.pid}" in caplog.text
+    finally:
+        output_module._release_marker(staging)  # the run ends without cleaning up (SIGKILL): now stale
+    assert output_module.remove_stale_runs(tmp_path) == [staging] and not staging.exists()

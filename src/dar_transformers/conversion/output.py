@@ -22,8 +22,10 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   last check). The new folder takes the replaced folder's permission bits (setgid included) and, as far as this
   process may, its owner and group. Signals are held back while folders are swapped or cleaned up, and any error
   (or interrupt) removes what this run created.
-- Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process; a later run removes
-  those of runs that are no longer alive (a SIGKILL leaves them behind) and never touches a folder without it.
+- Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process, which the run holds
+  locked (`flock`) while the folder is its own; a later run removes those of runs that are no longer alive (a SIGKILL
+  leaves them behind) and never touches a folder without it, nor one whose marker is still locked (a run whose process
+  id means nothing here: another container with the same host name and its own process ids).
 """
 
 import contextlib
@@ -41,6 +43,11 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+try:  # POSIX: a run holds its markers locked (`_marked_folder`); elsewhere the process id alone decides
+    import fcntl
+except ImportError:
+    fcntl = None
+
 logger = logging.get_logger(__name__)
 
 # The model_types of a previous conversion output, the only non-empty folders that `overwrite` replaces.
@@ -54,6 +61,8 @@ STAGING_MARKER = ".dar-convert-run.json"
 STAGING_SUFFIX, RETIRED_SUFFIX = ".partial", ".old"
 # Signals that must not cut a swap or a clean-up in half (the CLI turns SIGTERM and SIGHUP into exceptions too).
 HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM} | ({signal.SIGHUP} if hasattr(signal, "SIGHUP") else set())
+# The open, locked marker of each staging and retired folder of this process (folder -> file descriptor).
+_MARKER_LOCKS: dict[Path, int] = {}
 
 
 def resolve_path(path: str | os.PathLike) -> Path:
@@ -376,6 +385,8 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
         with signals_held():
             if staging is not None and os.path.lexists(staging):
                 shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                _release_marker(staging)
             for folder in reversed(created):
                 with contextlib.suppress(OSError):
                     folder.rmdir()  # only if still empty
@@ -408,9 +419,47 @@ def _make_parents(folder: Path) -> list[Path]:
 def _marked_folder(output: Path, suffix: str) -> Path:
     """A new hidden folder next to `output` holding the marker of this run (call with signals held)."""
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=suffix, dir=output.parent))
-    marker = {"pid": os.getpid(), "host": socket.gethostname(), "output": str(output)}
-    (folder / STAGING_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+    # Locked before it names anyone (an empty marker is no marker), until `_release_marker`: the lock, not the process
+    # id, tells another run that this one is alive, even one whose process ids are another namespace's.
+    try:
+        _MARKER_LOCKS[folder] = os.open(folder / STAGING_MARKER, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        if fcntl is not None:
+            with contextlib.suppress(OSError):  # a file system without locks: the process id alone, as before
+                fcntl.flock(_MARKER_LOCKS[folder], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        marker = {"pid": os.getpid(), "host": socket.gethostname(), "output": str(output)}
+        (folder / STAGING_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+    except BaseException:  # no space for the marker, say: nothing of this run is left behind
+        _release_marker(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return folder
+
+
+def _release_marker(folder: Path) -> None:
+    """Close (and so unlock) the marker of a folder of this run that is no longer its own (moved into place, removed,
+    or left behind for a later run to remove)."""
+    descriptor = _MARKER_LOCKS.pop(folder, None)
+    if descriptor is not None:
+        os.close(descriptor)
+
+
+def _marker_locked(folder: Path) -> bool:
+    """Whether a live run holds the marker of `folder` locked (a run that ended, however, holds no lock)."""
+    if fcntl is None:
+        return False
+    try:
+        descriptor = os.open(folder / STAGING_MARKER, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this file system: the process id decides
+        return False
+    finally:
+        os.close(descriptor)
+    return False
 
 
 def _move_into_place(staging: Path, output: Path) -> None:
@@ -418,6 +467,7 @@ def _move_into_place(staging: Path, output: Path) -> None:
     first (moved back if the rename fails) and removed after, its metadata taken over first, unless it changed after
     it was last checked (`_changed_since_checked`): then it is kept. Call with signals held."""
     (staging / STAGING_MARKER).unlink()
+    _release_marker(staging)
     try:
         existing = os.lstat(output)
     except FileNotFoundError:
@@ -425,6 +475,15 @@ def _move_into_place(staging: Path, output: Path) -> None:
         return
     _take_over_metadata(staging, existing)
     retired = _marked_folder(output, RETIRED_SUFFIX)
+    try:
+        _retire(staging, output, retired)
+    finally:
+        _release_marker(retired)
+
+
+def _retire(staging: Path, output: Path, retired: Path) -> None:
+    """`_move_into_place` with an existing output: moved into the marked `retired` folder, the staging folder renamed
+    into place, the retired one removed (or kept, `_changed_since_checked`)."""
     try:
         os.replace(output, retired / output.name)
     except OSError:
@@ -497,7 +556,7 @@ def remove_stale_runs(parent: Path) -> list[Path]:
         if marker is None:
             continue
         pid, host, output = marker.get("pid"), marker.get("host"), Path(str(marker.get("output", "")))
-        if host != socket.gethostname() or _alive(pid):
+        if host != socket.gethostname() or _alive(pid) or _marker_locked(entry):
             logger.warning(f"{entry} belongs to a conversion that may still be running (process {pid} on {host}); "
                            "left alone.")
             continue
