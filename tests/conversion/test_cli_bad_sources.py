@@ -66,7 +66,10 @@ def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):
     ({"rope_scaling": {"type": "ntk", "factor": 2.0}, "rope_theta": 10000.0, "rope_parameters": None},
      [r"config\.json: rope type 'ntk'"]),
     ({"model_type": ["llama"]}, [r"Cannot convert model_type \['llama'\] \(.*config\.json\): DAR converts"]),  # was
-])  # "unhashable type: 'list'"
+    # "unhashable type: 'list'"; no decoder layers was blamed on --block-size ("must be an integer in [1, 0]"):
+    ({"num_hidden_layers": 0}, [r"^dar convert: error: Invalid .*config\.json: num_hidden_layers is 0; a model to "
+                                r"convert needs 1 or more decoder layers\.$"]),
+])
 def test_an_invalid_source_config_is_one_line_naming_the_file_and_the_field(tmp_path, fields, patterns):
     source = save_source(tmp_path / "source")
     edit_json(source / "config.json", **fields)

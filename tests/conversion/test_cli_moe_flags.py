@@ -10,7 +10,7 @@ import pytest
 
 from dar_transformers.cli import main as cli_main
 
-from conftest import save_source
+from conftest import edit_json, save_source
 
 
 @pytest.mark.parametrize("flags, kind", [
@@ -78,4 +78,29 @@ def test_an_expert_noise_that_reinitialises_no_hidden_unit_is_refused(tmp_path, 
                      "--expert-noise", "0.001"])
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 1 and "expert_noise=0.001 re-initialises" in error and "leaves the experts identical" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_sparse_upcycling_a_model_with_mlp_biases_is_refused_naming_its_config_file(tmp_path, capsys):
+    """The refusal said only "Sparse upcycling needs a bias-free MLP (mlp_bias=False)", naming no file."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", mlp_bias=True)
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--experts", "4", "--top-k", "2"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and error == (
+        f"dar convert: error: Sparse upcycling needs a bias-free MLP (HF experts have no biases), but "
+        f"{source / 'config.json'} says mlp_bias=true: this model converts to dense DAR only (leave out "
+        "--experts/--top-k)."
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, got", [(["--top-k", "2"], "None, 2"), (["--experts", "4"], "4, None")])
+def test_sparse_upcycling_without_experts_or_top_k_names_both_flags(tmp_path, capsys, flags, got):
+    """`dar convert SRC OUT --top-k 2` said "needs num_experts and top_k", the API's names, not the flags to pass."""
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), *flags])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and error == (f"dar convert: error: Upcycling a dense llama model needs num_experts and top_k "
+                                   f"(--experts and --top-k; got {got}).")
     assert not (tmp_path / "out").exists()

@@ -63,6 +63,22 @@ def test_a_weight_outside_float16s_range_is_refused_naming_the_tensor_not_writte
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # nothing written, nothing staged
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float64_value_beyond_float32s_range_is_refused_suggesting_float64(tmp_path, dtype):
+    """A float64 source holding 1e39 (past float32's and bfloat16's 3.4e38) converted with --dtype float32 or
+    bfloat16: refused, but the message suggested "convert to bfloat16 or float32", the very dtypes that overflow."""
+    model = make_source(tied=False).double()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = 1e39
+    model.save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    code, stderr = run_convert_in_process(tmp_path / "source", tmp_path / "out", "--dtype", dtype, cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, rf"'model\.layers\.1\.mlp\.up_proj\.weight' \(row 3\) holds the value "
+                               rf"1e\+39, outside the range of {dtype} \(it would be written as inf\); convert to "
+                               r"float64 \(--dtype\)\.$")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
 def test_a_repetition_penalty_in_generation_config_applies_to_both_sides_of_the_greedy_check(tmp_path, capsys):
     """generation_config.json with `repetition_penalty` (common in chat models): the written folder carries the file
     and `from_pretrained(folder)` decodes with it, while the source side of the greedy check was built from its

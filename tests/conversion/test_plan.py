@@ -30,3 +30,12 @@ def test_a_tolerance_that_is_not_positive_is_refused_before_any_work(tmp_path, t
     with pytest.raises(ValueError, match="tolerance must be a positive number"):
         upcycle(tmp_path / "does-not-exist", tmp_path / "out", tolerance=tolerance)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("prompts", ["The capital of France is Paris.", [123], ["Hello", None]])
+def test_prompts_that_are_not_a_list_of_texts_are_refused_before_any_work(tmp_path, prompts):
+    """A str is a Sequence: `prompts="one text"` verified each character as a one-token prompt and said PASSED; a
+    non-str item failed in the tokenizer with a message that did not say which option."""
+    with pytest.raises(ValueError, match=r"^prompts must be a list of texts \(str\), got "):
+        upcycle(tmp_path / "does-not-exist", tmp_path / "out", prompts=prompts)
+    assert not (tmp_path / "out").exists()

@@ -145,16 +145,33 @@ def test_a_gguf_tensor_of_a_type_gguf_cannot_dequantise_is_refused_naming_it(tmp
                                   r"gguf package .* cannot dequantise .*Convert a GGUF file whose tensors are")
 
 
-def assert_gguf_refused(tmp_path, match: str, **gguf_fields) -> None:
-    """A tiny untied Llama GGUF written with `gguf_fields` (`write_tiny_gguf`'s extras) is refused by `upcycle` with
-    an error matching `match`, and nothing is written."""
+def assert_gguf_refused(tmp_path, match: str, metadata_fields=None, **gguf_fields) -> None:
+    """A tiny untied Llama GGUF written with `gguf_fields` (`write_tiny_gguf`'s extras), its metadata written from
+    the config with `metadata_fields` set (the tensors unchanged), is refused by `upcycle` with an error matching
+    `match`, and nothing is written."""
     (tmp_path / "gguf").mkdir()
-    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
-                                **gguf_fields)
+    model = make_source("llama", tied=False)
+    for field, value in (metadata_fields or {}).items():
+        setattr(model.config, field, value)
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", model, make_tokenizer(), **gguf_fields)
     before = {p.name for p in tmp_path.iterdir()}
     with pytest.raises(ValueError, match=match):
         upcycle(gguf_path, tmp_path / "out", dar_block_size=2, progress=False)
     assert_nothing_written(tmp_path, before)
+
+
+@pytest.mark.parametrize("metadata_fields, match", [
+    # "do not match its config.json", for a source that has none:
+    ({"intermediate_size": 48}, r"^The weights in GGUF file .*tiny\.gguf do not match its GGUF metadata: shapes "
+                                r"\(found, expected\) \{'model\.layers\.0\.mlp\.gate_proj\.weight': "
+                                r"\(\(64, 32\), \(48, 32\)\)"),
+    # blamed on the block size ("dar_block_size must be an integer in [1, 0]"):
+    ({"num_hidden_layers": 0}, r"^GGUF file .*tiny\.gguf: its metadata block_count is 0; a model to convert needs 1 "
+                               r"or more decoder layers\.$"),
+])
+def test_a_gguf_whose_metadata_does_not_fit_its_tensors_is_refused_naming_the_metadata(tmp_path, metadata_fields,
+                                                                                          match):
+    assert_gguf_refused(tmp_path, match, metadata_fields)
 
 
 def test_a_row_outside_a_tensor_is_an_error_naming_it_not_an_empty_read(tmp_path):

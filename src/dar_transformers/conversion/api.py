@@ -99,7 +99,7 @@ def upcycle(
             warn_if_declared_dtype_differs(source_config, loaded.checkpoint, storage_dtype)
         config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
         plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
-                                           loaded.checkpoint.description)
+                                           loaded.checkpoint.description, loaded.checkpoint.config_name)
         # NaN/inf in the source: refused by the writer as it reads each tensor (its one read), in the staging folder.
         check_dtype = options.verification_dtype(storage_dtype)
         prompt_ids = build_prompts(loaded.tokenizer, source_config.vocab_size, options.prompts) if options.verify else []

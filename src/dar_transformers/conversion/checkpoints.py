@@ -75,6 +75,7 @@ class Checkpoint:
     """Tensors by name: `infos()` (shapes and dtypes, nothing read), `read(name, rows)` (dim-0 rows, or all)."""
 
     description: str = "checkpoint"
+    config_name: str = "its config.json"  # what the source's config was read from, for messages
 
     def infos(self) -> dict[str, TensorInfo]:
         raise NotImplementedError
@@ -327,6 +328,7 @@ class GGUFCheckpoint(Checkpoint):
             raise ImportError("Reading a GGUF file needs the `gguf` package: pip install 'dar-transformers[gguf]'.")
         self.path = Path(path)
         self.description = f"GGUF file {self.path}"
+        self.config_name = "its GGUF metadata"
         parsed = load_gguf_checkpoint(str(self.path))  # metadata only
         architecture = parsed["config"].get("model_type")
         self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])

@@ -85,6 +85,10 @@ class ConversionOptions:
             raise ValueError(
                 f"max_new_tokens must be an integer >= 0 (0: no greedy continuations), got {self.max_new_tokens!r}."
             )
+        if self.prompts is not None and (isinstance(self.prompts, str) or not isinstance(self.prompts, Sequence)
+                                         or not all(isinstance(text, str) for text in self.prompts)):
+            # a str is a Sequence too: each of its characters was verified as a one-token prompt
+            raise ValueError(f"prompts must be a list of texts (str), got {self.prompts!r}.")
         resolve_dtype(self.dtype)
         if self.verify_dtype is not None and resolve_dtype(self.verify_dtype) not in (torch.float32, torch.float64):
             raise ValueError(f"verify_dtype must be 'float32' or 'float64', got {self.verify_dtype!r}.")

@@ -70,12 +70,14 @@ def plan_conversion(
     source_infos: Mapping[str, TensorInfo],
     dtype: torch.dtype,
     description: str = "the source",
+    config_name: str = "its config.json",
 ) -> tuple[dict[str, TensorPlan], list[str]]:
     """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`), the new
     ones with their `_init_weights` values (float32; float64 in a float64 model). Returns (plans, new names).
 
-    Raises, naming `description`, when a target parameter is neither planned nor new, when a planned tensor has no
-    place in the target, or when a shape differs from the target config's."""
+    Raises, naming `description` and `config_name` (what its config was read from), when a target parameter is
+    neither planned nor new, when a planned tensor has no place in the target, or when a shape differs from the
+    target config's."""
     try:
         shared = target.plan_tensors(source_infos, config)
     except ValueError as error:
@@ -89,11 +91,11 @@ def plan_conversion(
     try:
         check_keys(missing, unexpected, target.new_parameters)
     except ValueError as error:
-        raise ValueError(f"The weights in {description} do not match its config.json: {error}") from error
+        raise ValueError(f"The weights in {description} do not match {config_name}: {error}") from error
     mismatched = {name: (plan.shape, tuple(expected[name].shape)) for name, plan in shared.items()
                   if plan.shape != tuple(expected[name].shape)}
     if mismatched:
-        raise ValueError(f"The weights in {description} do not match its config.json: shapes (found, expected) "
+        raise ValueError(f"The weights in {description} do not match {config_name}: shapes (found, expected) "
                          f"{dict(list(mismatched.items())[:8])}.")
     plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
     new_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # DESIGN.md section 4: DAR stays fp32
@@ -178,7 +180,7 @@ def upcycle_model(
     config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
     checkpoint = StateDictCheckpoint(source_model.state_dict())
     check_tied_output_head(checkpoint, source_model.config, "the in-memory model")
-    plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model")
+    plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model", "its config")
     # Cloned: the target never shares storage with the source (training one must not change the other).
     state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
     for name, tensor in state.items():

@@ -108,6 +108,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         except Exception as error:  # gguf-py raises whatever a truncated or foreign file trips over
             raise ValueError(f"Could not read the GGUF metadata of {path}: {one_line(error)}") from error
         check_gguf_metadata(path, config)
+        check_has_layers(config, f"GGUF file {path}: its metadata block_count")
         return config
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -125,6 +126,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
     except Exception as error:  # transformers' validators raise StrictDataclass*, ValueError, TypeError, KeyError
         raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
     check_model_builds(config, config_file)
+    check_has_layers(config, f"Invalid {config_file}: num_hidden_layers")
     entries = custom_code_entries(config)
     if entries:
         builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
@@ -135,6 +137,15 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
             "something else (a logit scale, another rope), the converted model does not; the model card says so."
         )
     return config
+
+
+def check_has_layers(config: PreTrainedConfig, where: str) -> None:
+    """Refuse a config without decoder layers (`where` names the file and field): transformers builds such a model,
+    but DAR's block size, which counts 2 branches per layer, then has no value to take, and the refusal would blame
+    `--block-size` for the source's config."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"{where} is {layers!r}; a model to convert needs 1 or more decoder layers.")
 
 
 def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:

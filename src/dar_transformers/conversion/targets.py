@@ -19,6 +19,7 @@ Both kinds take the source's architecture fields from `families.source_architect
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -173,10 +174,15 @@ def dar_moe_config_from_source(
     else:
         if num_experts is None or top_k is None:
             raise ValueError(
-                f"Upcycling a dense {model_type} model needs num_experts and top_k (got {num_experts!r}, {top_k!r})."
+                f"Upcycling a dense {model_type} model needs num_experts and top_k (--experts and --top-k; got "
+                f"{num_experts!r}, {top_k!r})."
             )
         if getattr(source_config, "mlp_bias", False):
-            raise ValueError("Sparse upcycling needs a bias-free MLP (mlp_bias=False): HF experts have no biases.")
+            raise ValueError(
+                f"Sparse upcycling needs a bias-free MLP (HF experts have no biases), but "
+                f"{_config_file(source_config)} says mlp_bias=true: this model converts to dense DAR only (leave out "
+                "--experts/--top-k)."
+            )
         fields.update(
             num_experts=num_experts,
             num_experts_per_tok=top_k,
@@ -185,6 +191,12 @@ def dar_moe_config_from_source(
             shared_expert_intermediate_size=0,
         )
     return validated_config(DARMoeConfig, {**fields, **dar_fields})
+
+
+def _config_file(source_config: PreTrainedConfig) -> str:
+    """The config.json a folder source's config was read from (its `name_or_path`), for messages."""
+    config_file = Path(source_config.name_or_path or "") / "config.json"
+    return str(config_file) if source_config.name_or_path and config_file.is_file() else "the source's config"
 
 
 def build_dar_moe_config(

@@ -59,9 +59,12 @@ def _check_cast(cast: torch.Tensor, source: torch.Tensor, name: str, first_row: 
     row = first_row + int(overflow.reshape(overflow.shape[0], -1).any(dim=1).nonzero()[0]) if cast.dim() else None
     value = source[overflow].abs().max().item()
     dtype = str(cast.dtype).removeprefix("torch.")
+    # The storage dtypes whose range holds it (a float64 source's 1e39 fits neither bfloat16 nor float32).
+    wider = [candidate for candidate in ("bfloat16", "float32")
+             if candidate != dtype and torch.finfo(getattr(torch, candidate)).max >= value]
     raise ValueError(f"Tensor {name!r}{f' (row {row})' if row is not None else ''} holds the value {value:.4g}, "
-                     f"outside the range of {dtype} (it would be written as inf); convert to bfloat16 or float32 "
-                     "(--dtype).")
+                     f"outside the range of {dtype} (it would be written as inf); convert to "
+                     f"{' or '.join(wider or ['float64'])} (--dtype).")
 
 
 def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping[str, TensorInfo], target) -> None:
