@@ -263,6 +263,19 @@ def test_gguf_metadata_at_its_neutral_values_is_read_as_transformers_reads_it(tm
     assert load_source_config(gguf_path).model_type == "llama"
 
 
+def test_a_gguf_file_with_an_upper_case_suffix_converts_as_transformers_reads_it(tmp_path):
+    """"MODEL.GGUF" (an upper-case suffix, as some downloads are named) was refused as "not a .gguf file", though
+    transformers reads it as one. It converts exactly; a file of another suffix is still refused."""
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "TINY.GGUF", make_source("llama", tied=False), make_tokenizer())
+    result = upcycle(gguf_path, tmp_path / "out", max_new_tokens=0)
+    assert result.report.passed and (tmp_path / "out" / "config.json").is_file()
+    other = gguf_path.with_suffix(".bin")
+    gguf_path.rename(other)
+    with pytest.raises(ValueError, match=r"is not a \.gguf file"):
+        upcycle(other, tmp_path / "out2", max_new_tokens=0)
+
+
 def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dtype(tmp_path):
     """bf16 matrices with float32 norms under the default dtype ("auto": the dtype of most bytes, bf16) round the norms,
     which verification refuses; the refusal names the rounded tensors and --dtype float32, which converts exactly

@@ -100,7 +100,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
     if not path.exists():
         raise FileNotFoundError(f"Source {path} does not exist (expected an HF model folder or a .gguf file).")
     if path.is_file():
-        if path.suffix != ".gguf":
+        if path.suffix.lower() != ".gguf":  # as transformers reads gguf_file: "MODEL.GGUF" too
             raise ValueError(f"Source file {path} is not a .gguf file; pass an HF model folder or a GGUF file.")
         folder, gguf_file = _gguf_location(path)
         try:
