@@ -503,7 +503,7 @@ class DARModel(DARPreTrainedModel):
         recorded = kwargs.get("output_depth_weights", getattr(self.config, "output_depth_weights", False))
         state = self.initial_state(inputs_embeds, keep_depth_weights=bool(recorded))
         with state[0].keeping_partials_lean():  # the backend decides what backward keeps of the DAR state
-            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            for decoder_layer in islice(self.layers, self.config.num_hidden_layers):  # as `initial_state`
                 state = decoder_layer(
                     *state,
                     attention_mask=causal_mask,
