@@ -5,13 +5,16 @@
   write mode and `dar_include_partial` of the inference backend's grid, and every kernel runs (counted); float32
   decoding with a KV cache gives the PyTorch path's greedy tokens and logits within float32 rounding; bf16 weights
   with a bf16 history and DAR-MoE too.
-- They run only where they are meant to: not without the option, not when depth weights are recorded, not past
-  `KERNEL_MAX_TOKENS` tokens, not with gradients on.
+- Over more tokens than a call's grain (prefill) the rows are split over torch's threads: float64 logits still equal
+  the reference's, and each kernel's outputs with three threads are those of one thread, bit for bit.
+- They run only where they are meant to: not without the option, not when depth weights are recorded, not with
+  gradients on.
 - Where they cannot be built, a warning names the option and the PyTorch operations give the same logits.
 - Negative control: a kernel read that leaves out the partial's merge is caught by the float64 comparison.
 - A model folder carries the kernels' source (remote code), and a bad option value is refused naming the field.
 """
 
+import contextlib
 import logging
 import os
 
@@ -21,7 +24,6 @@ from conftest import perturb_dar_parameters, random_input_ids, tiny_dar_config, 
 from test_inference_backend import GRID, NUM_LAYERS, max_relative_diff, perturbed_dar
 
 from dar_transformers import DARConfig, DARForCausalLM, cpu_kernels, depth_backends
-from dar_transformers.cpu_kernels import KERNEL_MAX_TOKENS
 
 KERNELS = ("phase_one", "read_partial", "write_first", "write_partial", "commit")
 
@@ -163,16 +165,72 @@ def test_dar_moe_with_the_kernels_matches_the_pytorch_path(counted_kernels):
 
 def test_the_kernels_run_only_where_they_are_meant_to(counted_kernels):
     model = with_kernels(perturbed_dar(torch.float32, "fast", 3, "dar", 2, "duplicate", True))
-    long_input = random_input_ids(batch=1, length=KERNEL_MAX_TOKENS + 1)
     with torch.no_grad():
         weights = model(random_input_ids(), output_depth_weights=True).depth_weights  # recorded depth weights
-        model(long_input)  # a prefill past KERNEL_MAX_TOKENS
     model(random_input_ids())  # gradients on: training backends
     assert counted_kernels.calls == dict.fromkeys(KERNELS, 0)
     assert len(weights) == 2 * NUM_LAYERS + 1
     with torch.no_grad():
-        model(random_input_ids(batch=1, length=KERNEL_MAX_TOKENS))
+        model(random_input_ids())
     assert counted_kernels.calls["phase_one"] > 0
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# 3 x 200 = 600 rows at D = 32: more than every call's grain (32768 values per thread: 512 rows of two streams), so
+# each kernel splits its rows over the threads
+LONG_BATCH, LONG_LENGTH = 3, 200
+
+
+def test_a_prefill_split_over_threads_matches_the_reference_in_float64(counted_kernels):
+    fields = (2, "dar", 2, "duplicate", True)
+    reference = perturbed_dar(torch.float64, "reference", *fields)
+    model = with_kernels(perturbed_dar(torch.float64, "fast", *fields))
+    input_ids = random_input_ids(batch=LONG_BATCH, length=LONG_LENGTH)
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        with torch_threads(3):
+            logits = model(input_ids).logits
+    assert max_relative_diff(logits, expected) <= 1e-12
+    assert all(counted_kernels.calls[name] > 0 for name in KERNELS)
+
+
+def test_each_kernel_gives_the_same_bits_on_one_thread_and_on_three():
+    module = cpu_kernels.cpu_kernels()
+    generator = torch.Generator().manual_seed(0)
+    sources, streams, hidden, reads = 4, 2, 32, 3
+    shape = (LONG_BATCH, LONG_LENGTH, streams, hidden)
+    history = torch.randn(sources + 1, *shape, generator=generator)
+    key_scale = torch.rand(sources + 1, *shape[:-1], generator=generator)
+    queries = [torch.randn(streams, hidden, generator=generator) for _ in range(reads)]
+    gates = [torch.rand(streams, generator=generator) for _ in range(reads)]
+    partial = torch.randn(*shape, generator=generator)
+    beta, rho = torch.randn(streams, hidden, generator=generator), torch.tensor([0.3])
+    written = torch.randn(LONG_BATCH, LONG_LENGTH, hidden, generator=generator).bfloat16()
+    routes = ([1, 0], [0, 1])  # key streams, value streams: DAR's reciprocal addressing
+
+    def every_kernel():
+        gated, mean, log_sum_exp = module.phase_one(history, sources, key_scale, queries, gates, *routes)
+        u = module.read_partial(partial, queries[0], gates[0], gated[0], mean[0], log_sum_exp[0], *routes, 1e-5,
+                                written)
+        stored, scales = history.clone(), key_scale.clone()
+        module.commit(partial, stored, sources, scales, routes[0], 1e-5)
+        return [gated, mean, log_sum_exp, u, module.write_first(beta, written),
+                module.write_partial(partial, rho, beta, written), stored, scales]
+
+    with torch_threads(1):
+        single = every_kernel()
+    with torch_threads(3):
+        split = every_kernel()
+    assert all(torch.equal(a, b) for a, b in zip(split, single))
 
 
 def test_without_a_compiler_a_warning_names_the_option_and_pytorch_runs(monkeypatch, caplog):

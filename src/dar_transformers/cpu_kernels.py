@@ -4,7 +4,8 @@
 
 Eager decoding runs every branch on a few tokens, where the DAR path costs the operations it dispatches (a dozen
 PyTorch calls per branch, each starting with cold caches after the branch's own matrix products have streamed its
-weights; README, Overhead), not the bytes it moves. These kernels compute the same equations as
+weights; README, Overhead), not the bytes it moves; prefill runs it on many tokens, where the PyTorch operations
+pass over the same [B, T, J, D] operands several times and a kernel row by row once. These kernels compute the same equations as
 `InferenceDepthBackend` (DESIGN.md section 7) in one call each:
 
   phase_one(history, S, key_scale, queries, gates, kappa, nu) -> gated [R, B, T, D], mean [R, B, T, J, D], L [R, B, T, J]
@@ -25,9 +26,9 @@ They are built by `torch.utils.cpp_extension.load_inline` on first use, once per
 (about 30 s on two cores; cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and need a C++
 compiler and ninja; where either is missing the build fails once, a warning says why, and the PyTorch operations run
 instead. They run only
-where they pay: eagerly (not traced by `torch.compile` or `torch.export`), with gradients off, on CPU, without
-recorded depth weights, and on at most `KERNEL_MAX_TOKENS` tokens per forward (prefill moves bytes, where the
-PyTorch operations are already efficient). The source is a string in this file so that a model folder's remote
+where they pay: eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
+passes), with gradients off, on CPU and without recorded depth weights, for any number of tokens (on many, the rows
+are split over torch's intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a string in this file so that a model folder's remote
 code carries it.
 
 Shape legend as in `depth_backends.py`: B batch, T tokens, D hidden, S committed entries, R reads, J streams.
@@ -43,9 +44,8 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-KERNEL_MAX_TOKENS = 64  # B * T of a forward up to which the kernels run (decoding, vLLM's decode batches)
-
 _SOURCE = r"""
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -70,8 +70,13 @@ inline out_t to_branch_dtype(double value) {
   return static_cast<out_t>(value);
 }
 
-// Rows are the B * T tokens of a forward (at most KERNEL_MAX_TOKENS): a few streams of D values each, run in turn on
-// the calling thread (decoding is one token per sequence; vLLM's CPU worker runs on one core).
+// Rows are the B * T tokens of a forward: a few streams of D values each. Every row is computed alone, in the same
+// order of operations, so the rows are split over torch's intra-op threads (`at::parallel_for`, torch's own OpenMP
+// runtime) with identical results for any thread count; a call on fewer than about 32K values per thread (decoding:
+// a few tokens) runs on the calling thread, where waking the others would cost more than the row work.
+inline int64_t row_grain(int64_t values_per_row) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, values_per_row));
+}
 
 template <typename compute_t, typename history_t>
 void phase_one_rows(const history_t* history, int64_t sources, const compute_t* key_scale,
@@ -82,72 +87,74 @@ void phase_one_rows(const history_t* history, int64_t sources, const compute_t* 
   const int64_t entry = rows * streams * hidden;  // one committed entry [B, T, J, D]
   // Entry-major: each entry's row is read once for the scores of all R x J (read, target) pairs and once for their
   // value sums, while the R x J queries and sums stay in cache (a pass per pair re-read the history R x J times).
-  std::vector<compute_t> weights(reads * streams * sources);  // [R, J, S]
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t s = 0; s < sources; ++s) {  // scores: (B_s^{kappa(j)} . q_rj) * key scale
-      for (int64_t j = 0; j < streams; ++j) {
-        const history_t* x = history + s * entry + (row * streams + key_streams[j]) * hidden;
-        const compute_t scale = key_scale[(s * rows + row) * streams + j];
-        // Four reads per pass over x: four independent sums (one sum waits on each add's latency) and x loaded once.
-        int64_t r = 0;
-        for (; r + 4 <= reads; r += 4) {
-          const compute_t *q0 = query[r] + j * hidden, *q1 = query[r + 1] + j * hidden,
-                          *q2 = query[r + 2] + j * hidden, *q3 = query[r + 3] + j * hidden;
-          compute_t dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
-#pragma omp simd reduction(+ : dot0, dot1, dot2, dot3)
-          for (int64_t d = 0; d < hidden; ++d) {
-            const compute_t value = static_cast<compute_t>(x[d]);
-            dot0 += value * q0[d];
-            dot1 += value * q1[d];
-            dot2 += value * q2[d];
-            dot3 += value * q3[d];
+  at::parallel_for(0, rows, row_grain(sources * streams * hidden), [&](int64_t begin, int64_t end) {
+    std::vector<compute_t> weights(reads * streams * sources);  // [R, J, S]
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t s = 0; s < sources; ++s) {  // scores: (B_s^{kappa(j)} . q_rj) * key scale
+        for (int64_t j = 0; j < streams; ++j) {
+          const history_t* x = history + s * entry + (row * streams + key_streams[j]) * hidden;
+          const compute_t scale = key_scale[(s * rows + row) * streams + j];
+          // Four reads per pass over x: four independent sums (one sum waits on each add's latency) and x loaded once.
+          int64_t r = 0;
+          for (; r + 4 <= reads; r += 4) {
+            const compute_t *q0 = query[r] + j * hidden, *q1 = query[r + 1] + j * hidden,
+                            *q2 = query[r + 2] + j * hidden, *q3 = query[r + 3] + j * hidden;
+            compute_t dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
+  #pragma omp simd reduction(+ : dot0, dot1, dot2, dot3)
+            for (int64_t d = 0; d < hidden; ++d) {
+              const compute_t value = static_cast<compute_t>(x[d]);
+              dot0 += value * q0[d];
+              dot1 += value * q1[d];
+              dot2 += value * q2[d];
+              dot3 += value * q3[d];
+            }
+            weights[(r * streams + j) * sources + s] = dot0 * scale;
+            weights[((r + 1) * streams + j) * sources + s] = dot1 * scale;
+            weights[((r + 2) * streams + j) * sources + s] = dot2 * scale;
+            weights[((r + 3) * streams + j) * sources + s] = dot3 * scale;
           }
-          weights[(r * streams + j) * sources + s] = dot0 * scale;
-          weights[((r + 1) * streams + j) * sources + s] = dot1 * scale;
-          weights[((r + 2) * streams + j) * sources + s] = dot2 * scale;
-          weights[((r + 3) * streams + j) * sources + s] = dot3 * scale;
+          for (; r < reads; ++r) {
+            const compute_t* q = query[r] + j * hidden;  // target j's folded query, sqrt(D) w * gamma
+            compute_t dot = 0;
+  #pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < hidden; ++d) dot += static_cast<compute_t>(x[d]) * q[d];
+            weights[(r * streams + j) * sources + s] = dot * scale;
+          }
         }
-        for (; r < reads; ++r) {
-          const compute_t* q = query[r] + j * hidden;  // target j's folded query, sqrt(D) w * gamma
-          compute_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < hidden; ++d) dot += static_cast<compute_t>(x[d]) * q[d];
-          weights[(r * streams + j) * sources + s] = dot * scale;
+      }
+      for (int64_t pair = 0; pair < reads * streams; ++pair) {  // depth softmax and its log-sum-exp, per (r, j)
+        compute_t* w = weights.data() + pair * sources;
+        const compute_t top = *std::max_element(w, w + sources);
+        compute_t total = 0;
+        for (int64_t s = 0; s < sources; ++s) total += (w[s] = std::exp(w[s] - top));
+        for (int64_t s = 0; s < sources; ++s) w[s] /= total;
+        const int64_t r = pair / streams, j = pair % streams;
+        log_sum_exp[(r * rows + row) * streams + j] = std::log(total) + top;
+        std::fill_n(mean + ((r * rows + row) * streams + j) * hidden, hidden, compute_t(0));
+      }
+      for (int64_t s = 0; s < sources; ++s) {  // Obar^j_r = sum_s a_rjs B_s^{nu(j)}
+        for (int64_t j = 0; j < streams; ++j) {
+          const history_t* v = history + s * entry + (row * streams + value_streams[j]) * hidden;
+          for (int64_t r = 0; r < reads; ++r) {
+            const compute_t a = weights[(r * streams + j) * sources + s];
+            compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;
+  #pragma omp simd
+            for (int64_t d = 0; d < hidden; ++d) m[d] += a * static_cast<compute_t>(v[d]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < reads; ++r) {  // sum_j gate_rj Obar^j_r
+        compute_t* g = gated + (r * rows + row) * hidden;
+        std::fill_n(g, hidden, compute_t(0));
+        for (int64_t j = 0; j < streams; ++j) {
+          const compute_t c = gate[r][j];
+          const compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;
+  #pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d) g[d] += c * m[d];
         }
       }
     }
-    for (int64_t pair = 0; pair < reads * streams; ++pair) {  // depth softmax and its log-sum-exp, per (r, j)
-      compute_t* w = weights.data() + pair * sources;
-      const compute_t top = *std::max_element(w, w + sources);
-      compute_t total = 0;
-      for (int64_t s = 0; s < sources; ++s) total += (w[s] = std::exp(w[s] - top));
-      for (int64_t s = 0; s < sources; ++s) w[s] /= total;
-      const int64_t r = pair / streams, j = pair % streams;
-      log_sum_exp[(r * rows + row) * streams + j] = std::log(total) + top;
-      std::fill_n(mean + ((r * rows + row) * streams + j) * hidden, hidden, compute_t(0));
-    }
-    for (int64_t s = 0; s < sources; ++s) {  // Obar^j_r = sum_s a_rjs B_s^{nu(j)}
-      for (int64_t j = 0; j < streams; ++j) {
-        const history_t* v = history + s * entry + (row * streams + value_streams[j]) * hidden;
-        for (int64_t r = 0; r < reads; ++r) {
-          const compute_t a = weights[(r * streams + j) * sources + s];
-          compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;
-#pragma omp simd
-          for (int64_t d = 0; d < hidden; ++d) m[d] += a * static_cast<compute_t>(v[d]);
-        }
-      }
-    }
-    for (int64_t r = 0; r < reads; ++r) {  // sum_j gate_rj Obar^j_r
-      compute_t* g = gated + (r * rows + row) * hidden;
-      std::fill_n(g, hidden, compute_t(0));
-      for (int64_t j = 0; j < streams; ++j) {
-        const compute_t c = gate[r][j];
-        const compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;
-#pragma omp simd
-        for (int64_t d = 0; d < hidden; ++d) g[d] += c * m[d];
-      }
-    }
-  }
+  });
 }
 
 std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, const at::Tensor& key_scale,
@@ -194,39 +201,41 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
                        const std::vector<int64_t>& value_streams, double eps, int64_t rows, int64_t streams,
                        int64_t hidden, out_t* out) {
   const scalar_t offset = static_cast<scalar_t>(hidden * eps);
-  std::vector<scalar_t> scale(streams), coefficient(streams), u(hidden);
-  for (int64_t row = 0; row < rows; ++row) {
-    const scalar_t* p = partial + row * streams * hidden;
-    for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
-      const scalar_t* x = p + s * hidden;
-      scalar_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t d = 0; d < hidden; ++d) sum += x[d] * x[d];
-      scale[s] = 1 / std::sqrt(sum + offset);
+  at::parallel_for(0, rows, row_grain(streams * hidden), [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> scale(streams), coefficient(streams), u(hidden);
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* p = partial + row * streams * hidden;
+      for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
+        const scalar_t* x = p + s * hidden;
+        scalar_t sum = 0;
+  #pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < hidden; ++d) sum += x[d] * x[d];
+        scale[s] = 1 / std::sqrt(sum + offset);
+      }
+      for (int64_t j = 0; j < streams; ++j) {  // the partial's softmax share sigmoid(z_j - L_j), times the gate
+        const scalar_t* x = p + key_streams[j] * hidden;
+        const scalar_t* q = query + j * hidden;
+        scalar_t dot = 0;
+  #pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < hidden; ++d) dot += x[d] * q[d];
+        const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
+        coefficient[j] = gate[j] / (1 + std::exp(-z));
+      }
+      const scalar_t* g = gated + row * hidden;
+      std::copy_n(g, hidden, u.data());
+      for (int64_t j = 0; j < streams; ++j) {
+        const scalar_t c = coefficient[j];
+        const scalar_t* v = p + value_streams[j] * hidden;
+        const scalar_t* m = mean + (row * streams + j) * hidden;
+  #pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
+      }
+      // u in the branch's dtype, rounded as Tensor.to rounds (to nearest even), so that no conversion follows the call
+      out_t* o = out + row * hidden;
+  #pragma omp simd
+      for (int64_t d = 0; d < hidden; ++d) o[d] = to_branch_dtype<out_t>(u[d]);
     }
-    for (int64_t j = 0; j < streams; ++j) {  // the partial's softmax share sigmoid(z_j - L_j), times the gate
-      const scalar_t* x = p + key_streams[j] * hidden;
-      const scalar_t* q = query + j * hidden;
-      scalar_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < hidden; ++d) dot += x[d] * q[d];
-      const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
-      coefficient[j] = gate[j] / (1 + std::exp(-z));
-    }
-    const scalar_t* g = gated + row * hidden;
-    std::copy_n(g, hidden, u.data());
-    for (int64_t j = 0; j < streams; ++j) {
-      const scalar_t c = coefficient[j];
-      const scalar_t* v = p + value_streams[j] * hidden;
-      const scalar_t* m = mean + (row * streams + j) * hidden;
-#pragma omp simd
-      for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
-    }
-    // u in the branch's dtype, rounded as Tensor.to rounds (to nearest even), so that no conversion follows the call
-    out_t* o = out + row * hidden;
-#pragma omp simd
-    for (int64_t d = 0; d < hidden; ++d) o[d] = to_branch_dtype<out_t>(u[d]);
-  }
+  });
 }
 
 at::Tensor read_partial(const at::Tensor& partial, const at::Tensor& query, const at::Tensor& gate,
@@ -259,22 +268,24 @@ template <typename compute_t, typename history_t>
 void commit_rows(const compute_t* entry, history_t* stored, compute_t* key_scale,
                  const std::vector<int64_t>& key_streams, double eps, int64_t rows, int64_t streams, int64_t hidden) {
   const compute_t offset = static_cast<compute_t>(hidden * eps);
-  std::vector<compute_t> scale(streams);
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t s = 0; s < streams; ++s) {
-      const compute_t* x = entry + (row * streams + s) * hidden;
-      history_t* h = stored + (row * streams + s) * hidden;
-      compute_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t d = 0; d < hidden; ++d) {  // the statistics are of the stored (possibly rounded) value
-        h[d] = static_cast<history_t>(x[d]);
-        const compute_t v = static_cast<compute_t>(h[d]);
-        sum += v * v;
+  at::parallel_for(0, rows, row_grain(streams * hidden), [&](int64_t begin, int64_t end) {
+    std::vector<compute_t> scale(streams);
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t s = 0; s < streams; ++s) {
+        const compute_t* x = entry + (row * streams + s) * hidden;
+        history_t* h = stored + (row * streams + s) * hidden;
+        compute_t sum = 0;
+  #pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < hidden; ++d) {  // the statistics are of the stored (possibly rounded) value
+          h[d] = static_cast<history_t>(x[d]);
+          const compute_t v = static_cast<compute_t>(h[d]);
+          sum += v * v;
+        }
+        scale[s] = 1 / std::sqrt(sum + offset);
       }
-      scale[s] = 1 / std::sqrt(sum + offset);
+      for (int64_t j = 0; j < streams; ++j) key_scale[row * streams + j] = scale[key_streams[j]];
     }
-    for (int64_t j = 0; j < streams; ++j) key_scale[row * streams + j] = scale[key_streams[j]];
-  }
+  });
 }
 
 void commit(const at::Tensor& entry, const at::Tensor& history, int64_t slot, const at::Tensor& key_scale,
@@ -300,24 +311,26 @@ template <typename state_t, typename y_t>
 void write_partial_rows(const state_t* partial, state_t rho, const state_t* beta, const y_t* written, int64_t rows,
                         int64_t hidden, state_t* out) {
   const bool low = rho < 0.5;  // torch.lerp's two forms, by the weight
-  for (int64_t row = 0; row < rows; ++row) {
-    const y_t* y = written + row * hidden;
-    for (int64_t j = 0; j < 2; ++j) {  // torch.lerp(other, own, rho), then + beta * y
-      const state_t* own = partial + (row * 2 + j) * hidden;
-      const state_t* other = partial + (row * 2 + 1 - j) * hidden;
-      const state_t* b = beta + j * hidden;
-      state_t* o = out + (row * 2 + j) * hidden;
-      if (low) {
-#pragma omp simd
-        for (int64_t d = 0; d < hidden; ++d)
-          o[d] = (other[d] + rho * (own[d] - other[d])) + b[d] * static_cast<state_t>(y[d]);
-      } else {
-#pragma omp simd
-        for (int64_t d = 0; d < hidden; ++d)
-          o[d] = (own[d] - (own[d] - other[d]) * (1 - rho)) + b[d] * static_cast<state_t>(y[d]);
+  at::parallel_for(0, rows, row_grain(2 * hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const y_t* y = written + row * hidden;
+      for (int64_t j = 0; j < 2; ++j) {  // torch.lerp(other, own, rho), then + beta * y
+        const state_t* own = partial + (row * 2 + j) * hidden;
+        const state_t* other = partial + (row * 2 + 1 - j) * hidden;
+        const state_t* b = beta + j * hidden;
+        state_t* o = out + (row * 2 + j) * hidden;
+        if (low) {
+  #pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d)
+            o[d] = (other[d] + rho * (own[d] - other[d])) + b[d] * static_cast<state_t>(y[d]);
+        } else {
+  #pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d)
+            o[d] = (own[d] - (own[d] - other[d]) * (1 - rho)) + b[d] * static_cast<state_t>(y[d]);
+        }
       }
     }
-  }
+  });
 }
 
 at::Tensor write_partial(const at::Tensor& partial, const at::Tensor& rho, const at::Tensor& beta,
@@ -343,15 +356,17 @@ at::Tensor write_partial(const at::Tensor& partial, const at::Tensor& rho, const
 template <typename state_t, typename y_t>
 void write_first_rows(const state_t* beta, const y_t* written, int64_t rows, int64_t streams, int64_t hidden,
                       state_t* out) {
-  for (int64_t row = 0; row < rows; ++row) {
-    const y_t* y = written + row * hidden;
-    for (int64_t j = 0; j < streams; ++j) {  // P = beta * y, as beta [J, D] * y [B, T, 1, D] promotes it
-      const state_t* b = beta + j * hidden;
-      state_t* o = out + (row * streams + j) * hidden;
-#pragma omp simd
-      for (int64_t d = 0; d < hidden; ++d) o[d] = b[d] * static_cast<state_t>(y[d]);
+  at::parallel_for(0, rows, row_grain(streams * hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const y_t* y = written + row * hidden;
+      for (int64_t j = 0; j < streams; ++j) {  // P = beta * y, as beta [J, D] * y [B, T, 1, D] promotes it
+        const state_t* b = beta + j * hidden;
+        state_t* o = out + (row * streams + j) * hidden;
+  #pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) o[d] = b[d] * static_cast<state_t>(y[d]);
+      }
     }
-  }
+  });
 }
 
 at::Tensor write_first(const at::Tensor& beta, const at::Tensor& written) {
@@ -390,12 +405,19 @@ def _host_vector_flags() -> list[str]:
     return ["-march=native"] if sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") else []
 
 
+def _host_parallel_flags() -> list[str]:
+    """-fopenmp on Linux, where the rows run on torch's own OpenMP runtime (the kernels link no other: its symbols
+    resolve to the libgomp that libtorch_cpu loads, so `torch.set_num_threads` governs them); elsewhere (Apple's
+    clang takes no -fopenmp) only the vector loops' pragmas, and every call runs on the calling thread."""
+    return ["-fopenmp"] if sys.platform == "linux" else ["-fopenmp-simd"]
+
+
 def cpu_kernels():
     """The built extension (functions as in the module docstring), or None where it cannot be built (warned once)."""
     if "module" not in _loaded:
         from torch.utils.cpp_extension import load_inline  # imports setuptools: only when the kernels are asked for
 
-        flags = ["-O3", "-fopenmp-simd", *_host_vector_flags()]
+        flags = ["-O3", *_host_parallel_flags(), *_host_vector_flags()]
         # One build per source, flags, host CPU, torch version and installation: venvs (and machines) sharing the
         # extensions folder (~/.cache) do not rebuild, or run, each other's.
         key = f"{_SOURCE}{flags}{_host_cpu()}{torch.__version__}{torch.__file__}"
@@ -414,4 +436,4 @@ def cpu_kernels():
     return _loaded["module"]
 
 
-__all__ = ["KERNEL_MAX_TOKENS", "cpu_kernels"]
+__all__ = ["cpu_kernels"]

@@ -74,7 +74,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.utils.generic import GeneralInterface
 
 from .configuration_dar import dar_routing
-from .cpu_kernels import KERNEL_MAX_TOKENS, cpu_kernels
+from .cpu_kernels import cpu_kernels
 
 
 def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -903,9 +903,9 @@ class InferenceDepthBackend:
     - a read of the partial adds its score and the log-sum-exp merge,
       u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
     - the depth weights are formed only when a caller records them (`keep_weights`);
-    - with `config.dar_inference_kernel = "cpp"`, an eager forward on CPU of at most `KERNEL_MAX_TOKENS` tokens that
-      records no depth weights runs phase 1, each read of the partial and each two-stream write as one C++ call
-      each (`cpu_kernels.py`, same equations).
+    - with `config.dar_inference_kernel = "cpp"`, an eager forward on CPU that records no depth weights runs phase
+      1, each read of the partial and each two-stream write as one C++ call each (`cpu_kernels.py`, same equations;
+      decoding and prefill alike: over many tokens the rows are split over torch's threads).
     """
 
     def __init__(self, config):
@@ -930,7 +930,6 @@ class InferenceDepthBackend:
         self.keep_weights, self.residuals = keep_weights, tuple(residuals)
         if (
             self.wants_kernels and not keep_weights and entry.device.type == "cpu"
-            and entry.shape[0] * entry.shape[1] <= KERNEL_MAX_TOKENS
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
         ):
             self.kernels = cpu_kernels()  # None where they cannot be built (warned once)
