@@ -32,6 +32,12 @@ CONVERT_FIELD_OPTIONS: dict[str, str] = {
 }
 
 
+def _shard_size(text: str) -> str | int:
+    """`--max-shard-size`: a plain number is bytes (the API's int); anything else goes to the API as written, which
+    takes transformers' sizes ('2GB', '500MB') and refuses the rest naming the flag."""
+    return int(text) if text.isascii() and text.isdigit() else text
+
+
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="an HF model folder (safetensors) or a .gguf file")
     parser.add_argument(
@@ -80,7 +86,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=int, default=64,
         help="greedy tokens compared per prompt (0: no full greedy continuations)",
     )
-    parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
+    parser.add_argument(
+        "--max-shard-size", default="2GB", type=_shard_size,
+        help="safetensors shard size: with a unit ('2GB', '500MB', '5GiB') or a number of bytes",
+    )
     parser.add_argument("--base-model", default=None, help="Hub id of the source, for the model card")
     parser.add_argument(
         "--overwrite", action="store_true",

@@ -7,6 +7,7 @@ Each quirk either converts to a model that reproduces the source through `from_p
 naming the tensor or field; never a PASSED over a different function, never a FAILED over an exact one.
 """
 
+import filecmp
 import json
 import re
 
@@ -215,7 +216,8 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_naming_both_sizes(tm
 @pytest.mark.parametrize("flag, value, message", [
     ("--base-model", "x\nlicense: mit", "base_model must be the source's Hub id"),  # YAML injected into the card
     ("--base-model", "/home/me/models/llama", "base_model must be the source's Hub id"),  # a path of this machine
-    ("--max-shard-size", "0", "max_shard_size must be a size such as '2GB'"),
+    ("--max-shard-size", "0", "max_shard_size must be a positive size such as '2GB' or '500MB', or an int of bytes"),
+    ("--max-shard-size", "big", "max_shard_size must be a size such as '2GB' or '500MB', or an int of bytes"),
 ])
 def test_a_card_field_or_shard_size_that_is_not_what_it_names_is_refused(tmp_path, capsys, flag, value, message):
     source = save_source(tmp_path / "source")
@@ -233,11 +235,25 @@ def test_a_corrupt_tokenizer_json_is_named_not_blamed_on_code(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_shard_size_in_plain_bytes_on_the_command_line_shards_as_the_api_does(tmp_path):
+    """`--max-shard-size 300000` was refused for lacking a unit, although the API takes an int of bytes."""
+    source = save_source(tmp_path / "source")
+    assert cli_main(["convert", str(source), str(tmp_path / "bytes"), "--max-new-tokens", "0",
+                     "--max-shard-size", "300000"]) == 0
+    assert cli_main(["convert", str(source), str(tmp_path / "unit"), "--max-new-tokens", "0",
+                     "--max-shard-size", "300KB"]) == 0
+    shards = sorted(path.name for path in (tmp_path / "bytes").glob("*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(path.name for path in (tmp_path / "unit").glob("*.safetensors"))
+    for shard in shards:
+        assert filecmp.cmp(tmp_path / "bytes" / shard, tmp_path / "unit" / shard, shallow=False)
+
+
 def test_a_shard_size_of_zero_bytes_is_refused_not_one_shard_per_tensor():
     from dar_transformers.conversion.options import ConversionOptions
 
     for size in (0, -1):
-        with pytest.raises(ValueError, match=r"max_shard_size must be a positive size such as '2GB' or '500MB', got -?\d"):
+        with pytest.raises(ValueError, match=r"max_shard_size must be a positive size such as '2GB' or '500MB', or an "
+                           r"int of bytes, got -?\d"):
             ConversionOptions(max_shard_size=size)
 
 
@@ -257,7 +273,7 @@ def test_an_in_memory_conversion_to_float16_refuses_an_overflowing_weight_naming
     (["--tolerance", "-1"], "--tolerance: tolerance must be a positive number, got -1.0."),
     (["--block-size", "99"], "--block-size: DARConfig.dar_block_size must be an integer in [1, 6]"),
     (["--experts", "2", "--top-k", "3"], "--top-k: DARMoeConfig.num_experts_per_tok must be an integer in [1, "),
-    (["--max-shard-size", "0"], "--max-shard-size: max_shard_size must be a size such as '2GB'"),
+    (["--max-shard-size", "0"], "--max-shard-size: max_shard_size must be a positive size such as '2GB'"),
 ])
 def test_an_option_refused_by_the_api_names_its_flag(tmp_path, capsys, flags, message):
     """The API's errors name its own fields (`tolerance`, `num_experts_per_tok`); on the command line they also name the

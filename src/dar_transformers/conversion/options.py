@@ -41,9 +41,13 @@ def parse_size(size: str | int) -> int:
     try:
         size_bytes = size if isinstance(size, int) and not isinstance(size, bool) else convert_file_size_to_int(size)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"max_shard_size must be a size such as '2GB' or '500MB', got {size!r}.") from error
+        raise ValueError(
+            f"max_shard_size must be a size such as '2GB' or '500MB', or an int of bytes, got {size!r}."
+        ) from error
     if size_bytes <= 0:
-        raise ValueError(f"max_shard_size must be a positive size such as '2GB' or '500MB', got {size!r}.")
+        raise ValueError(
+            f"max_shard_size must be a positive size such as '2GB' or '500MB', or an int of bytes, got {size!r}."
+        )
     return size_bytes
 
 
