@@ -41,7 +41,8 @@ class CountedKernels:
         def counted(*args):
             self.calls[name] += 1
             if name == "read_partial" and self.broken_read:
-                return args[3].clone()  # phase 1's gated sum alone: the partial ignored
+                gate, mean = args[2], args[3]
+                return (gate.unsqueeze(-1) * mean).sum(-2)  # phase 1's gated sum alone: the partial ignored
             return function(*args)
 
         return counted
@@ -96,13 +97,20 @@ def test_a_read_in_the_branch_dtype_is_the_float32_read_rounded_and_writes_are_t
         return torch.randn(*shape, generator=generator).to(dtype)
 
     partial, query, gate = rand(batch, tokens, streams, hidden), rand(streams, hidden), rand(streams)
-    gated, mean, log_sum_exp = rand(batch, tokens, hidden), rand(batch, tokens, streams, hidden), rand(batch, tokens, streams)
-    arguments = (partial, query, gate, gated, mean, log_sum_exp, [1, 0], [0, 1], 1e-5)
+    mean, log_sum_exp = rand(batch, tokens, streams, hidden), rand(batch, tokens, streams)
+    arguments = (partial, query, gate, mean, log_sum_exp, [1, 0], [0, 1], 1e-5)
     in_float32 = kernels.read_partial(*arguments, torch.empty(0))
     in_dtype = kernels.read_partial(*arguments, torch.empty(0, dtype=dtype))
     assert in_float32.dtype == torch.float32 and in_dtype.dtype == dtype
     assert torch.equal(in_dtype, in_float32.to(dtype))
-    assert not torch.equal(in_float32, gated)  # the partial is merged
+    # the equation: u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j), with
+    # z_j = P^{kappa(j)} . q_j / sqrt(sum P^{kappa(j)}^2 + D eps) (key stream kappa = [1, 0], value stream nu = [0, 1])
+    keys = partial.flip(-2)
+    scores = (keys * query).sum(-1) * (keys.pow(2).sum(-1) + hidden * 1e-5).rsqrt()
+    share = gate * torch.sigmoid(scores - log_sum_exp)
+    expected = (gate.unsqueeze(-1) * mean).sum(-2) + (share.unsqueeze(-1) * (partial - mean)).sum(-2)
+    torch.testing.assert_close(in_float32, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(in_float32, (gate.unsqueeze(-1) * mean).sum(-2), atol=1e-2)  # the partial is merged
 
     beta, rho, written = rand(streams, hidden), torch.sigmoid(rand(1)), rand(batch, tokens, hidden, dtype=torch.bfloat16)
     assert torch.equal(kernels.write_first(beta, written), beta * written.unsqueeze(-2))
@@ -218,9 +226,9 @@ def test_each_kernel_gives_the_same_bits_on_one_thread_and_on_three():
     routes = ([1, 0], [0, 1])  # key streams, value streams: DAR's reciprocal addressing
 
     def every_kernel():
-        gated, mean, log_sum_exp = module.phase_one(history, sources, key_scale, queries, gates, *routes)
-        u = module.read_partial(partial, queries[0], gates[0], gated[0], mean[0], log_sum_exp[0], *routes, 1e-5,
-                                written)
+        gated, mean, log_sum_exp = module.phase_one(history, sources, key_scale, queries, gates, *routes,
+                                                    [False, True, True])
+        u = module.read_partial(partial, queries[1], gates[1], mean[0], log_sum_exp[0], *routes, 1e-5, written)
         stored, scales = history.clone(), key_scale.clone()
         module.commit(partial, stored, sources, scales, routes[0], 1e-5)
         return [gated, mean, log_sum_exp, u, module.write_first(beta, written),

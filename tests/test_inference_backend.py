@@ -136,7 +136,7 @@ def test_depth_mixing_runs_without_autocast_under_bf16_autocast(monkeypatch, bro
     the writes run with autocast off, so the depth products stay float32. Negative control: with the mixing
     context left out, the same probes see autocast on."""
     if broken:
-        monkeypatch.setattr(InferenceDepthBackend, "_mixing", lambda self: depth_backends.nullcontext())
+        monkeypatch.setattr(InferenceDepthBackend, "_autocast_off", lambda self: depth_backends.nullcontext())
     seen = []
     for name in ("_phase_one", "_read_with_partial", "_write"):
         original = getattr(InferenceDepthBackend, name)

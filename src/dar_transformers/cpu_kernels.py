@@ -5,15 +5,18 @@
 Eager decoding runs every branch on a few tokens, where the DAR path costs the operations it dispatches (a dozen
 PyTorch calls per branch, each starting with cold caches after the branch's own matrix products have streamed its
 weights; README, Overhead), not the bytes it moves; prefill runs it on many tokens, where the PyTorch operations
-pass over the same [B, T, J, D] operands several times and a kernel row by row once. These kernels compute the same equations as
-`InferenceDepthBackend` (DESIGN.md section 7) in one call each:
+pass over the same [B, T, J, D] operands several times and a kernel, row by row, once. These kernels compute the
+same equations as `InferenceDepthBackend` (DESIGN.md section 7) in one call each:
 
-  phase_one(history, S, key_scale, queries, gates, kappa, nu) -> gated [R, B, T, D], mean [R, B, T, J, D], L [R, B, T, J]
+  phase_one(history, S, key_scale, queries, gates, kappa, nu, sees_partial)
+      -> gated [R_g, B, T, D], mean [R_p, B, T, J, D], L [R_p, B, T, J]
       phase 1 of R reads (a list of R folded queries [J, D] and gates [J]) over the S committed entries: scores,
-      depth softmax with its log-sum-exp, the value sums Obar, and sum_j gate_j Obar^j;
-  read_partial(P, query, gate, gated, mean, L, kappa, nu, eps, like) -> u [B, T, D] in like's dtype
-      phase 2 of a read of the partial: u = gated + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j), rounded
-      to the branch's dtype as `Tensor.to` rounds it;
+      depth softmax with its log-sum-exp and the value sums Obar; a read that also sees the partial (R_p of them,
+      in order) gets its Obar and L, which its `read_partial` merges, any other (R_g) its branch input
+      sum_j gate_j Obar^j, and nothing else is written;
+  read_partial(P, query, gate, mean, L, kappa, nu, eps, like) -> u [B, T, D] in like's dtype
+      phase 2 of a read of the partial: u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j),
+      rounded to the branch's dtype as `Tensor.to` rounds it;
   write_first(beta, y)                                        -> P [B, T, J, D]
       (6) at a block's first branch: P = beta * y;
   write_partial(P, rho, beta, y)                              -> P' [B, T, 2, D]
@@ -25,11 +28,10 @@ pass over the same [B, T, J, D] operands several times and a kernel row by row o
 They are built by `torch.utils.cpp_extension.load_inline` on first use, once per machine and torch installation
 (about 30 s on two cores; cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and need a C++
 compiler and ninja; where either is missing the build fails once, a warning says why, and the PyTorch operations run
-instead. They run only
-where they pay: eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
+instead. They run eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
 passes), with gradients off, on CPU and without recorded depth weights, for any number of tokens (on many, the rows
-are split over torch's intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a string in this file so that a model folder's remote
-code carries it.
+are split over torch's intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a
+string in this file so that a model folder's remote code carries it.
 
 Shape legend as in `depth_backends.py`: B batch, T tokens, D hidden, S committed entries, R reads, J streams.
 """
@@ -82,14 +84,20 @@ template <typename compute_t, typename history_t>
 void phase_one_rows(const history_t* history, int64_t sources, const compute_t* key_scale,
                     const std::vector<const compute_t*>& query, const std::vector<const compute_t*>& gate,
                     const std::vector<int64_t>& key_streams, const std::vector<int64_t>& value_streams, int64_t reads,
-                    int64_t rows, int64_t streams, int64_t hidden, compute_t* gated, compute_t* mean,
-                    compute_t* log_sum_exp) {
+                    const std::vector<bool>& sees_partial, const std::vector<int64_t>& slot, int64_t rows,
+                    int64_t streams, int64_t hidden, compute_t* gated, compute_t* mean, compute_t* log_sum_exp) {
   const int64_t entry = rows * streams * hidden;  // one committed entry [B, T, J, D]
   // Entry-major: each entry's row is read once for the scores of all R x J (read, target) pairs and once for their
   // value sums, while the R x J queries and sums stay in cache (a pass per pair re-read the history R x J times).
   at::parallel_for(0, rows, row_grain(sources * streams * hidden), [&](int64_t begin, int64_t end) {
     std::vector<compute_t> weights(reads * streams * sources);  // [R, J, S]
+    std::vector<compute_t> scratch(reads * streams * hidden);   // Obar of the reads that need only the gated sum
+    std::vector<compute_t*> sums(reads);                         // where read r's Obar [J, D] of this row goes
     for (int64_t row = begin; row < end; ++row) {
+      for (int64_t r = 0; r < reads; ++r) {
+        sums[r] = sees_partial[r] ? mean + (slot[r] * rows + row) * streams * hidden
+                                  : scratch.data() + r * streams * hidden;
+      }
       for (int64_t s = 0; s < sources; ++s) {  // scores: (B_s^{kappa(j)} . q_rj) * key scale
         for (int64_t j = 0; j < streams; ++j) {
           const history_t* x = history + s * entry + (row * streams + key_streams[j]) * hidden;
@@ -100,7 +108,7 @@ void phase_one_rows(const history_t* history, int64_t sources, const compute_t* 
             const compute_t *q0 = query[r] + j * hidden, *q1 = query[r + 1] + j * hidden,
                             *q2 = query[r + 2] + j * hidden, *q3 = query[r + 3] + j * hidden;
             compute_t dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
-  #pragma omp simd reduction(+ : dot0, dot1, dot2, dot3)
+#pragma omp simd reduction(+ : dot0, dot1, dot2, dot3)
             for (int64_t d = 0; d < hidden; ++d) {
               const compute_t value = static_cast<compute_t>(x[d]);
               dot0 += value * q0[d];
@@ -116,7 +124,7 @@ void phase_one_rows(const history_t* history, int64_t sources, const compute_t* 
           for (; r < reads; ++r) {
             const compute_t* q = query[r] + j * hidden;  // target j's folded query, sqrt(D) w * gamma
             compute_t dot = 0;
-  #pragma omp simd reduction(+ : dot)
+#pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < hidden; ++d) dot += static_cast<compute_t>(x[d]) * q[d];
             weights[(r * streams + j) * sources + s] = dot * scale;
           }
@@ -129,27 +137,28 @@ void phase_one_rows(const history_t* history, int64_t sources, const compute_t* 
         for (int64_t s = 0; s < sources; ++s) total += (w[s] = std::exp(w[s] - top));
         for (int64_t s = 0; s < sources; ++s) w[s] /= total;
         const int64_t r = pair / streams, j = pair % streams;
-        log_sum_exp[(r * rows + row) * streams + j] = std::log(total) + top;
-        std::fill_n(mean + ((r * rows + row) * streams + j) * hidden, hidden, compute_t(0));
+        if (sees_partial[r]) log_sum_exp[(slot[r] * rows + row) * streams + j] = std::log(total) + top;
+        std::fill_n(sums[r] + j * hidden, hidden, compute_t(0));
       }
       for (int64_t s = 0; s < sources; ++s) {  // Obar^j_r = sum_s a_rjs B_s^{nu(j)}
         for (int64_t j = 0; j < streams; ++j) {
           const history_t* v = history + s * entry + (row * streams + value_streams[j]) * hidden;
           for (int64_t r = 0; r < reads; ++r) {
             const compute_t a = weights[(r * streams + j) * sources + s];
-            compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;
-  #pragma omp simd
+            compute_t* m = sums[r] + j * hidden;
+#pragma omp simd
             for (int64_t d = 0; d < hidden; ++d) m[d] += a * static_cast<compute_t>(v[d]);
           }
         }
       }
-      for (int64_t r = 0; r < reads; ++r) {  // sum_j gate_rj Obar^j_r
-        compute_t* g = gated + (r * rows + row) * hidden;
+      for (int64_t r = 0; r < reads; ++r) {  // sum_j gate_rj Obar^j_r, of the reads that do not see the partial
+        if (sees_partial[r]) continue;
+        compute_t* g = gated + (slot[r] * rows + row) * hidden;
         std::fill_n(g, hidden, compute_t(0));
         for (int64_t j = 0; j < streams; ++j) {
           const compute_t c = gate[r][j];
-          const compute_t* m = mean + ((r * rows + row) * streams + j) * hidden;
-  #pragma omp simd
+          const compute_t* m = sums[r] + j * hidden;
+#pragma omp simd
           for (int64_t d = 0; d < hidden; ++d) g[d] += c * m[d];
         }
       }
@@ -159,14 +168,19 @@ void phase_one_rows(const history_t* history, int64_t sources, const compute_t* 
 
 std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, const at::Tensor& key_scale,
                                   const std::vector<at::Tensor>& queries, const std::vector<at::Tensor>& gates,
-                                  std::vector<int64_t> key_streams, std::vector<int64_t> value_streams) {
+                                  std::vector<int64_t> key_streams, std::vector<int64_t> value_streams,
+                                  std::vector<bool> sees_partial) {
   TORCH_CHECK(history.dim() == 5 && history.is_contiguous() && key_scale.is_contiguous(),
               "phase_one: a contiguous history [S, B, T, J, D] and key scale");
   const int64_t reads = queries.size(), batch = history.size(1), tokens = history.size(2),
                 streams = history.size(3), hidden = history.size(4);
   TORCH_CHECK(0 < sources && sources <= history.size(0) && reads > 0 && int64_t(gates.size()) == reads &&
-                  int64_t(key_streams.size()) == streams && int64_t(value_streams.size()) == streams,
+                  int64_t(sees_partial.size()) == reads && int64_t(key_streams.size()) == streams &&
+                  int64_t(value_streams.size()) == streams,
               "phase_one: inconsistent shapes");
+  std::vector<int64_t> slot(reads);  // each read's index among the reads of its kind
+  int64_t partial_reads = 0, gated_reads = 0;
+  for (int64_t r = 0; r < reads; ++r) slot[r] = sees_partial[r] ? partial_reads++ : gated_reads++;
   for (int64_t r = 0; r < reads; ++r) {
     TORCH_CHECK(queries[r].is_contiguous() && queries[r].numel() == streams * hidden && gates[r].is_contiguous() &&
                     gates[r].numel() == streams && queries[r].scalar_type() == key_scale.scalar_type() &&
@@ -174,9 +188,9 @@ std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, co
                 "phase_one: each read's query [J, D] and gate [J], contiguous, in the compute dtype");
   }
   auto options = key_scale.options();
-  at::Tensor gated = at::empty({reads, batch, tokens, hidden}, options);
-  at::Tensor mean = at::empty({reads, batch, tokens, streams, hidden}, options);
-  at::Tensor log_sum_exp = at::empty({reads, batch, tokens, streams}, options);
+  at::Tensor gated = at::empty({gated_reads, batch, tokens, hidden}, options);
+  at::Tensor mean = at::empty({partial_reads, batch, tokens, streams, hidden}, options);
+  at::Tensor log_sum_exp = at::empty({partial_reads, batch, tokens, streams}, options);
   AT_DISPATCH_FLOATING_TYPES(key_scale.scalar_type(), "phase_one", [&] {
     using compute_t = scalar_t;
     std::vector<const compute_t*> query(reads), gate(reads);
@@ -186,8 +200,8 @@ std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, co
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, history.scalar_type(), "phase_one_history", [&] {
       phase_one_rows<compute_t, scalar_t>(history.data_ptr<scalar_t>(), sources, key_scale.data_ptr<compute_t>(),
-                                          query, gate, key_streams,
-                                          value_streams, reads, batch * tokens, streams, hidden,
+                                          query, gate, key_streams, value_streams, reads, sees_partial, slot,
+                                          batch * tokens, streams, hidden,
                                           gated.data_ptr<compute_t>(), mean.data_ptr<compute_t>(),
                                           log_sum_exp.data_ptr<compute_t>());
     });
@@ -196,8 +210,7 @@ std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, co
 }
 
 template <typename scalar_t, typename out_t>
-void read_partial_rows(const scalar_t* partial, const scalar_t* query, const scalar_t* gate, const scalar_t* gated,
-                       const scalar_t* mean, const scalar_t* log_sum_exp, const std::vector<int64_t>& key_streams,
+void read_partial_rows(const scalar_t* partial, const scalar_t* query, const scalar_t* gate, const scalar_t* mean, const scalar_t* log_sum_exp, const std::vector<int64_t>& key_streams,
                        const std::vector<int64_t>& value_streams, double eps, int64_t rows, int64_t streams,
                        int64_t hidden, out_t* out) {
   const scalar_t offset = static_cast<scalar_t>(hidden * eps);
@@ -208,7 +221,7 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
       for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
         const scalar_t* x = p + s * hidden;
         scalar_t sum = 0;
-  #pragma omp simd reduction(+ : sum)
+#pragma omp simd reduction(+ : sum)
         for (int64_t d = 0; d < hidden; ++d) sum += x[d] * x[d];
         scale[s] = 1 / std::sqrt(sum + offset);
       }
@@ -216,38 +229,43 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
         const scalar_t* x = p + key_streams[j] * hidden;
         const scalar_t* q = query + j * hidden;
         scalar_t dot = 0;
-  #pragma omp simd reduction(+ : dot)
+#pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < hidden; ++d) dot += x[d] * q[d];
         const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
         coefficient[j] = gate[j] / (1 + std::exp(-z));
       }
-      const scalar_t* g = gated + row * hidden;
-      std::copy_n(g, hidden, u.data());
+      std::fill_n(u.data(), hidden, scalar_t(0));  // sum_j gate_j Obar^j, formed as phase_one forms it
+      for (int64_t j = 0; j < streams; ++j) {
+        const scalar_t c = gate[j];
+        const scalar_t* m = mean + (row * streams + j) * hidden;
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) u[d] += c * m[d];
+      }
       for (int64_t j = 0; j < streams; ++j) {
         const scalar_t c = coefficient[j];
         const scalar_t* v = p + value_streams[j] * hidden;
         const scalar_t* m = mean + (row * streams + j) * hidden;
-  #pragma omp simd
+#pragma omp simd
         for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
       }
       // u in the branch's dtype, rounded as Tensor.to rounds (to nearest even), so that no conversion follows the call
       out_t* o = out + row * hidden;
-  #pragma omp simd
+#pragma omp simd
       for (int64_t d = 0; d < hidden; ++d) o[d] = to_branch_dtype<out_t>(u[d]);
     }
   });
 }
 
 at::Tensor read_partial(const at::Tensor& partial, const at::Tensor& query, const at::Tensor& gate,
-                        const at::Tensor& gated, const at::Tensor& mean, const at::Tensor& log_sum_exp,
+                        const at::Tensor& mean, const at::Tensor& log_sum_exp,
                         std::vector<int64_t> key_streams, std::vector<int64_t> value_streams, double eps,
                         const at::Tensor& out_like) {
   TORCH_CHECK(partial.dim() == 4 && partial.is_contiguous() && query.is_contiguous() && gate.is_contiguous() &&
-                  gated.is_contiguous() && mean.is_contiguous() && log_sum_exp.is_contiguous(),
+                  mean.is_contiguous() && log_sum_exp.is_contiguous(),
               "read_partial: contiguous operands");
   const int64_t batch = partial.size(0), tokens = partial.size(1), streams = partial.size(2), hidden = partial.size(3);
   const int64_t rows = batch * tokens;
-  TORCH_CHECK(gated.numel() == rows * hidden && mean.numel() == rows * streams * hidden &&
+  TORCH_CHECK(mean.numel() == rows * streams * hidden &&
                   log_sum_exp.numel() == rows * streams && query.numel() == streams * hidden &&
                   int64_t(key_streams.size()) == streams && int64_t(value_streams.size()) == streams,
               "read_partial: inconsistent shapes");
@@ -257,7 +275,7 @@ at::Tensor read_partial(const at::Tensor& partial, const at::Tensor& query, cons
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "read_partial_out", [&] {
       read_partial_rows<compute_t, scalar_t>(
           partial.data_ptr<compute_t>(), query.data_ptr<compute_t>(), gate.data_ptr<compute_t>(),
-          gated.data_ptr<compute_t>(), mean.data_ptr<compute_t>(), log_sum_exp.data_ptr<compute_t>(), key_streams,
+          mean.data_ptr<compute_t>(), log_sum_exp.data_ptr<compute_t>(), key_streams,
           value_streams, eps, rows, streams, hidden, out.data_ptr<scalar_t>());
     });
   });
@@ -275,7 +293,7 @@ void commit_rows(const compute_t* entry, history_t* stored, compute_t* key_scale
         const compute_t* x = entry + (row * streams + s) * hidden;
         history_t* h = stored + (row * streams + s) * hidden;
         compute_t sum = 0;
-  #pragma omp simd reduction(+ : sum)
+#pragma omp simd reduction(+ : sum)
         for (int64_t d = 0; d < hidden; ++d) {  // the statistics are of the stored (possibly rounded) value
           h[d] = static_cast<history_t>(x[d]);
           const compute_t v = static_cast<compute_t>(h[d]);
@@ -320,11 +338,11 @@ void write_partial_rows(const state_t* partial, state_t rho, const state_t* beta
         const state_t* b = beta + j * hidden;
         state_t* o = out + (row * 2 + j) * hidden;
         if (low) {
-  #pragma omp simd
+#pragma omp simd
           for (int64_t d = 0; d < hidden; ++d)
             o[d] = (other[d] + rho * (own[d] - other[d])) + b[d] * static_cast<state_t>(y[d]);
         } else {
-  #pragma omp simd
+#pragma omp simd
           for (int64_t d = 0; d < hidden; ++d)
             o[d] = (own[d] - (own[d] - other[d]) * (1 - rho)) + b[d] * static_cast<state_t>(y[d]);
         }
@@ -362,7 +380,7 @@ void write_first_rows(const state_t* beta, const y_t* written, int64_t rows, int
       for (int64_t j = 0; j < streams; ++j) {  // P = beta * y, as beta [J, D] * y [B, T, 1, D] promotes it
         const state_t* b = beta + j * hidden;
         state_t* o = out + (row * streams + j) * hidden;
-  #pragma omp simd
+#pragma omp simd
         for (int64_t d = 0; d < hidden; ++d) o[d] = b[d] * static_cast<state_t>(y[d]);
       }
     }

@@ -748,9 +748,6 @@ def reads_planned_together(residuals) -> list:
     return planned
 
 
-_NO_CONTEXT = nullcontext()  # reusable: enters and exits as often as asked
-
-
 def _without_autocast(device_type: str):
     """The precision policy also under autocast: autocast off around depth mixing (a no-op context when it is off)."""
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
@@ -877,12 +874,13 @@ class _InferenceConstants(NamedTuple):
 
 class _PlannedRead(NamedTuple):  # a NamedTuple: decoding builds two per layer, and a frozen dataclass costs more
     """Phase 1 of one read with the read gate applied: gated [B, T, D] = sum_j gate_j Obar^j (the branch input when
-    the partial is not read), Obar [B, T, J, D], log-sum-exp L [B, T, J], softmax weights [S, B, T, J]."""
+    the partial is not read), Obar [B, T, J, D], log-sum-exp L [B, T, J], softmax weights [S, B, T, J]. From the
+    C++ kernels, only what the read uses: gated without the partial, Obar and L with it; no weights."""
 
-    gated: torch.Tensor
-    mean: torch.Tensor
-    log_sum_exp: torch.Tensor
-    weights: torch.Tensor
+    gated: torch.Tensor | None
+    mean: torch.Tensor | None
+    log_sum_exp: torch.Tensor | None
+    weights: torch.Tensor | None
 
 
 class InferenceDepthBackend:
@@ -913,7 +911,7 @@ class InferenceDepthBackend:
         self.wants_kernels = config.dar_inference_kernel == "cpp"
         self.kernels = None  # the C++ kernels, where this forward runs them (`start`)
         self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
-        self.key_streams = dar_routing(config)[0]
+        self.key_streams, self.value_streams = dar_routing(config)  # every residual's (config-wide)
         self.keep_weights = True
         self.history_buffer = self.inv_rms_buffer = None
         self.constants: dict[torch.nn.Module, _InferenceConstants] = {}  # this forward's, by residual
@@ -945,22 +943,37 @@ class InferenceDepthBackend:
     def plan(self, state: DepthState, *residuals) -> tuple[_PlannedRead | None, ...]:
         """Phase 1 of `residuals` that see the state's committed entries; None for the rest, which plan their own
         read. A read not planned yet plans the rest of its block with it (`_reads_ahead`)."""
-        first = residuals[0]
-        if first not in self.planned:
+        planned, first = self.planned, residuals[0]
+        if first not in planned:
             group = self._reads_ahead(first) or reads_planned_together(residuals)
-            with self._mixing():
-                self.planned.update(zip(group, self._phase_one(state, group)))
-        return tuple(self.planned.pop(residual, None) for residual in residuals)
+            if self.autocast:
+                with self._autocast_off():
+                    planned.update(zip(group, self._phase_one(state, group)))
+            else:
+                planned.update(zip(group, self._phase_one(state, group)))
+        return tuple(map(planned.pop, residuals, (None,) * len(residuals)))  # dict.pop(residual, None), from C
 
-    def _mixing(self):
+    # The hot methods below branch on `self.autocast` instead of entering a no-op context when it is off: two Python
+    # calls fewer per read and write, which a decoding step pays 120 times with cold caches (README, Overhead).
+    def _autocast_off(self):
         """The precision policy also under autocast (`_without_autocast`), as of the forward's start."""
-        return torch.autocast(self.history_buffer.device.type, enabled=False) if self.autocast else _NO_CONTEXT
+        return torch.autocast(self.history_buffer.device.type, enabled=False)
 
     def _reads_ahead(self, first) -> list:
         """The reads from `first` to the end of its block (they see the same committed entries), when the model gave
         its residuals and their parameters are here (not on the meta device of a layer-streamed or offloaded model):
         the history is then read once per block instead of once per decoder layer. At most as many reads as the
-        history has slots, so that phase 1's sums [B, T, J, R, D] never outgrow the history buffer."""
+        history has slots, so that phase 1's sums [B, T, J, R, D] never outgrow the history buffer. Kept in the model's
+        memo, whose stamp covers where every parameter lives (a meta tensor's data pointer is 0)."""
+        memo = self.model_memo
+        if memo is None:
+            return self._find_reads_ahead(first)
+        group = memo.get((first, "reads ahead"))
+        if group is None:
+            group = memo[(first, "reads ahead")] = self._find_reads_ahead(first)
+        return group
+
+    def _find_reads_ahead(self, first) -> list:
         index = getattr(first, "branch_index", None)
         if index is None or index >= len(self.residuals) or self.residuals[index] is not first:
             return []
@@ -1022,10 +1035,10 @@ class InferenceDepthBackend:
     def _phase_one(self, state: DepthState, residuals) -> list[_PlannedRead]:
         """Phase 1 of the reads of `residuals` (all see the state's committed entries) in one pass over the buffer."""
         sources = len(state.history)
-        attention = residuals[0].depth_attention
-        constants = [self._constants(r, sources + int(getattr(r, "reads_partial", False))) for r in residuals]
+        sees_partial = [getattr(r, "reads_partial", False) for r in residuals]  # the readout has no partial
+        constants = [self._constants(r, sources + int(partial)) for r, partial in zip(residuals, sees_partial)]
         if self.kernels is not None:
-            return self._phase_one_kernel(sources, attention, constants)
+            return self._phase_one_kernel(sources, constants, sees_partial)
         history = self.history_buffer[:sources].to(self.inv_rms_buffer.dtype)  # [S, B, T, J, D], no copy in float32
         _, batch, tokens, streams, hidden = history.shape
         routed_t = constants[0].routed_t if len(constants) == 1 else torch.cat([c.routed_t for c in constants])
@@ -1039,7 +1052,7 @@ class InferenceDepthBackend:
         total = weights.sum(0)
         weights.div_(total)
         log_sum_exp = total.log_().add_(top)  # [B, T, R, J]
-        means = _value_sums(weights, history, attention.value_streams)  # [B, T, J, R, D]
+        means = _value_sums(weights, history, self.value_streams)  # [B, T, J, R, D]
         gates = constants[0].gate.unsqueeze(0) if reads == 1 else torch.stack([c.gate for c in constants])  # [R, J]
         # sum_j gate_j Obar^j [B, T, R, D], one stream at a time: a sum over the strided stream axis of `means`
         # costs ten times the whole value sum on CPU
@@ -1048,12 +1061,19 @@ class InferenceDepthBackend:
             gated.addcmul_(means[:, :, stream], gates[:, stream : stream + 1])
         return list(map(_PlannedRead, gated.unbind(2), means.unbind(3), log_sum_exp.unbind(2), weights.unbind(3)))
 
-    def _phase_one_kernel(self, sources: int, attention, constants) -> list[_PlannedRead]:
+    def _phase_one_kernel(self, sources: int, constants, sees_partial: list[bool]) -> list[_PlannedRead]:
+        """A read that sees the partial gets Obar and L (its kernel read forms the gated sum from Obar), any other
+        its gated sum alone: the kernel writes nothing else (a third of the bytes at K = 8)."""
         gated, means, log_sum_exp = self.kernels.phase_one(
             self.history_buffer, sources, self.inv_rms_buffer, [c.query for c in constants],
-            [c.gate for c in constants], attention.key_streams, attention.value_streams,
-        )  # [R, B, T, D], [R, B, T, J, D], [R, B, T, J]
-        return [_PlannedRead(*read, None) for read in zip(gated.unbind(0), means.unbind(0), log_sum_exp.unbind(0))]
+            [c.gate for c in constants], self.key_streams, self.value_streams, sees_partial,
+        )  # [R_g, B, T, D], [R_p, B, T, J, D], [R_p, B, T, J], each in read order
+        gated, means, log_sum_exp = iter(gated), iter(means), iter(log_sum_exp)
+        return [
+            _PlannedRead(None, next(means), next(log_sum_exp), None) if partial
+            else _PlannedRead(next(gated), None, None, None)
+            for partial in sees_partial
+        ]
 
     def read(self, residual, state: DepthState, read_partial: bool, planned: _PlannedRead | None = None,
              dtype: torch.dtype | None = None):
@@ -1062,28 +1082,30 @@ class InferenceDepthBackend:
             planned = self.plan(state, residual)[0]
         if not read_partial:
             return planned.gated, (planned.weights if self.keep_weights else None)
-        with self._mixing():
-            return self._read_with_partial(residual, state, planned, dtype)
+        if self.autocast:
+            with self._autocast_off():
+                return self._read_with_partial(residual, state, planned, dtype)
+        return self._read_with_partial(residual, state, planned, dtype)
 
     def _read_with_partial(self, residual, state: DepthState, planned: _PlannedRead, dtype: torch.dtype | None):
-        attention, partial = residual.depth_attention, state.partial
-        constants = self._constants(residual, len(state.history) + 1)
+        partial = state.partial
+        constants = self.constants.get(residual) or self._constants(residual, len(state.history) + 1)
         if self.kernels is not None:
             dtype = dtype or partial.dtype
             like = self.dtype_likes.get(dtype)
             if like is None:
                 like = self.dtype_likes[dtype] = partial.new_empty(0, dtype=dtype)
             branch_input = self.kernels.read_partial(
-                partial, constants.query, constants.gate, planned.gated, planned.mean, planned.log_sum_exp,
-                attention.key_streams, attention.value_streams, self.eps, like,
+                partial, constants.query, constants.gate, planned.mean, planned.log_sum_exp,
+                self.key_streams, self.value_streams, self.eps, like,
             )  # [B, T, D] in `dtype`: rounded as `.to(dtype)` would round it
             return branch_input, None
         batch, tokens, streams, hidden = partial.shape
         partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
         partial_dots = partial_dots.view(batch, tokens, streams)
-        score = partial_dots * _streams(self._key_scale(partial), attention.key_streams, 2)  # z [B, T, J]
+        score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
-        values = _streams(partial, attention.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
+        values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
         # u = sum_j gate_j Obar^j + sum_j gate_j share_j (P^{nu(j)} - Obar^j), one stream at a time (a batched
         # product over the streams loops over tokens on CPU, and a sum over the strided stream axis is slower still)
         coefficients = (share * constants.gate).unsqueeze(-1)  # [B, T, J, 1]
@@ -1097,9 +1119,14 @@ class InferenceDepthBackend:
         return branch_input, weights
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
-        constants = self._constants(residual, len(state.history) + int(residual.reads_partial))
-        with self._mixing():
-            partial = self._write(constants, state.partial, branch_output)  # y [B, T, D] in the model dtype
+        constants = self.constants.get(residual) or self._constants(
+            residual, len(state.history) + int(residual.reads_partial)
+        )
+        if self.autocast:
+            with self._autocast_off():
+                partial = self._write(constants, state.partial, branch_output)  # y [B, T, D] in the model dtype
+        else:
+            partial = self._write(constants, state.partial, branch_output)
         if commits:
             return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
         return DepthState(self, partial, state.history)
