@@ -210,7 +210,8 @@ std::vector<at::Tensor> phase_one(const at::Tensor& history, int64_t sources, co
 }
 
 template <typename scalar_t, typename out_t>
-void read_partial_rows(const scalar_t* partial, const scalar_t* query, const scalar_t* gate, const scalar_t* mean, const scalar_t* log_sum_exp, const std::vector<int64_t>& key_streams,
+void read_partial_rows(const scalar_t* partial, const scalar_t* query, const scalar_t* gate, const scalar_t* mean,
+                       const scalar_t* log_sum_exp, const std::vector<int64_t>& key_streams,
                        const std::vector<int64_t>& value_streams, double eps, int64_t rows, int64_t streams,
                        int64_t hidden, out_t* out) {
   const scalar_t offset = static_cast<scalar_t>(hidden * eps);
