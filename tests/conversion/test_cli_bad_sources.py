@@ -22,8 +22,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from conftest import REPO, assert_refused_in_one_line, edit_json, run_convert_in_process, save_source, tree_digest
-from dar_transformers.conversion import api, upcycle_model
+from conftest import (
+    REPO, assert_refused_in_one_line, edit_json, run_convert_in_process, save_source, tiny_llama_config, tree_digest,
+)
+from dar_transformers.conversion import api, upcycle, upcycle_model
 
 EVIL_CODE = """
 import pathlib
@@ -77,6 +79,22 @@ def test_an_invalid_source_config_is_one_line_naming_the_file_and_the_field(tmp_
     assert_refused_in_one_line(*run_convert_in_process(source, tmp_path / "out", cwd=tmp_path), *patterns)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
     assert tree_digest(source) == before
+
+
+@pytest.mark.parametrize("kind", ["dar", "dar_moe"])
+def test_an_in_memory_model_without_decoder_layers_is_refused_naming_num_hidden_layers(tmp_path, kind):
+    """`upcycle_model` and `upcycle(model)`, with or without an output, on a model of 0 layers blamed DAR's block size
+    ("must be an integer in [1, 0]"), a field the caller never set."""
+    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=0))
+    message = (r"^The in-memory model's config\.num_hidden_layers is 0; a model to convert needs 1 or more decoder "
+               r"layers\.$")
+    with pytest.raises(ValueError, match=message):
+        upcycle_model(model, kind)
+    with pytest.raises(ValueError, match=message):
+        upcycle(model, kind=kind, max_new_tokens=0, progress=False)
+    with pytest.raises(ValueError, match=message):
+        upcycle(model, tmp_path / "out", kind=kind, max_new_tokens=0, progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def assert_index_refused(tmp_path, source, pattern: str) -> None:

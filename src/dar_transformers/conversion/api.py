@@ -26,7 +26,8 @@ from .checkpoints import StateDictCheckpoint
 from .plan import cast_model, check_finite, check_tied_output_head, logging_level_error, plan_conversion, upcycle_model
 from .report import VerificationReport
 from .sources import (
-    Source, display_name, load_source_config, open_source, source_storage_dtype, warn_if_declared_dtype_differs,
+    Source, check_has_layers, display_name, load_source_config, open_source, source_storage_dtype,
+    warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
 from .verify import build_prompts, raise_unless_passed, set_experts_for, verify_conversion, verify_written
@@ -83,6 +84,8 @@ def upcycle(
             raise ValueError("verify=False cannot write an output folder: only verified conversions are written.")
     in_memory = isinstance(source, PreTrainedModel)
     source_config = source.config if in_memory else load_source_config(source)
+    if in_memory:  # a folder's or GGUF file's config is checked as it is read (`load_source_config`)
+        check_has_layers(source_config, "The in-memory model's config.num_hidden_layers")
     branch_family = source_family(source_config)
     if in_memory and output is None:
         return _upcycle_in_memory(source, tokenizer, options)

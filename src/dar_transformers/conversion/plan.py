@@ -19,6 +19,7 @@ from transformers.utils import logging
 from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, require_finite_cast
 from .families import source_family
 from .keymaps import TensorInfo, TensorPlan, check_keys
+from .sources import check_has_layers
 from .targets import TargetKind, target_kind
 
 FINITE_CHECK_BYTES = 64 * 2**20  # rows of a source tensor checked for NaN/inf per read
@@ -177,6 +178,7 @@ def upcycle_model(
     parameters float32 in a half-precision model, buffers (rotary `inv_freq`) as the class builds them."""
     target = target_kind(kind)
     dtype = dtype or source_model.dtype
+    check_has_layers(source_model.config, "The in-memory model's config.num_hidden_layers")
     config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
     checkpoint = StateDictCheckpoint(source_model.state_dict())
     check_tied_output_head(checkpoint, source_model.config, "the in-memory model")
