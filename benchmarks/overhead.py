@@ -3,7 +3,10 @@
 
 Models: Llama (the baseline), Block DAR (about 8 blocks) and Full DAR (K = 1), all built from one config, in
 float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machine noise hits all models alike:
-  - train step: forward + backward + AdamW step on a [batch, seq] random batch with labels;
+  - train step: forward + backward + AdamW step on a [batch, seq] random batch with labels; with it the system CPU
+    seconds and minor page faults of the step (`train_step_sys_s`, `train_step_page_faults`: the kernel zeroing
+    fresh pages for the allocator, which glibc returns and maps again at its own thresholds; the environment
+    variables MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ and MALLOC_MMAP_THRESHOLD_ fix them for a run);
   - prefill: forward of the prompt with a fresh KV cache;
   - decode: one-token forwards with the KV cache after the prompt (median per token);
   - saved activations: bytes of the tensors autograd keeps for backward in one training forward (deduplicated
@@ -31,6 +34,7 @@ synchronise the device, and peak memory is the CUDA allocator's high-water mark 
 import argparse
 import json
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -89,6 +93,14 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so that wall-clock timings cover it (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def kernel_work() -> tuple[float, int]:
+    """This process's system CPU seconds and minor page faults so far: mostly the kernel handing the allocator fresh
+    zeroed pages, which a training step's process CPU time (`--clock process`) includes and which moves with the
+    allocator's state (glibc returns freed memory to the system and maps it again) more than with the model's work."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_stime, usage.ru_minflt
 
 
 def time_train_step(model, optimizer, batch) -> float:
@@ -296,7 +308,11 @@ def main() -> None:
           f"threads {torch.get_num_threads()}")
     print(f"block sizes (branches): {block_sizes}")
 
-    samples = {name: {"train_step_s": [], "prefill_s": [], "decode_token_s": []} for name in names}
+    samples = {
+        name: {"train_step_s": [], "train_step_sys_s": [], "train_step_page_faults": [], "prefill_s": [],
+               "decode_token_s": []}
+        for name in names
+    }
     decode = time_compiled_decode if args.compile else time_decode
     first = {}
     for name in names:  # warm-up: first calls allocate, pick kernels and (with --compile) compile
@@ -312,7 +328,11 @@ def main() -> None:
         for name in names:
             model = models[name]
             model.train()
+            system_before, faults_before = kernel_work()
             samples[name]["train_step_s"].append(time_train_step(runners[name], optimizers[name], batch))
+            system_after, faults_after = kernel_work()
+            samples[name]["train_step_sys_s"].append(system_after - system_before)
+            samples[name]["train_step_page_faults"].append(faults_after - faults_before)
             model.eval()
             samples[name]["prefill_s"].append(time_prefill(runners[name], prompt))
             samples[name]["decode_token_s"].append(decode(model, prompt, args.decode_tokens))
@@ -349,6 +369,7 @@ def main() -> None:
         if "llama" in results:
             row += "".join(
                 f"{results[name][metric] / results['llama'][metric]:>{ratio_width[name] - 1}.3f}x"
+                if results["llama"][metric] else f"{'-':>{ratio_width[name]}}"  # no system time (a GPU step)
                 for name in names if name != "llama"
             )
         print(row)
