@@ -66,8 +66,8 @@ SHAPES = {
 def build_model(name: str, shape: dict) -> torch.nn.Module:
     """Build "llama", "dar-block" or "dar-full", the DAR ones with an optional "@backend" (`dar_implementation`, e.g.
     "dar-block@two_phase"; the default "fast" otherwise) and optional "+option"s, each a value of
-    `dar_compiled_read` or `dar_inference_kernel` (e.g. "dar-block+operator", "dar-block+cpp"), so that the variants
-    run side by side in one run."""
+    `dar_compiled_read`, or "cpp" for the C++ kernels (`dar_inference_kernel` and `dar_training_kernel`), e.g.
+    "dar-block+operator", "dar-block+cpp", so that the variants run side by side in one run."""
     torch.manual_seed(0)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**shape))
@@ -75,8 +75,10 @@ def build_model(name: str, shape: dict) -> torch.nn.Module:
     name, _, implementation = name.partition("@")
     fields = {}
     for option in options:
-        field = "dar_compiled_read" if option in DAR_COMPILED_READS else "dar_inference_kernel"
-        fields[field] = option  # an unknown option is refused by DARConfig's validation, naming the field
+        if option in DAR_COMPILED_READS:
+            fields["dar_compiled_read"] = option
+        else:  # an unknown option is refused by DARConfig's validation, naming the field
+            fields["dar_inference_kernel"] = fields["dar_training_kernel"] = option
     num_branches = 2 * shape["num_hidden_layers"]
     block_size = 1 if name == "dar-full" else None  # None: about 8 blocks
     config = DARConfig(**shape, dar_block_size=block_size, dar_implementation=implementation or "fast", **fields)

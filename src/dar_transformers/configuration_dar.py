@@ -38,6 +38,12 @@
   per read of the partial and per write, `cpu_kernels.py`: built by `torch.utils.cpp_extension` on first use, about
   30 s once per machine, and needing a C++ compiler and ninja; without them a warning, and "torch" runs). Same
   equations either way; training, compiled graphs and other devices are unaffected.
+- `dar_training_kernel`: how an eager training forward and backward on CPU with the fused "fast" path run the depth
+  path: "torch" (the default: PyTorch operations and hand-written backwards) or "cpp" (each read, forward and
+  backward, and each two-stream write, forward and backward, one C++ call over the tokens, reading each token's
+  sources once; the same `cpu_kernels.py` extension, built and falling back as above). Same equations and the same
+  saved tensors; compiled graphs (which trace the two-phase read), the other backends and other devices are
+  unaffected.
 """
 
 import math
@@ -55,6 +61,7 @@ DAR_IMPLEMENTATIONS = ("fast", "two_phase", "reference")
 DAR_HISTORY_DTYPES = ("float32", "model")
 DAR_COMPILED_READS = ("inlined", "operator")
 DAR_INFERENCE_KERNELS = ("torch", "cpp")
+DAR_TRAINING_KERNELS = ("torch", "cpp")
 DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
 DAR_DEFAULT_DELTA = 0.7
 
@@ -114,6 +121,7 @@ class DARConfig(LlamaConfig):
     dar_history_dtype: str = "float32"
     dar_compiled_read: str = "inlined"
     dar_inference_kernel: str = "torch"
+    dar_training_kernel: str = "torch"
     sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
@@ -142,6 +150,7 @@ class DARConfig(LlamaConfig):
         _must_be_one_of("dar_history_dtype", self.dar_history_dtype, DAR_HISTORY_DTYPES)
         _must_be_one_of("dar_compiled_read", self.dar_compiled_read, DAR_COMPILED_READS)
         _must_be_one_of("dar_inference_kernel", self.dar_inference_kernel, DAR_INFERENCE_KERNELS)
+        _must_be_one_of("dar_training_kernel", self.dar_training_kernel, DAR_TRAINING_KERNELS)
         if self.dar_history_dtype == "model" and self.dar_implementation == "fast":
             raise ValueError(
                 "DARConfig.dar_history_dtype='model' needs dar_implementation 'two_phase' or 'reference' (the fused "

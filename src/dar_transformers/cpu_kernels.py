@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The dar-transformers authors.
-"""C++ kernels of DAR's inference depth path on CPU, opt-in with `config.dar_inference_kernel = "cpp"`.
+"""C++ kernels of DAR's depth path on CPU, opt-in with `config.dar_inference_kernel = "cpp"` (forwards with gradients
+off) and `config.dar_training_kernel = "cpp"` (eager training with the fused "fast" path).
 
 Eager decoding runs every branch on a few tokens, where the DAR path costs the operations it dispatches (a dozen
 PyTorch calls per branch, each starting with cold caches after the branch's own matrix products have streamed its
@@ -25,11 +26,29 @@ same equations as `InferenceDepthBackend` (DESIGN.md section 7) in one call each
       (8): stores P as entry n of the history (in its dtype) and the per-token key scale
       1 / sqrt(sum_d h^2 + D eps) of each target stream's key stream, of the stored value.
 
+With `config.dar_training_kernel = "cpp"` the fused eager training path (`FastDepthBackend`) runs these, each row a
+token, its sources read from memory once per call (the PyTorch operations pass over them once per operation):
+
+  train_read(query, gate, history, inv_rms, n, P, kappa, nu, eps)
+      -> u [B, T, D], weights [N, B, T, J], key dots [N, B, T, J], P's inverse RMS [B, T, J]
+      one branch's read (eq. 2-5) of the n committed entries in the buffer and the partial P (None: not read), with
+      the fast path's key normalisation (inverse RMS 1 / sqrt(mean h^2 + eps), the query w * gamma);
+  train_read_backward(g, query, gate, history, inv_rms, n, P, P_inv_rms, weights, key dots, kappa, nu, grad_entries)
+      -> d query [J, D], d gate [J], d P [B, T, J, D]
+      its backward: the entries' gradients (values, keys, key norm) added in place into grad_entries (the shared
+      `DepthGradients` buffer), P's written;
+  write_backward(g, P, rho, beta, y)                          -> d P, d rho (1,), d beta [J, D], d y (y's dtype)
+      the backward of write_first (P None) and write_partial, in one pass.
+
+The gradients summed over tokens (query, gate, beta, rho) are summed by fixed chunks of 32 rows and the chunks added
+in order, so their bits do not depend on the thread count either (tested).
+
 They are built by `torch.utils.cpp_extension.load_inline` on first use, once per machine and torch installation
 (about 30 s on two cores; cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and need a C++
 compiler and ninja; where either is missing the build fails once, a warning says why, and the PyTorch operations run
 instead. They run eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
-passes), with gradients off, on CPU and without recorded depth weights, for any number of tokens (on many, the rows
+passes) and on CPU; the inference kernels with gradients off and without recorded depth weights, for any number of
+tokens (on many, the rows
 are split over torch's intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a
 string in this file so that a model folder's remote code carries it.
 
@@ -52,6 +71,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 // float -> the branch's dtype, rounded as Tensor.to rounds: to nearest even (bfloat16 spelled out with integer
@@ -403,9 +423,364 @@ at::Tensor write_first(const at::Tensor& beta, const at::Tensor& written) {
   });
   return out;
 }
+
+// ---- Training kernels of the fused eager path (`FastDepthBackend`, config.dar_training_kernel = "cpp") ----
+// Sums over tokens (the gradients of the query, the read gate and the write gate) are taken over fixed chunks of
+// rows, each into its own slot, and the slots are added in order afterwards: the same bits for any thread count.
+constexpr int64_t kChunkRows = 32;
+
+// [C, ...] -> [...]: the chunks' partial sums added in chunk order (deterministic, unlike a threaded reduction).
+template <typename scalar_t>
+void sum_chunks_of(const scalar_t* part, int64_t chunks, int64_t size, scalar_t* out) {
+  for (int64_t c = 0; c < chunks; ++c) {
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) out[i] += part[c * size + i];
+  }
+}
+
+at::Tensor sum_chunks(const at::Tensor& chunks) {
+  at::Tensor total = at::zeros(chunks.sizes().slice(1), chunks.options());
+  AT_DISPATCH_FLOATING_TYPES(chunks.scalar_type(), "sum_chunks", [&] {
+    sum_chunks_of<scalar_t>(chunks.data_ptr<scalar_t>(), chunks.size(0), total.numel(), total.data_ptr<scalar_t>());
+  });
+  return total;
+}
+
+// The sources of one read: the committed entries in the history buffer [S_max, rows, J, D], then the partial.
+template <typename scalar_t>
+struct ReadSources {
+  const scalar_t* history;
+  const scalar_t* inv_rms;  // [S_max, rows, J]
+  const scalar_t* partial;  // [rows, J, D] or nullptr
+  const scalar_t* partial_inv_rms;  // [rows, J] or nullptr
+  int64_t entries, rows, streams, hidden;
+  int64_t count() const { return entries + (partial != nullptr); }
+  const scalar_t* row(int64_t n, int64_t r) const {
+    return n < entries ? history + ((n * rows + r) * streams) * hidden : partial + r * streams * hidden;
+  }
+  scalar_t scale(int64_t n, int64_t r, int64_t s) const {
+    return n < entries ? inv_rms[(n * rows + r) * streams + s] : partial_inv_rms[r * streams + s];
+  }
+};
+
+// Forward of one read (eq. 2-5): key dots of the folded query with each source's key stream, the depth softmax
+// of (dot * inverse RMS), and u = sum_j gate_j sum_n a^j_n V^{nu(j)}_n; writes u [rows, D], the weights and key
+// dots [N, rows, J], and the partial's inverse RMS [rows, J].
+template <typename scalar_t>
+void train_read_rows(const scalar_t* query, const scalar_t* gate, ReadSources<scalar_t> src, scalar_t* partial_inv_rms,
+                     const std::vector<int64_t>& kappa, const std::vector<int64_t>& nu, double eps, scalar_t* u,
+                     scalar_t* weights, scalar_t* keyed) {
+  const int64_t rows = src.rows, streams = src.streams, hidden = src.hidden, count = src.count();
+  at::parallel_for(0, rows, row_grain(count * streams * hidden), [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> w(count * streams);
+    for (int64_t r = begin; r < end; ++r) {
+      if (src.partial != nullptr) {  // 1 / sqrt(mean_d P^2 + eps), as `inverse_rms`
+        for (int64_t s = 0; s < streams; ++s) {
+          const scalar_t* x = src.partial + (r * streams + s) * hidden;
+          scalar_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < hidden; ++d) sum += x[d] * x[d];
+          partial_inv_rms[r * streams + s] = 1 / std::sqrt(sum / hidden + static_cast<scalar_t>(eps));
+        }
+      }
+      for (int64_t n = 0; n < count; ++n) {
+        const scalar_t* x = src.row(n, r);
+        for (int64_t j = 0; j < streams; ++j) {
+          const scalar_t* k = x + kappa[j] * hidden;
+          const scalar_t* q = query + j * hidden;
+          scalar_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < hidden; ++d) dot += k[d] * q[d];
+          keyed[(n * rows + r) * streams + j] = dot;
+          w[n * streams + j] = dot * src.scale(n, r, kappa[j]);
+        }
+      }
+      for (int64_t j = 0; j < streams; ++j) {  // softmax over depth
+        scalar_t top = w[j];
+        for (int64_t n = 1; n < count; ++n) top = std::max(top, w[n * streams + j]);
+        scalar_t total = 0;
+        for (int64_t n = 0; n < count; ++n) total += (w[n * streams + j] = std::exp(w[n * streams + j] - top));
+        for (int64_t n = 0; n < count; ++n) {
+          w[n * streams + j] /= total;
+          weights[(n * rows + r) * streams + j] = w[n * streams + j];
+        }
+      }
+      scalar_t* o = u + r * hidden;
+      std::fill_n(o, hidden, scalar_t(0));
+      for (int64_t n = 0; n < count; ++n) {
+        const scalar_t* x = src.row(n, r);
+        for (int64_t j = 0; j < streams; ++j) {
+          const scalar_t c = gate[j] * w[n * streams + j];
+          const scalar_t* v = x + nu[j] * hidden;
+#pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d) o[d] += c * v[d];
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> train_read(const at::Tensor& query, const at::Tensor& gate, const at::Tensor& history,
+                                   const at::Tensor& inv_rms, int64_t entries, const std::optional<at::Tensor>& partial,
+                                   std::vector<int64_t> key_streams, std::vector<int64_t> value_streams, double eps) {
+  TORCH_CHECK(history.dim() == 5 && history.is_contiguous() && inv_rms.is_contiguous() && query.is_contiguous() &&
+                  gate.is_contiguous(),
+              "train_read: a contiguous history buffer [S_max, B, T, J, D], its inverse RMS, query [J, D], gate [J]");
+  const int64_t batch = history.size(1), tokens = history.size(2), streams = history.size(3), hidden = history.size(4);
+  const int64_t rows = batch * tokens, has_partial = partial.has_value() ? 1 : 0, count = entries + has_partial;
+  TORCH_CHECK(0 <= entries && entries <= history.size(0) && count > 0 && query.numel() == streams * hidden &&
+                  gate.numel() == streams && int64_t(key_streams.size()) == streams &&
+                  int64_t(value_streams.size()) == streams && inv_rms.numel() == history.numel() / hidden,
+              "train_read: inconsistent shapes");
+  const auto dtype = history.scalar_type();
+  TORCH_CHECK(query.scalar_type() == dtype && gate.scalar_type() == dtype && inv_rms.scalar_type() == dtype,
+              "train_read: every operand in the compute dtype");
+  if (has_partial) {
+    TORCH_CHECK(partial->is_contiguous() && partial->scalar_type() == dtype && partial->numel() == rows * streams * hidden,
+                "train_read: a contiguous partial [B, T, J, D] in the compute dtype");
+  }
+  auto options = history.options();
+  at::Tensor u = at::empty({batch, tokens, hidden}, options);
+  at::Tensor weights = at::empty({count, batch, tokens, streams}, options);
+  at::Tensor keyed = at::empty({count, batch, tokens, streams}, options);
+  at::Tensor partial_inv_rms = at::empty({has_partial ? batch : 0, tokens, streams}, options);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "train_read", [&] {
+    ReadSources<scalar_t> src{history.data_ptr<scalar_t>(), inv_rms.data_ptr<scalar_t>(),
+                              has_partial ? partial->data_ptr<scalar_t>() : nullptr,
+                              has_partial ? partial_inv_rms.data_ptr<scalar_t>() : nullptr,
+                              entries, rows, streams, hidden};
+    train_read_rows<scalar_t>(query.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), src,
+                              has_partial ? partial_inv_rms.data_ptr<scalar_t>() : nullptr, key_streams,
+                              value_streams, eps, u.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(),
+                              keyed.data_ptr<scalar_t>());
+  });
+  return {u, weights, keyed, partial_inv_rms};
+}
+
+// Backward of one read, token by token, with each token's sources read from memory once (the next pass over them
+// hits the cache): value dots g . V_n, the softmax backward over depth, and for every source
+//   dL/dS^s_n += c^s_n g + sum_{j: kappa(j) = s} gk^j_n q^j - (dL/d rms^-1) rms^-3 / D S^s_n
+// added in place into the shared entry gradients (committed entries) or written (the partial); the query's and the
+// gate's gradients summed over tokens by fixed chunks.
+template <typename scalar_t>
+void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, const scalar_t* gate, ReadSources<scalar_t> src,
+                              const scalar_t* weights, const scalar_t* keyed, const std::vector<int64_t>& kappa,
+                              const std::vector<int64_t>& nu, scalar_t* grad_entries, scalar_t* grad_partial,
+                              scalar_t* chunk_query, scalar_t* chunk_gate) {
+  const int64_t rows = src.rows, streams = src.streams, hidden = src.hidden, count = src.count();
+  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t grain = std::max<int64_t>(1, row_grain(count * streams * hidden) / kChunkRows);
+  at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<scalar_t> value_dots(count * streams), grad_keyed(count * streams), coefficient(count * streams),
+        norm(count * streams);
+    for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+      scalar_t* gq = chunk_query + chunk * streams * hidden;
+      scalar_t* gg = chunk_gate + chunk * streams;
+      std::fill_n(gq, streams * hidden, scalar_t(0));
+      std::fill_n(gg, streams, scalar_t(0));
+      for (int64_t r = chunk * kChunkRows; r < std::min(rows, (chunk + 1) * kChunkRows); ++r) {
+        const scalar_t* g = grad_u + r * hidden;
+        for (int64_t n = 0; n < count; ++n) {  // g . S^s_n for every stream s
+          const scalar_t* x = src.row(n, r);
+          for (int64_t s = 0; s < streams; ++s) {
+            const scalar_t* v = x + s * hidden;
+            scalar_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < hidden; ++d) dot += v[d] * g[d];
+            value_dots[n * streams + s] = dot;
+          }
+        }
+        std::fill_n(coefficient.data(), count * streams, scalar_t(0));
+        std::fill_n(norm.data(), count * streams, scalar_t(0));
+        for (int64_t j = 0; j < streams; ++j) {
+          scalar_t expected = 0;  // sum_n a_n (gate_j g . V_n): the softmax backward's mean
+          for (int64_t n = 0; n < count; ++n) {
+            const scalar_t a = weights[(n * rows + r) * streams + j], dot = value_dots[n * streams + nu[j]];
+            gg[j] += a * dot;
+            expected += a * (gate[j] * dot);
+          }
+          for (int64_t n = 0; n < count; ++n) {
+            const scalar_t a = weights[(n * rows + r) * streams + j];
+            const scalar_t grad_score = a * (gate[j] * value_dots[n * streams + nu[j]] - expected);
+            grad_keyed[n * streams + j] = grad_score * src.scale(n, r, kappa[j]);
+            norm[n * streams + kappa[j]] += grad_score * keyed[(n * rows + r) * streams + j];
+            coefficient[n * streams + nu[j]] += a * gate[j];
+          }
+        }
+        for (int64_t n = 0; n < count; ++n) {
+          const scalar_t* x = src.row(n, r);
+          scalar_t* out = n < src.entries ? grad_entries + ((n * rows + r) * streams) * hidden
+                                          : grad_partial + r * streams * hidden;
+          const bool accumulate = n < src.entries;
+          for (int64_t s = 0; s < streams; ++s) {
+            const scalar_t* v = x + s * hidden;
+            scalar_t* o = out + s * hidden;
+            const scalar_t c = coefficient[n * streams + s];
+            const scalar_t inv = src.scale(n, r, s);
+            const scalar_t k = -norm[n * streams + s] * inv * inv * inv / hidden;
+            if (accumulate) {
+#pragma omp simd
+              for (int64_t d = 0; d < hidden; ++d) o[d] += c * g[d] + k * v[d];
+            } else {
+#pragma omp simd
+              for (int64_t d = 0; d < hidden; ++d) o[d] = c * g[d] + k * v[d];
+            }
+            for (int64_t j = 0; j < streams; ++j) {  // the key path of every target j keyed by stream s
+              if (kappa[j] != s) continue;
+              const scalar_t gk = grad_keyed[n * streams + j];
+              const scalar_t* q = query + j * hidden;
+              scalar_t* gqj = gq + j * hidden;
+#pragma omp simd
+              for (int64_t d = 0; d < hidden; ++d) {
+                o[d] += gk * q[d];
+                gqj[d] += gk * v[d];
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> train_read_backward(const at::Tensor& grad_u, const at::Tensor& query, const at::Tensor& gate,
+                                            const at::Tensor& history, const at::Tensor& inv_rms, int64_t entries,
+                                            const std::optional<at::Tensor>& partial,
+                                            const std::optional<at::Tensor>& partial_inv_rms, const at::Tensor& weights,
+                                            const at::Tensor& keyed, std::vector<int64_t> key_streams,
+                                            std::vector<int64_t> value_streams, const at::Tensor& grad_entries) {
+  TORCH_CHECK(grad_u.is_contiguous() && weights.is_contiguous() && keyed.is_contiguous() &&
+                  grad_entries.is_contiguous() && history.is_contiguous() && inv_rms.is_contiguous() &&
+                  grad_entries.sizes() == history.sizes(),
+              "train_read_backward: contiguous operands, the entry gradients shaped as the history buffer");
+  const int64_t batch = history.size(1), tokens = history.size(2), streams = history.size(3), hidden = history.size(4);
+  const int64_t rows = batch * tokens, has_partial = partial.has_value() ? 1 : 0, count = entries + has_partial;
+  const auto dtype = history.scalar_type();
+  TORCH_CHECK(grad_u.numel() == rows * hidden && weights.numel() == count * rows * streams &&
+                  keyed.numel() == weights.numel() && grad_u.scalar_type() == dtype && weights.scalar_type() == dtype &&
+                  keyed.scalar_type() == dtype && grad_entries.scalar_type() == dtype,
+              "train_read_backward: inconsistent shapes or dtypes");
+  if (has_partial) {
+    TORCH_CHECK(partial_inv_rms.has_value() && partial->is_contiguous() && partial_inv_rms->is_contiguous(),
+                "train_read_backward: the partial needs its inverse RMS");
+  }
+  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  auto options = history.options();
+  at::Tensor chunk_query = at::empty({chunks, streams, hidden}, options);
+  at::Tensor chunk_gate = at::empty({chunks, streams}, options);
+  at::Tensor grad_partial = at::empty({has_partial ? batch : 0, tokens, streams, hidden}, options);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "train_read_backward", [&] {
+    ReadSources<scalar_t> src{history.data_ptr<scalar_t>(), inv_rms.data_ptr<scalar_t>(),
+                              has_partial ? partial->data_ptr<scalar_t>() : nullptr,
+                              has_partial ? partial_inv_rms->data_ptr<scalar_t>() : nullptr,
+                              entries, rows, streams, hidden};
+    train_read_backward_rows<scalar_t>(grad_u.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(),
+                                       gate.data_ptr<scalar_t>(), src, weights.data_ptr<scalar_t>(),
+                                       keyed.data_ptr<scalar_t>(), key_streams, value_streams,
+                                       grad_entries.data_ptr<scalar_t>(),
+                                       has_partial ? grad_partial.data_ptr<scalar_t>() : nullptr,
+                                       chunk_query.data_ptr<scalar_t>(), chunk_gate.data_ptr<scalar_t>());
+  });
+  return {sum_chunks(chunk_query), sum_chunks(chunk_gate), grad_partial};
+}
+
+// Backward of the write P' = lerp(swap(P), P, rho) + beta * y (two streams; P absent at a block's first branch,
+// P' = beta * y): dL/dP = lerp(swap(g), g, rho), dL/drho = sum (g - swap g) . P, dL/dbeta = sum_tokens g * y,
+// dL/dy = sum_j g^j beta^j in y's dtype.
+template <typename state_t, typename y_t>
+void write_backward_rows(const state_t* grad, const state_t* partial, state_t rho, const state_t* beta,
+                         const y_t* written, int64_t rows, int64_t streams, int64_t hidden, state_t* grad_partial,
+                         state_t* chunk_rho, state_t* chunk_beta, y_t* grad_written) {
+  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t grain = std::max<int64_t>(1, row_grain(streams * hidden) / kChunkRows);
+  const bool low = rho < 0.5;  // torch.lerp's two forms, by the weight
+  at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<state_t> gy(hidden);
+    for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+      state_t* gb = chunk_beta + chunk * streams * hidden;
+      std::fill_n(gb, streams * hidden, state_t(0));
+      state_t grad_rho = 0;
+      for (int64_t r = chunk * kChunkRows; r < std::min(rows, (chunk + 1) * kChunkRows); ++r) {
+        const y_t* y = written + r * hidden;
+        std::fill_n(gy.data(), hidden, state_t(0));
+        for (int64_t j = 0; j < streams; ++j) {
+          const state_t* g = grad + (r * streams + j) * hidden;
+          const state_t* b = beta + j * hidden;
+          state_t* gbj = gb + j * hidden;
+#pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d) {
+            gbj[d] += g[d] * static_cast<state_t>(y[d]);
+            gy[d] += g[d] * b[d];
+          }
+          if (partial == nullptr) continue;
+          const state_t* other = grad + (r * streams + 1 - j) * hidden;  // two streams: swap(g)^j = g^{1-j}
+          const state_t* p = partial + (r * streams + j) * hidden;
+          state_t* o = grad_partial + (r * streams + j) * hidden;
+          state_t dot = 0;
+          if (low) {
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < hidden; ++d) {
+              o[d] = other[d] + rho * (g[d] - other[d]);
+              dot += (g[d] - other[d]) * p[d];
+            }
+          } else {
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < hidden; ++d) {
+              o[d] = g[d] - (g[d] - other[d]) * (1 - rho);
+              dot += (g[d] - other[d]) * p[d];
+            }
+          }
+          grad_rho += dot;
+        }
+        y_t* out = grad_written + r * hidden;
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) out[d] = to_branch_dtype<y_t>(gy[d]);
+      }
+      chunk_rho[chunk] = grad_rho;
+    }
+  });
+}
+
+std::vector<at::Tensor> write_backward(const at::Tensor& grad, const std::optional<at::Tensor>& partial,
+                                       const std::optional<at::Tensor>& rho, const at::Tensor& beta,
+                                       const at::Tensor& written) {
+  TORCH_CHECK(grad.dim() == 4 && grad.is_contiguous() && beta.is_contiguous() && written.is_contiguous() &&
+                  beta.scalar_type() == grad.scalar_type(),
+              "write_backward: contiguous grad [B, T, J, D], beta [J, D], y [B, T, D]");
+  const int64_t batch = grad.size(0), tokens = grad.size(1), streams = grad.size(2), hidden = grad.size(3);
+  const int64_t rows = batch * tokens;
+  TORCH_CHECK(written.numel() == rows * hidden && beta.numel() == streams * hidden, "write_backward: inconsistent shapes");
+  if (partial.has_value()) {
+    TORCH_CHECK(streams == 2 && rho.has_value() && rho->numel() == 1 && partial->is_contiguous() &&
+                    partial->sizes() == grad.sizes() && partial->scalar_type() == grad.scalar_type() &&
+                    rho->scalar_type() == grad.scalar_type(),
+                "write_backward: a transport needs two streams, rho (1,) and a contiguous partial shaped as grad");
+  }
+  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  auto options = grad.options();
+  at::Tensor grad_partial = at::empty({partial.has_value() ? batch : 0, tokens, streams, hidden}, options);
+  at::Tensor chunk_rho = at::empty({chunks}, options);
+  at::Tensor chunk_beta = at::empty({chunks, streams, hidden}, options);
+  at::Tensor grad_written = at::empty({batch, tokens, hidden}, options.dtype(written.scalar_type()));
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "write_backward", [&] {
+    using state_t = scalar_t;
+    const state_t r = partial.has_value() ? *rho->data_ptr<state_t>() : state_t(0);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, written.scalar_type(), "write_backward_y", [&] {
+      write_backward_rows<state_t, scalar_t>(
+          grad.data_ptr<state_t>(), partial.has_value() ? partial->data_ptr<state_t>() : nullptr, r,
+          beta.data_ptr<state_t>(), written.data_ptr<scalar_t>(), rows, streams, hidden,
+          partial.has_value() ? grad_partial.data_ptr<state_t>() : nullptr, chunk_rho.data_ptr<state_t>(),
+          chunk_beta.data_ptr<state_t>(), grad_written.data_ptr<scalar_t>());
+    });
+  });
+  return {grad_partial, sum_chunks(chunk_rho.reshape({chunks, 1})), sum_chunks(chunk_beta), grad_written};
+}
 """
 
-_FUNCTIONS = ["commit", "phase_one", "read_partial", "write_first", "write_partial"]
+_FUNCTIONS = [
+    "commit", "phase_one", "read_partial", "write_first", "write_partial", "train_read", "train_read_backward",
+    "write_backward",
+]
 _loaded: dict[str, object] = {}  # "module" -> the built extension, or None after a failed build
 
 
@@ -441,15 +816,15 @@ def cpu_kernels():
         # extensions folder (~/.cache) do not rebuild, or run, each other's.
         key = f"{_SOURCE}{flags}{_host_cpu()}{torch.__version__}{torch.__file__}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-        logger.info("Loading DAR's CPU inference kernels (built on first use: about 30 s on two cores).")
+        logger.info("Loading DAR's CPU kernels (built on first use: about 40 s on two cores).")
         try:
             _loaded["module"] = load_inline(
                 name=f"dar_cpu_kernels_{digest}", cpp_sources=_SOURCE, functions=_FUNCTIONS, extra_cflags=flags,
             )
         except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch operations run instead
             logger.warning(
-                "dar_inference_kernel='cpp': DAR's CPU kernels could not be built, so the PyTorch operations run "
-                f"instead (same results, slower decoding). {type(error).__name__}: {error}"
+                "dar_inference_kernel='cpp' / dar_training_kernel='cpp': DAR's CPU kernels could not be built, so "
+                f"the PyTorch operations run instead (same results, slower). {type(error).__name__}: {error}"
             )
             _loaded["module"] = None
     return _loaded["module"]

@@ -1418,9 +1418,74 @@ class _TransportWrite(torch.autograd.Function):
         return grad_partial, grad_rho, grad_beta, grad_output
 
 
+class _KernelDepthRead(torch.autograd.Function):
+    """`_DepthRead` as two C++ calls (`cpu_kernels.py`: `train_read`, `train_read_backward`), token by token over
+    the sources, so that backward reads each token's sources from memory once instead of once per operation. Takes
+    the folded query [J, D] (not the routed [J * D, J]) and reads the partial where it is (not staged in the buffer);
+    saves what `_DepthRead` saves."""
+
+    @staticmethod
+    def forward(ctx, query, gate, history_buffer, inv_rms_buffer, routing, eps, kernels, gradients, partial, *entries):
+        branch_input, weights, keyed_dots, partial_inv_rms = kernels.train_read(
+            query, gate, history_buffer, inv_rms_buffer, len(entries), partial, *routing, eps
+        )
+        ctx.save_for_backward(query, gate, weights, keyed_dots, partial, partial_inv_rms)
+        ctx.history_buffer, ctx.inv_rms_buffer, ctx.routing = history_buffer, inv_rms_buffer, routing
+        ctx.kernels, ctx.gradients, ctx.num_entries = kernels, gradients, len(entries)
+        ctx.mark_non_differentiable(weights)
+        return branch_input, weights
+
+    @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
+    def backward(ctx, grad_input, _grad_weights):
+        query, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
+        history_buffer = ctx.history_buffer
+        grad_entries = ctx.gradients.slots(history_buffer, history_buffer.shape[0])  # the whole buffer, in place
+        grad_query, grad_gate, grad_partial = ctx.kernels.train_read_backward(
+            grad_input.contiguous(), query, gate, history_buffer, ctx.inv_rms_buffer, ctx.num_entries, partial,
+            partial_inv_rms if partial is not None else None, weights, keyed_dots, *ctx.routing, grad_entries,
+        )
+        needs = ctx.needs_input_grad
+        return (
+            grad_query if needs[0] else None, grad_gate if needs[1] else None, None, None, None, None, None, None,
+            grad_partial if partial is not None and needs[8] else None, *(None for _ in range(ctx.num_entries)),
+        )
+
+
+class _KernelTransportWrite(torch.autograd.Function):
+    """`_TransportWrite` (two streams) as C++ calls: `write_first` / `write_partial` forward, `write_backward`
+    (one pass for every gradient); keeps what `_TransportWrite` keeps."""
+
+    @staticmethod
+    def forward(ctx, partial, rho, beta, branch_output, kernels):
+        branch_output = branch_output.contiguous()
+        ctx.save_for_backward(partial, rho, beta, branch_output)
+        ctx.kernels = kernels
+        if partial is None:
+            return kernels.write_first(beta, branch_output)
+        return kernels.write_partial(partial, rho, beta, branch_output)
+
+    @staticmethod
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
+    def backward(ctx, grad):
+        partial, rho, beta, branch_output = ctx.saved_tensors
+        grad_partial, grad_rho, grad_beta, grad_output = ctx.kernels.write_backward(
+            grad.contiguous(), partial, rho, beta, branch_output
+        )
+        needs = ctx.needs_input_grad
+        if partial is None:
+            grad_partial = grad_rho = None
+        return (
+            grad_partial if needs[0] else None, grad_rho if needs[1] else None, grad_beta if needs[2] else None,
+            grad_output if needs[3] else None, None,
+        )
+
+
 class FastDepthBackend:
     """The fused eager path, one instance per forward: it owns the depth-major buffers (history [S_max, B, T, J, D],
-    inverse RMS [S_max, B, T, J]) and the shared entry gradients."""
+    inverse RMS [S_max, B, T, J]) and the shared entry gradients. With `config.dar_training_kernel = "cpp"` on CPU
+    (float32 or float64 buffers) every read runs `_KernelDepthRead` and every two-stream write
+    `_KernelTransportWrite`: the same equations and saved tensors, one C++ call each way."""
 
     def __init__(self, config):
         if getattr(config, "dar_history_dtype", "float32") != "float32":  # also when set after the config was built
@@ -1432,8 +1497,15 @@ class FastDepthBackend:
         self.eps = config.rms_norm_eps
         self.history_buffer = self.inv_rms_buffer = None
         self.gradients = DepthGradients()
+        self.wants_kernels = config.dar_training_kernel == "cpp"
+        self.kernels = None  # the C++ kernels, where this forward runs them (`start`)
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
+        if (
+            self.wants_kernels and entry.device.type == "cpu" and entry.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+        ):
+            self.kernels = cpu_kernels()  # None where they cannot be built (warned once)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
         return DepthState(self, None, (self._commit(entry, 0),))
@@ -1450,12 +1522,20 @@ class FastDepthBackend:
     def read(self, residual, state: DepthState, read_partial: bool, planned=None, dtype=None) -> tuple:
         attention, read_gate = residual.depth_attention, residual.read_gate
         like, num_sources = self.history_buffer, len(state.history) + int(read_partial)
+        stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
+        gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
+        if self.kernels is not None:
+            query = _derived(attention, "scoring_query", like, lambda: attention.scoring_query().to(like))  # [J, D]
+            with torch.autocast("cpu", enabled=False):  # the precision policy, also under autocast
+                return _KernelDepthRead.apply(
+                    query, gate, self.history_buffer, self.inv_rms_buffer, (attention.key_streams,
+                    attention.value_streams), self.eps, self.kernels, self.gradients,
+                    state.partial if read_partial else None, *state.history,
+                )
         routed = _derived(
             attention, "routed_query", like,
             lambda: routed_queries(attention.scoring_query().to(like), attention.key_streams),
         )  # [J * D, J]
-        stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
-        gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
         return depth_read(
             routed, gate, self.history_buffer, self.inv_rms_buffer, state.history,
             state.partial if read_partial else None, attention.key_streams, attention.value_streams, self.eps,
@@ -1471,7 +1551,9 @@ class FastDepthBackend:
             rho = None
             if state.partial is not None:
                 rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
-            if torch.is_grad_enabled():
+            if self.kernels is not None:
+                partial = _KernelTransportWrite.apply(state.partial, rho, beta, branch_output, self.kernels)
+            elif torch.is_grad_enabled():
                 partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
             else:
                 partial = cast_gated_write(state.partial, rho, beta, branch_output)

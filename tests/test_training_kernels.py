@@ -1,0 +1,249 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The C++ kernels of the fused eager training path (`cpu_kernels.py`, `config.dar_training_kernel = "cpp"`):
+`train_read` / `train_read_backward` for every read, `write_first` / `write_partial` / `write_backward` for every
+two-stream write, run by `FastDepthBackend` on CPU.
+
+- Float64: the loss and every parameter gradient equal the reference backend's to 1e-12 (relative to the largest
+  gradient) for every block size, routing, stream count, write mode and `dar_include_partial` of the inference
+  grid, and every kernel runs (counted); gradient checkpointing and frozen parameters (LoRA-style) too, and DAR-MoE
+  against the PyTorch path in float32.
+- Float32 and bf16 (weights in bf16, DAR's parameters in float32): the kernels' error against the float64
+  reference is within a small multiple of the PyTorch fast path's own (DESIGN.md section 4's rule).
+- Each kernel's outputs are the same bits on one thread and on three (the sums over tokens go by fixed chunks).
+- Under `torch.compile` the option changes nothing: the traced forward runs the two-phase read, no kernel runs,
+  and the gradients are the eager kernels'.
+- A second derivative is refused; without a compiler a warning names the option and the PyTorch path trains.
+- Negative control: a backward that drops the key-norm term is caught by the float64 comparison.
+"""
+
+import contextlib
+import logging
+
+import pytest
+import torch
+from conftest import perturb_dar_parameters, random_input_ids, tiny_dar_config, tiny_dar_moe
+from test_inference_backend import GRID, perturbed_dar
+
+from dar_transformers import DARConfig, cpu_kernels, depth_backends
+
+TRAINING_KERNELS = ("train_read", "train_read_backward", "write_first", "write_partial", "write_backward")
+
+
+class CountedKernels:
+    """The built extension, counting the calls of each kernel; `drop_key_norm` swaps in a read backward that leaves
+    out the key normalisation's gradient."""
+
+    def __init__(self, module, drop_key_norm: bool = False):
+        self.module, self.drop_key_norm = module, drop_key_norm
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        function = getattr(self.module, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if name == "train_read_backward" and self.drop_key_norm:
+                args = list(args)
+                args[4] = torch.zeros_like(args[4])  # the entries' inverse RMS: no key scale, no norm term
+            return function(*args)
+
+        return counted
+
+
+@pytest.fixture
+def counted_kernels(monkeypatch):
+    module = cpu_kernels.cpu_kernels()
+    assert module is not None, "the kernels must build on the test machine (a C++ compiler and ninja)"
+    counted = CountedKernels(module)
+    monkeypatch.setattr(depth_backends, "cpu_kernels", lambda: counted)
+    return counted
+
+
+def with_training_kernels(model):
+    model.config.dar_training_kernel = "cpp"
+    return model
+
+
+def loss_and_gradients(model, input_ids, run=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training forward and backward of `model` (through `run`, e.g. its compiled form, when given)."""
+    model.zero_grad(set_to_none=True)
+    loss = (model if run is None else run)(input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def gradient_error(gradients: dict, expected: dict) -> float:
+    """Largest absolute difference of any gradient, over the largest expected gradient (a per-tensor relative error
+    is meaningless for gradients that are zero up to rounding, such as a first read's query over one source)."""
+    assert gradients.keys() == expected.keys()
+    scale = max(grad.double().abs().max() for grad in expected.values())
+    return max((gradients[name].double() - expected[name].double()).abs().max() / scale for name in expected).item()
+
+
+@pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID)
+def test_training_with_the_kernels_matches_the_reference_in_float64(counted_kernels, block_size, routing, streams,
+                                                                   write_mode, include_partial):
+    fields = (block_size, routing, streams, write_mode, include_partial)
+    reference = perturbed_dar(torch.float64, "reference", *fields).train()
+    model = with_training_kernels(perturbed_dar(torch.float64, "fast", *fields)).train()
+    input_ids = random_input_ids()
+    expected_loss, expected = loss_and_gradients(reference, input_ids)
+    loss, gradients = loss_and_gradients(model, input_ids)
+    assert abs(loss - expected_loss) <= 1e-12 * abs(expected_loss)
+    assert gradient_error(gradients, expected) <= 1e-12
+    config = model.config
+    reads = config.dar_num_branches + 1  # every branch and the final readout
+    assert counted_kernels.calls["train_read"] == counted_kernels.calls["train_read_backward"] == reads
+    if streams == 2:
+        blocks = -(-config.dar_num_branches // config.dar_block_size)
+        assert counted_kernels.calls["write_first"] == blocks
+        assert counted_kernels.calls.get("write_partial", 0) == config.dar_num_branches - blocks
+        assert counted_kernels.calls["write_backward"] == config.dar_num_branches
+    else:  # one stream writes y unchanged: no write kernel
+        assert "write_backward" not in counted_kernels.calls
+
+
+def test_negative_control_a_read_backward_without_the_key_norm_term_is_caught(counted_kernels):
+    fields = (2, "dar", 2, "duplicate", True)
+    input_ids = random_input_ids()
+    _, expected = loss_and_gradients(perturbed_dar(torch.float64, "reference", *fields).train(), input_ids)
+    counted_kernels.drop_key_norm = True
+    _, gradients = loss_and_gradients(with_training_kernels(perturbed_dar(torch.float64, "fast", *fields)), input_ids)
+    assert gradient_error(gradients, expected) > 1e-3
+
+
+def _errors_against_float64(dtype: torch.dtype, make_model) -> tuple[float, float]:
+    """(kernels, PyTorch fast path): each one's gradient error in `dtype` against the float64 reference."""
+    input_ids = random_input_ids()
+    _, expected = loss_and_gradients(make_model(torch.float64, "reference"), input_ids)
+    errors = []
+    for kernel in ("cpp", "torch"):
+        model = make_model(torch.float32, "fast")
+        model.config.dar_training_kernel = kernel
+        _, gradients = loss_and_gradients(model.to(dtype) if dtype != torch.float32 else model, input_ids)
+        errors.append(gradient_error(gradients, expected))
+    return errors[0], errors[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float32_and_bf16_training_is_as_close_to_float64_as_the_pytorch_path(counted_kernels, dtype):
+    def make_model(model_dtype, implementation):
+        model = perturbed_dar(torch.float32, implementation, 3, "dar", 2, "duplicate", True).train()
+        model.to(model_dtype)
+        if model_dtype == torch.bfloat16:  # as `from_pretrained(dtype=bfloat16)` loads it: DAR's parameters float32
+            for name, parameter in model.named_parameters():
+                if "residual" in name or "readout" in name:
+                    parameter.data = parameter.data.float()
+        return model
+
+    kernels, pytorch = _errors_against_float64(dtype, make_model)
+    assert counted_kernels.calls["train_read_backward"] > 0 and counted_kernels.calls["write_backward"] > 0
+    assert kernels <= 4 * pytorch + (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_dar_moe_gradient_checkpointing_and_frozen_parameters_with_the_kernels(counted_kernels):
+    input_ids = random_input_ids()
+    moe = tiny_dar_moe(dar_block_size=3).train()  # float32: the experts' grouped product takes no float64
+    perturb_dar_parameters(moe, scale=0.5, seed=1)
+    _, expected = loss_and_gradients(moe, input_ids)
+    _, gradients = loss_and_gradients(with_training_kernels(moe), input_ids)
+    assert counted_kernels.calls["train_read_backward"] > 0
+    assert gradient_error(gradients, expected) <= 1e-5
+
+    model = perturbed_dar(torch.float64, "fast", 3, "dar", 2, "duplicate", True).train()
+    for name, parameter in model.named_parameters():  # only the attention projections and the DAR queries train
+        parameter.requires_grad_("q_proj" in name or "pseudo_query" in name)
+    _, expected = loss_and_gradients(model, input_ids)
+    with_training_kernels(model).activation_checkpointing_enable()
+    calls = counted_kernels.calls.get("train_read", 0)
+    _, gradients = loss_and_gradients(model, input_ids)
+    assert gradient_error(gradients, expected) <= 1e-12
+    assert counted_kernels.calls["train_read"] > calls + model.config.dar_num_branches  # replayed in backward
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_each_training_kernel_gives_the_same_bits_on_one_thread_and_on_three():
+    module = cpu_kernels.cpu_kernels()
+    generator = torch.Generator().manual_seed(0)
+    batch, tokens, streams, hidden, entries = 3, 200, 2, 32, 4  # 600 rows: split over threads, 19 chunks
+    history = torch.randn(entries + 1, batch, tokens, streams, hidden, generator=generator)
+    inv_rms = torch.rand(entries + 1, batch, tokens, streams, generator=generator) + 0.5
+    partial = torch.randn(batch, tokens, streams, hidden, generator=generator)
+    query, gate = torch.randn(streams, hidden, generator=generator), torch.rand(streams, generator=generator)
+    grad_u = torch.randn(batch, tokens, hidden, generator=generator)
+    grad_state = torch.randn(batch, tokens, streams, hidden, generator=generator)
+    beta, rho = torch.randn(streams, hidden, generator=generator), torch.tensor([0.3])
+    written = torch.randn(batch, tokens, hidden, generator=generator).bfloat16()
+    routes = ([1, 0], [0, 1])  # key streams, value streams: DAR's reciprocal addressing
+
+    def every_kernel():
+        u, weights, keyed, partial_inv_rms = module.train_read(query, gate, history, inv_rms, entries, partial,
+                                                               *routes, 1e-5)
+        grad_entries = torch.ones_like(history)  # accumulated into
+        backward = module.train_read_backward(grad_u, query, gate, history, inv_rms, entries, partial,
+                                              partial_inv_rms, weights, keyed, *routes, grad_entries)
+        return [u, weights, keyed, partial_inv_rms, *backward, grad_entries,
+                *module.write_backward(grad_state, partial, rho, beta, written),
+                *module.write_backward(grad_state, None, None, beta, written)]
+
+    with torch_threads(1):
+        single = every_kernel()
+    with torch_threads(3):
+        split = every_kernel()
+    assert all(torch.equal(a, b) for a, b in zip(split, single))
+
+
+def test_compiled_training_with_the_option_runs_no_kernel_and_matches_eager(counted_kernels):
+    torch._dynamo.reset()
+    model = with_training_kernels(perturbed_dar(torch.float32, "fast", 3, "dar", 2, "duplicate", True)).train()
+    input_ids = random_input_ids()
+    _, expected = loss_and_gradients(model, input_ids)
+    calls = dict(counted_kernels.calls)
+    _, gradients = loss_and_gradients(model, input_ids, run=torch.compile(model, fullgraph=True))
+    assert counted_kernels.calls == calls  # the traced forward ran the two-phase read
+    assert gradient_error(gradients, expected) <= 1e-5
+
+
+def test_the_kernels_refuse_double_backward(counted_kernels):
+    model = with_training_kernels(perturbed_dar(torch.float64, "fast", 3, "dar", 2, "duplicate", True)).train()
+    model.set_attn_implementation("eager")  # SDPA on CPU has no double backward of its own
+    input_ids = random_input_ids()
+    loss = model(input_ids, labels=input_ids).loss
+    (grad,) = torch.autograd.grad(loss, model.model.layers[0].self_attn.q_proj.weight, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
+def test_without_a_compiler_a_warning_names_the_option_and_pytorch_trains(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
+    model = perturbed_dar(torch.float32, "fast", 3, "dar", 2, "duplicate", True).train()
+    input_ids = random_input_ids()
+    _, expected = loss_and_gradients(model, input_ids)
+    with caplog.at_level(logging.WARNING, logger="dar_transformers.cpu_kernels"):
+        _, gradients = loss_and_gradients(with_training_kernels(model), input_ids)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "dar_training_kernel='cpp'" in warnings[0] and "Ninja is required" in warnings[0]
+    assert all(torch.equal(gradients[name], expected[name]) for name in expected)
+
+
+def test_the_option_round_trips_and_a_bad_value_names_the_field(tmp_path):
+    config = tiny_dar_config(dar_training_kernel="cpp")
+    config.save_pretrained(tmp_path)
+    assert DARConfig.from_pretrained(tmp_path).dar_training_kernel == "cpp"
+    with pytest.raises(Exception, match=r"dar_training_kernel must be one of \['torch', 'cpp'\], got 'cuda'"):
+        tiny_dar_config(dar_training_kernel="cuda")
