@@ -26,9 +26,6 @@ from test_inference_backend import GRID, perturbed_dar
 
 from dar_transformers import DARConfig, cpu_kernels, depth_backends
 
-TRAINING_KERNELS = ("train_read", "train_read_backward", "write_first", "write_partial", "write_backward")
-
-
 class CountedKernels:
     """The built extension, counting the calls of each kernel; `drop_key_norm` swaps in a read backward that leaves
     out the key normalisation's gradient."""
@@ -94,8 +91,9 @@ def test_training_with_the_kernels_matches_the_reference_in_float64(counted_kern
     config = model.config
     reads = config.dar_num_branches + 1  # every branch and the final readout
     assert counted_kernels.calls["train_read"] == counted_kernels.calls["train_read_backward"] == reads
+    blocks = -(-config.dar_num_branches // config.dar_block_size)
+    assert 0 < counted_kernels.calls["train_read_entry_gradients"] <= blocks + 1  # a block's reads at once
     if streams == 2:
-        blocks = -(-config.dar_num_branches // config.dar_block_size)
         assert counted_kernels.calls["write_first"] == blocks
         assert counted_kernels.calls.get("write_partial", 0) == config.dar_num_branches - blocks
         assert counted_kernels.calls["write_backward"] == config.dar_num_branches
@@ -188,9 +186,11 @@ def test_each_training_kernel_gives_the_same_bits_on_one_thread_and_on_three():
     def every_kernel():
         u, weights, keyed, partial_inv_rms = module.train_read(query, gate, history, inv_rms, entries, partial,
                                                                *routes, 1e-5)
-        grad_entries = torch.ones_like(history)  # accumulated into
         backward = module.train_read_backward(grad_u, query, gate, history, inv_rms, entries, partial,
-                                              partial_inv_rms, weights, keyed, *routes, grad_entries)
+                                              partial_inv_rms, weights, keyed, *routes)
+        grad_entries = torch.ones_like(history)  # added into
+        module.train_read_entry_gradients(history, grad_entries, [grad_u, grad_u * 2], [query, query * 3],
+                                          [backward[3], backward[3][:2].clone()], routes[0])
         return [u, weights, keyed, partial_inv_rms, *backward, grad_entries,
                 *module.write_backward(grad_state, partial, rho, beta, written),
                 *module.write_backward(grad_state, None, None, beta, written)]

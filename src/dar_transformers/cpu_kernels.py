@@ -570,14 +570,16 @@ std::vector<at::Tensor> train_read(const at::Tensor& query, const at::Tensor& ga
 }
 
 // Backward of one read, token by token, with each token's sources read from memory once (the next pass over them
-// hits the cache): value dots g . V_n, the softmax backward over depth, and for every source
-//   dL/dS^s_n += c^s_n g + sum_{j: kappa(j) = s} gk^j_n q^j - (dL/d rms^-1) rms^-3 / D S^s_n
-// added in place into the shared entry gradients (committed entries) or written (the partial); the query's and the
-// gate's gradients summed over tokens by fixed chunks.
+// hits the cache): value dots g . V_n, the softmax backward over depth, the query's and the gate's gradients (summed
+// over tokens by fixed chunks), the partial's gradient (written), and for every committed entry n the per-token
+// coefficients of its gradient, [n, rows, 3, J]: by stream s the value coefficient c^s_n and the key-norm coefficient
+// k^s_n = -(dL/d rms^-1) rms^-3 / D, by target j the key coefficient gk^j_n, so that
+//   dL/dS^s_n = c^s_n g + sum_{j: kappa(j) = s} gk^j_n q^j + k^s_n S^s_n
+// (`train_read_entry_gradients` adds these for all reads of a block at once).
 template <typename scalar_t>
 void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, const scalar_t* gate, ReadSources<scalar_t> src,
                               const scalar_t* weights, const scalar_t* keyed, const std::vector<int64_t>& kappa,
-                              const std::vector<int64_t>& nu, scalar_t* grad_entries, scalar_t* grad_partial,
+                              const std::vector<int64_t>& nu, scalar_t* entry_coefficients, scalar_t* grad_partial,
                               scalar_t* chunk_query, scalar_t* chunk_gate) {
   const int64_t rows = src.rows, streams = src.streams, hidden = src.hidden, count = src.count();
   const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
@@ -614,33 +616,37 @@ void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, con
           }
         }
         for (int64_t n = 0; n < count; ++n) {
-          const scalar_t* x = src.row(n, r);
-          scalar_t* out = n < src.entries ? grad_entries + ((n * rows + r) * streams) * hidden
-                                          : grad_partial + r * streams * hidden;
-          const bool accumulate = n < src.entries;
-          for (int64_t s = 0; s < streams; ++s) {
-            const scalar_t* v = x + s * hidden;
-            scalar_t* o = out + s * hidden;
-            const scalar_t c = coefficient[n * streams + s];
+          for (int64_t s = 0; s < streams; ++s) {  // the norm term's coefficient k^s_n
             const scalar_t inv = src.scale(n, r, s);
-            const scalar_t k = -norm[n * streams + s] * inv * inv * inv / hidden;
-            if (accumulate) {
+            norm[n * streams + s] = -norm[n * streams + s] * inv * inv * inv / hidden;
+          }
+          const scalar_t* x = src.row(n, r);
+          for (int64_t j = 0; j < streams; ++j) {  // the query's gradient: gk^j_n S^{kappa(j)}_n
+            const scalar_t gk = grad_keyed[n * streams + j];
+            const scalar_t* v = x + kappa[j] * hidden;
+            scalar_t* gqj = gq + j * hidden;
 #pragma omp simd
-              for (int64_t d = 0; d < hidden; ++d) o[d] += c * g[d] + k * v[d];
-            } else {
+            for (int64_t d = 0; d < hidden; ++d) gqj[d] += gk * v[d];
+          }
+          if (n < src.entries) {
+            scalar_t* out = entry_coefficients + (n * rows + r) * 3 * streams;
+            std::copy_n(coefficient.data() + n * streams, streams, out);
+            std::copy_n(grad_keyed.data() + n * streams, streams, out + streams);
+            std::copy_n(norm.data() + n * streams, streams, out + 2 * streams);
+            continue;
+          }
+          for (int64_t s = 0; s < streams; ++s) {  // the partial's gradient, written
+            const scalar_t* v = x + s * hidden;
+            scalar_t* o = grad_partial + (r * streams + s) * hidden;
+            const scalar_t c = coefficient[n * streams + s], k = norm[n * streams + s];
 #pragma omp simd
-              for (int64_t d = 0; d < hidden; ++d) o[d] = c * g[d] + k * v[d];
-            }
+            for (int64_t d = 0; d < hidden; ++d) o[d] = c * g[d] + k * v[d];
             for (int64_t j = 0; j < streams; ++j) {  // the key path of every target j keyed by stream s
               if (kappa[j] != s) continue;
               const scalar_t gk = grad_keyed[n * streams + j];
               const scalar_t* q = query + j * hidden;
-              scalar_t* gqj = gq + j * hidden;
 #pragma omp simd
-              for (int64_t d = 0; d < hidden; ++d) {
-                o[d] += gk * q[d];
-                gqj[d] += gk * v[d];
-              }
+              for (int64_t d = 0; d < hidden; ++d) o[d] += gk * q[d];
             }
           }
         }
@@ -654,17 +660,17 @@ std::vector<at::Tensor> train_read_backward(const at::Tensor& grad_u, const at::
                                             const std::optional<at::Tensor>& partial,
                                             const std::optional<at::Tensor>& partial_inv_rms, const at::Tensor& weights,
                                             const at::Tensor& keyed, std::vector<int64_t> key_streams,
-                                            std::vector<int64_t> value_streams, const at::Tensor& grad_entries) {
-  TORCH_CHECK(grad_u.is_contiguous() && weights.is_contiguous() && keyed.is_contiguous() &&
-                  grad_entries.is_contiguous() && history.is_contiguous() && inv_rms.is_contiguous() &&
-                  grad_entries.sizes() == history.sizes(),
-              "train_read_backward: contiguous operands, the entry gradients shaped as the history buffer");
+                                            std::vector<int64_t> value_streams) {
+  TORCH_CHECK(grad_u.is_contiguous() && weights.is_contiguous() && keyed.is_contiguous() && history.is_contiguous() &&
+                  inv_rms.is_contiguous() && query.is_contiguous() && gate.is_contiguous(),
+              "train_read_backward: contiguous operands");
   const int64_t batch = history.size(1), tokens = history.size(2), streams = history.size(3), hidden = history.size(4);
   const int64_t rows = batch * tokens, has_partial = partial.has_value() ? 1 : 0, count = entries + has_partial;
   const auto dtype = history.scalar_type();
-  TORCH_CHECK(grad_u.numel() == rows * hidden && weights.numel() == count * rows * streams &&
-                  keyed.numel() == weights.numel() && grad_u.scalar_type() == dtype && weights.scalar_type() == dtype &&
-                  keyed.scalar_type() == dtype && grad_entries.scalar_type() == dtype,
+  TORCH_CHECK(0 <= entries && entries <= history.size(0) && grad_u.numel() == rows * hidden &&
+                  weights.numel() == count * rows * streams && keyed.numel() == weights.numel() &&
+                  grad_u.scalar_type() == dtype && weights.scalar_type() == dtype && keyed.scalar_type() == dtype &&
+                  query.scalar_type() == dtype && gate.scalar_type() == dtype,
               "train_read_backward: inconsistent shapes or dtypes");
   if (has_partial) {
     TORCH_CHECK(partial_inv_rms.has_value() && partial->is_contiguous() && partial_inv_rms->is_contiguous(),
@@ -675,6 +681,7 @@ std::vector<at::Tensor> train_read_backward(const at::Tensor& grad_u, const at::
   at::Tensor chunk_query = at::empty({chunks, streams, hidden}, options);
   at::Tensor chunk_gate = at::empty({chunks, streams}, options);
   at::Tensor grad_partial = at::empty({has_partial ? batch : 0, tokens, streams, hidden}, options);
+  at::Tensor entry_coefficients = at::empty({entries, rows, 3, streams}, options);
   AT_DISPATCH_FLOATING_TYPES(dtype, "train_read_backward", [&] {
     ReadSources<scalar_t> src{history.data_ptr<scalar_t>(), inv_rms.data_ptr<scalar_t>(),
                               has_partial ? partial->data_ptr<scalar_t>() : nullptr,
@@ -683,11 +690,90 @@ std::vector<at::Tensor> train_read_backward(const at::Tensor& grad_u, const at::
     train_read_backward_rows<scalar_t>(grad_u.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(),
                                        gate.data_ptr<scalar_t>(), src, weights.data_ptr<scalar_t>(),
                                        keyed.data_ptr<scalar_t>(), key_streams, value_streams,
-                                       grad_entries.data_ptr<scalar_t>(),
+                                       entry_coefficients.data_ptr<scalar_t>(),
                                        has_partial ? grad_partial.data_ptr<scalar_t>() : nullptr,
                                        chunk_query.data_ptr<scalar_t>(), chunk_gate.data_ptr<scalar_t>());
   });
-  return {sum_chunks(chunk_query), sum_chunks(chunk_gate), grad_partial};
+  return {sum_chunks(chunk_query), sum_chunks(chunk_gate), grad_partial, entry_coefficients};
+}
+
+// The committed entries' gradients from R reads' backwards at once (a block's reads, as `DepthGradients` defers
+// them), added into grad_entries [S_max, rows, J, D]: for each token and entry n, read r (those with n_r > n) adds
+//   c^s_rn g_r + sum_{j: kappa(j) = s} gk^j_rn q^j_r + k^s_rn S^s_n,
+// so each entry row is read and written once per block instead of once per read.
+template <typename scalar_t>
+void entry_gradients_rows(const scalar_t* history, scalar_t* grad_entries, const std::vector<const scalar_t*>& grad_u,
+                          const std::vector<const scalar_t*>& query, const std::vector<const scalar_t*>& coefficients,
+                          const std::vector<int64_t>& entries, const std::vector<int64_t>& kappa, int64_t rows,
+                          int64_t streams, int64_t hidden) {
+  const int64_t reads = grad_u.size();
+  const int64_t most = *std::max_element(entries.begin(), entries.end());
+  at::parallel_for(0, rows, row_grain(most * streams * hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t n = 0; n < most; ++n) {
+        for (int64_t s = 0; s < streams; ++s) {
+          const scalar_t* v = history + ((n * rows + r) * streams + s) * hidden;
+          scalar_t* o = grad_entries + ((n * rows + r) * streams + s) * hidden;
+          scalar_t k = 0;
+          for (int64_t i = 0; i < reads; ++i) {
+            if (n < entries[i]) k += coefficients[i][((n * rows + r) * 3 + 2) * streams + s];
+          }
+#pragma omp simd
+          for (int64_t d = 0; d < hidden; ++d) o[d] += k * v[d];
+          for (int64_t i = 0; i < reads; ++i) {
+            if (n >= entries[i]) continue;
+            const scalar_t* coefficient = coefficients[i] + (n * rows + r) * 3 * streams;
+            const scalar_t c = coefficient[s];
+            const scalar_t* g = grad_u[i] + r * hidden;
+#pragma omp simd
+            for (int64_t d = 0; d < hidden; ++d) o[d] += c * g[d];
+            for (int64_t j = 0; j < streams; ++j) {
+              if (kappa[j] != s) continue;
+              const scalar_t gk = coefficient[streams + j];
+              const scalar_t* q = query[i] + j * hidden;
+#pragma omp simd
+              for (int64_t d = 0; d < hidden; ++d) o[d] += gk * q[d];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+void train_read_entry_gradients(const at::Tensor& history, const at::Tensor& grad_entries,
+                                const std::vector<at::Tensor>& grads_u, const std::vector<at::Tensor>& queries,
+                                const std::vector<at::Tensor>& coefficients, std::vector<int64_t> key_streams) {
+  TORCH_CHECK(history.dim() == 5 && history.is_contiguous() && grad_entries.is_contiguous() &&
+                  grad_entries.sizes() == history.sizes() && grad_entries.scalar_type() == history.scalar_type(),
+              "train_read_entry_gradients: a contiguous history buffer and entry gradients of its shape and dtype");
+  const int64_t reads = grads_u.size(), rows = history.size(1) * history.size(2), streams = history.size(3),
+                hidden = history.size(4);
+  TORCH_CHECK(reads > 0 && int64_t(queries.size()) == reads && int64_t(coefficients.size()) == reads &&
+                  int64_t(key_streams.size()) == streams,
+              "train_read_entry_gradients: one gradient, query and coefficient tensor per read");
+  std::vector<int64_t> entries(reads);
+  for (int64_t i = 0; i < reads; ++i) {
+    TORCH_CHECK(grads_u[i].is_contiguous() && queries[i].is_contiguous() && coefficients[i].is_contiguous() &&
+                    grads_u[i].numel() == rows * hidden && queries[i].numel() == streams * hidden &&
+                    coefficients[i].dim() == 4 && coefficients[i].size(0) <= history.size(0) &&
+                    coefficients[i].numel() == coefficients[i].size(0) * rows * 3 * streams &&
+                    grads_u[i].scalar_type() == history.scalar_type() &&
+                    queries[i].scalar_type() == history.scalar_type() &&
+                    coefficients[i].scalar_type() == history.scalar_type(),
+                "train_read_entry_gradients: inconsistent shapes or dtypes");
+    entries[i] = coefficients[i].size(0);
+  }
+  AT_DISPATCH_FLOATING_TYPES(history.scalar_type(), "train_read_entry_gradients", [&] {
+    std::vector<const scalar_t*> g(reads), q(reads), c(reads);
+    for (int64_t i = 0; i < reads; ++i) {
+      g[i] = grads_u[i].data_ptr<scalar_t>();
+      q[i] = queries[i].data_ptr<scalar_t>();
+      c[i] = coefficients[i].data_ptr<scalar_t>();
+    }
+    entry_gradients_rows<scalar_t>(history.data_ptr<scalar_t>(), grad_entries.data_ptr<scalar_t>(), g, q, c, entries,
+                                   key_streams, rows, streams, hidden);
+  });
 }
 
 // Backward of the write P' = lerp(swap(P), P, rho) + beta * y (two streams; P absent at a block's first branch,
@@ -785,7 +871,7 @@ std::vector<at::Tensor> write_backward(const at::Tensor& grad, const std::option
 
 _FUNCTIONS = [
     "commit", "phase_one", "read_partial", "write_first", "write_partial", "train_read", "train_read_backward",
-    "write_backward",
+    "train_read_entry_gradients", "write_backward",
 ]
 _loaded: dict[str, object] = {}  # "module" -> the built extension, or None after a failed build
 

@@ -1201,14 +1201,29 @@ class DepthGradients:
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
+        self.deferred: list[tuple] = []  # the C++ reads' entry gradients not added yet (`defer`)
 
     def slots(self, history_buffer: torch.Tensor, count: int) -> torch.Tensor:
         if self.buffer is None:
             self.buffer = torch.zeros_like(history_buffer)
         return self.buffer[:count]  # [count, B, T, J, D]
 
+    def defer(self, kernels, history_buffer, key_streams, grad_input, query, entry_coefficients) -> None:
+        """A C++ read's entry gradients as per-token coefficients (`train_read_backward`), added with those of the
+        other reads deferred so far at the next `take`: autograd runs every read of an entry before the entry's
+        commit, so the reads of a block are added together, each entry row read and written once per block."""
+        self.deferred.append((grad_input, query, entry_coefficients))
+        self.kernels, self.history_buffer, self.key_streams = kernels, history_buffer, key_streams
+
     def take(self, slot: int) -> torch.Tensor | None:
         """The accumulated gradient of entry `slot`, leaving zeros behind (a second backward starts clean)."""
+        if self.deferred:
+            grads_input, queries, coefficients = map(list, zip(*self.deferred))
+            self.deferred = []
+            buffer = self.slots(self.history_buffer, self.history_buffer.shape[0])
+            self.kernels.train_read_entry_gradients(
+                self.history_buffer, buffer, grads_input, queries, coefficients, list(self.key_streams)
+            )
         if self.buffer is None:
             return None
         gradient = self.buffer[slot].clone()
@@ -1419,10 +1434,11 @@ class _TransportWrite(torch.autograd.Function):
 
 
 class _KernelDepthRead(torch.autograd.Function):
-    """`_DepthRead` as two C++ calls (`cpu_kernels.py`: `train_read`, `train_read_backward`), token by token over
-    the sources, so that backward reads each token's sources from memory once instead of once per operation. Takes
-    the folded query [J, D] (not the routed [J * D, J]) and reads the partial where it is (not staged in the buffer);
-    saves what `_DepthRead` saves."""
+    """`_DepthRead` as C++ calls (`cpu_kernels.py`: `train_read`, `train_read_backward`), token by token over the
+    sources, so that each reads a token's sources from memory once instead of once per operation; the committed
+    entries' gradients are deferred as per-token coefficients and added for a block's reads at once
+    (`DepthGradients.defer`). Takes the folded query [J, D] (not the routed [J * D, J]) and reads the partial where
+    it is (not staged in the buffer); saves what `_DepthRead` saves."""
 
     @staticmethod
     def forward(ctx, query, gate, history_buffer, inv_rms_buffer, routing, eps, kernels, gradients, partial, *entries):
@@ -1439,12 +1455,12 @@ class _KernelDepthRead(torch.autograd.Function):
     @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad_input, _grad_weights):
         query, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
-        history_buffer = ctx.history_buffer
-        grad_entries = ctx.gradients.slots(history_buffer, history_buffer.shape[0])  # the whole buffer, in place
-        grad_query, grad_gate, grad_partial = ctx.kernels.train_read_backward(
-            grad_input.contiguous(), query, gate, history_buffer, ctx.inv_rms_buffer, ctx.num_entries, partial,
-            partial_inv_rms if partial is not None else None, weights, keyed_dots, *ctx.routing, grad_entries,
+        grad_input = grad_input.contiguous()
+        grad_query, grad_gate, grad_partial, entry_coefficients = ctx.kernels.train_read_backward(
+            grad_input, query, gate, ctx.history_buffer, ctx.inv_rms_buffer, ctx.num_entries, partial,
+            partial_inv_rms if partial is not None else None, weights, keyed_dots, *ctx.routing,
         )
+        ctx.gradients.defer(ctx.kernels, ctx.history_buffer, ctx.routing[0], grad_input, query, entry_coefficients)
         needs = ctx.needs_input_grad
         return (
             grad_query if needs[0] else None, grad_gate if needs[1] else None, None, None, None, None, None, None,
