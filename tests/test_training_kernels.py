@@ -8,7 +8,9 @@ two-stream write, run by `FastDepthBackend` on CPU.
   grid, and every kernel runs (counted); gradient checkpointing and frozen parameters (LoRA-style) too, and DAR-MoE
   against the PyTorch path in float32.
 - Float32 and bf16 (weights in bf16, DAR's parameters in float32): the kernels' error against the float64
-  reference is within a small multiple of the PyTorch fast path's own (DESIGN.md section 4's rule).
+  reference is within a small multiple of the PyTorch fast path's own (DESIGN.md section 4's rule); under bf16
+  autocast the two paths agree to the branches' bf16 rounding, and a backward called inside the autocast block
+  gives the gradients of one called outside it (every optimised backend).
 - Each kernel's outputs are the same bits on one thread and on three (the sums over tokens go by fixed chunks).
 - Under `torch.compile` the option changes nothing: the traced forward runs the two-phase read, no kernel runs,
   and the gradients are the eager kernels'.
@@ -137,6 +139,43 @@ def test_float32_and_bf16_training_is_as_close_to_float64_as_the_pytorch_path(co
     kernels, pytorch = _errors_against_float64(dtype, make_model)
     assert counted_kernels.calls["train_read_backward"] > 0 and counted_kernels.calls["write_backward"] > 0
     assert kernels <= 4 * pytorch + (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_training_under_bf16_autocast_with_the_kernels_matches_the_pytorch_path(counted_kernels):
+    """Under autocast the branches run in bf16 and the depth path in float32 on both paths, so the two agree to the
+    bf16 rounding of the branches (a depth path left in bf16 would miss by far more)."""
+    input_ids = random_input_ids()
+    results = []
+    for kernel in ("torch", "cpp"):
+        model = perturbed_dar(torch.float32, "fast", 3, "dar", 2, "duplicate", True).train()
+        model.config.dar_training_kernel = kernel
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(loss_and_gradients(model, input_ids))
+    (expected_loss, expected), (loss, gradients) = results
+    assert counted_kernels.calls["train_read_backward"] > 0
+    assert abs(loss - expected_loss) <= 1e-3 * abs(expected_loss)
+    assert gradient_error(gradients, expected) <= 2e-2
+
+
+@pytest.mark.parametrize("implementation,kernel", [("fast", "torch"), ("fast", "cpp"), ("two_phase", "torch")])
+def test_a_backward_called_inside_autocast_gives_the_gradients_of_one_called_outside(implementation, kernel):
+    """`loss.backward()` within the `torch.autocast` block: the hand-written backwards run with autocast off, as
+    their forwards do (the PyTorch fast path's backward raised a dtype error on its float32 products before)."""
+    input_ids = random_input_ids()
+    results = []
+    for inside in (False, True):
+        model = perturbed_dar(torch.float32, implementation, 3, "dar", 2, "duplicate", True).train()
+        model.config.dar_training_kernel = kernel
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids, labels=input_ids).loss
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (expected_loss, expected), (loss, gradients) = results
+    assert loss == expected_loss
+    assert gradient_error(gradients, expected) <= 2e-2
 
 
 def test_dar_moe_gradient_checkpointing_and_frozen_parameters_with_the_kernels(counted_kernels):

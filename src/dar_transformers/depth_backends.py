@@ -1155,7 +1155,9 @@ def refuses_double_backward(backward):
     """`once_differentiable` that refuses every second derivative: torch's attaches its error only when an incoming
     gradient requires grad, but a hand-written backward also reads saved tensors that do (gates, queries, the shared
     entry buffer), so a second derivative through it would otherwise be silently partial. Under `create_graph` the
-    incoming gradients are marked as requiring grad for that check (detached aliases; the values are unchanged)."""
+    incoming gradients are marked as requiring grad for that check (detached aliases; the values are unchanged).
+    A backward called inside an autocast region (`loss.backward()` within `torch.autocast`) runs with autocast off,
+    as its forward did: its products mix float32 operands that autocast would otherwise cast apart."""
     checked = once_differentiable(backward)
 
     def wrapper(ctx, *grads):
@@ -1164,6 +1166,10 @@ def refuses_double_backward(backward):
                 grad.detach().requires_grad_() if isinstance(grad, torch.Tensor) and grad.is_floating_point() else grad
                 for grad in grads
             )
+        device_type = next((grad.device.type for grad in grads if isinstance(grad, torch.Tensor)), "cpu")
+        if torch.is_autocast_enabled(device_type):  # backward called inside autocast: the precision policy holds
+            with torch.autocast(device_type, enabled=False):
+                return checked(ctx, *grads)
         return checked(ctx, *grads)
 
     return wrapper
@@ -1192,8 +1198,9 @@ def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, val
 class DepthGradients:
     """The committed entries' gradient, shared by all reads of one forward: [S_max, B, T, J, D], like the history.
 
-    Every fused read's backward adds its contribution for the entries it read into their slots in place, and each
-    entry's commit hands its slot to autograd once every read of that entry is done (autograd runs a node's
+    Every fused read's backward adds its contribution for the entries it read into their slots in place (the C++
+    reads defer theirs to the next `take`, a block's reads at once: `defer`), and each entry's commit hands its slot
+    to autograd once every read of that entry is done (autograd runs a node's
     backward only after all its consumers'). So no read allocates an entry-sized gradient per source and autograd
     sums no per-entry gradients; the buffer is allocated by the first backward that needs it and freed after
     entry 0, the last to be handed over.
@@ -1442,6 +1449,8 @@ class _KernelDepthRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, gate, history_buffer, inv_rms_buffer, routing, eps, kernels, gradients, partial, *entries):
+        if partial is not None:
+            partial = partial.contiguous()  # a no-op for the writes' outputs
         branch_input, weights, keyed_dots, partial_inv_rms = kernels.train_read(
             query, gate, history_buffer, inv_rms_buffer, len(entries), partial, *routing, eps
         )
@@ -1455,7 +1464,7 @@ class _KernelDepthRead(torch.autograd.Function):
     @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad_input, _grad_weights):
         query, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
-        grad_input = grad_input.contiguous()
+        grad_input = grad_input.to(query.dtype).contiguous()  # no-ops for u's own gradient
         grad_query, grad_gate, grad_partial, entry_coefficients = ctx.kernels.train_read_backward(
             grad_input, query, gate, ctx.history_buffer, ctx.inv_rms_buffer, ctx.num_entries, partial,
             partial_inv_rms if partial is not None else None, weights, keyed_dots, *ctx.routing,
@@ -1475,6 +1484,8 @@ class _KernelTransportWrite(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial, rho, beta, branch_output, kernels):
         branch_output = branch_output.contiguous()
+        if partial is not None:
+            partial = partial.contiguous()
         ctx.save_for_backward(partial, rho, beta, branch_output)
         ctx.kernels = kernels
         if partial is None:
@@ -1486,7 +1497,7 @@ class _KernelTransportWrite(torch.autograd.Function):
     def backward(ctx, grad):
         partial, rho, beta, branch_output = ctx.saved_tensors
         grad_partial, grad_rho, grad_beta, grad_output = ctx.kernels.write_backward(
-            grad.contiguous(), partial, rho, beta, branch_output
+            grad.to(beta.dtype).contiguous(), partial, rho, beta, branch_output
         )
         needs = ctx.needs_input_grad
         if partial is None:
@@ -1540,14 +1551,12 @@ class FastDepthBackend:
         like, num_sources = self.history_buffer, len(state.history) + int(read_partial)
         stream_weights = _derived(read_gate, "stream_weights", like, lambda: read_gate.stream_weights().to(like))
         gate = stream_weights * (read_gate.read_scale * attention.count_scale(num_sources))  # [J]
-        if self.kernels is not None:
+        if self.kernels is not None:  # C++ computes in the buffers' dtype whether or not autocast is on
             query = _derived(attention, "scoring_query", like, lambda: attention.scoring_query().to(like))  # [J, D]
-            with torch.autocast("cpu", enabled=False):  # the precision policy, also under autocast
-                return _KernelDepthRead.apply(
-                    query, gate, self.history_buffer, self.inv_rms_buffer, (attention.key_streams,
-                    attention.value_streams), self.eps, self.kernels, self.gradients,
-                    state.partial if read_partial else None, *state.history,
-                )
+            return _KernelDepthRead.apply(
+                query, gate, self.history_buffer, self.inv_rms_buffer, (attention.key_streams, attention.value_streams),
+                self.eps, self.kernels, self.gradients, state.partial if read_partial else None, *state.history,
+            )
         routed = _derived(
             attention, "routed_query", like,
             lambda: routed_queries(attention.scoring_query().to(like), attention.key_streams),
