@@ -36,7 +36,7 @@
 - `dar_inference_kernel`: how an eager forward with gradients off on CPU runs the depth path of a few tokens
   (decoding): "torch" (the default: a dozen PyTorch operations per branch) or "cpp" (one C++ function per phase 1,
   per read of the partial and per write, `cpu_kernels.py`: built by `torch.utils.cpp_extension` on first use, about
-  30 s once per machine, and needing a C++ compiler and ninja; without them a warning, and "torch" runs). Same
+  40 s once per machine, and needing a C++ compiler and ninja; without them a warning, and "torch" runs). Same
   equations either way; training, compiled graphs and other devices are unaffected.
 - `dar_training_kernel`: how an eager training forward and backward on CPU with the fused "fast" path run the depth
   path: "torch" (the default: PyTorch operations and hand-written backwards) or "cpp" (each read, forward and

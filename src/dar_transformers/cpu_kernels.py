@@ -33,10 +33,12 @@ token, its sources read from memory once per call (the PyTorch operations pass o
       -> u [B, T, D], weights [N, B, T, J], key dots [N, B, T, J], P's inverse RMS [B, T, J]
       one branch's read (eq. 2-5) of the n committed entries in the buffer and the partial P (None: not read), with
       the fast path's key normalisation (inverse RMS 1 / sqrt(mean h^2 + eps), the query w * gamma);
-  train_read_backward(g, query, gate, history, inv_rms, n, P, P_inv_rms, weights, key dots, kappa, nu, grad_entries)
-      -> d query [J, D], d gate [J], d P [B, T, J, D]
-      its backward: the entries' gradients (values, keys, key norm) added in place into grad_entries (the shared
-      `DepthGradients` buffer), P's written;
+  train_read_backward(g, query, gate, history, inv_rms, n, P, P_inv_rms, weights, key dots, kappa, nu)
+      -> d query [J, D], d gate [J], d P [B, T, J, D], entry coefficients [n, B, T, 3, J]
+      its backward; of each committed entry only the per-token coefficients of its gradient (value, key, key norm);
+  train_read_entry_gradients(history, grad_entries, [g], [query], [coefficients], kappa) -> None
+      adds those of several reads (a block's, as `DepthGradients` defers them) into grad_entries [S_max, B, T, J, D]
+      in one pass, each entry row read and written once;
   write_backward(g, P, rho, beta, y)                          -> d P, d rho (1,), d beta [J, D], d y (y's dtype)
       the backward of write_first (P None) and write_partial, in one pass.
 
@@ -44,13 +46,12 @@ The gradients summed over tokens (query, gate, beta, rho) are summed by fixed ch
 in order, so their bits do not depend on the thread count either (tested).
 
 They are built by `torch.utils.cpp_extension.load_inline` on first use, once per machine and torch installation
-(about 30 s on two cores; cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and need a C++
+(about 40 s on two cores; cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and need a C++
 compiler and ninja; where either is missing the build fails once, a warning says why, and the PyTorch operations run
 instead. They run eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
-passes) and on CPU; the inference kernels with gradients off and without recorded depth weights, for any number of
-tokens (on many, the rows
-are split over torch's intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a
-string in this file so that a model folder's remote code carries it.
+passes) and on CPU; the inference kernels with gradients off and without recorded depth weights. They take any
+number of tokens (on many, the rows are split over torch's intra-op threads; on a few, as in decoding, they run on
+the calling thread). The source is a string in this file so that a model folder's remote code carries it.
 
 Shape legend as in `depth_backends.py`: B batch, T tokens, D hidden, S committed entries, R reads, J streams.
 """
