@@ -38,7 +38,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dar_transformers import DARConfig, DARForCausalLM, DARMoeConfig, DARMoeForCausalLM
+from dar_transformers import DARConfig, DARForCausalLM, DARMoeConfig, DARMoeForCausalLM, cpu_kernels, depth_backends
 from dar_transformers.cli import main as cli_main
 from dar_transformers.configuration_dar import ROUTING_KEY_VALUE_STREAMS
 from dar_transformers.modeling_dar import DAR_MODULE_NAMES
@@ -436,3 +436,43 @@ def perturbed_tiny_dar(block_size, implementation: str, **config_overrides) -> D
             if "_residual" in name or "final_readout" in name:
                 parameter.add_(0.3 * torch.randn_like(parameter))
     return model
+
+
+class CountedKernels:
+    """DAR's built C++ extension, counting the calls of each kernel (`calls`, from zero for `names`); a function in
+    `replace[name]` is called as `replace[name](kernel, *args)` instead of the kernel (negative controls)."""
+
+    def __init__(self, module, names=()):
+        self.module = module
+        self.calls: dict[str, int] = dict.fromkeys(names, 0)
+        self.replace: dict[str, object] = {}
+
+    def __getattr__(self, name):
+        function = getattr(self.module, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            replacement = self.replace.get(name)
+            return function(*args) if replacement is None else replacement(function, *args)
+
+        return counted
+
+
+def counted_cpu_kernels(monkeypatch, names=()) -> CountedKernels:
+    """The depth backends' C++ kernels, counted (`CountedKernels`); they must build on the test machine."""
+    module = cpu_kernels.cpu_kernels()
+    assert module is not None, "the kernels must build on the test machine (a C++ compiler and ninja)"
+    counted = CountedKernels(module, names)
+    monkeypatch.setattr(depth_backends, "cpu_kernels", lambda: counted)
+    return counted
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count set to `count` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

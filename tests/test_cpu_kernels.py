@@ -14,47 +14,29 @@
 - A model folder carries the kernels' source (remote code), and a bad option value is refused naming the field.
 """
 
-import contextlib
 import logging
 import os
 
 import pytest
 import torch
-from conftest import perturb_dar_parameters, random_input_ids, tiny_dar_config, tiny_dar_moe
+from conftest import (
+    counted_cpu_kernels,
+    perturb_dar_parameters,
+    random_input_ids,
+    tiny_dar_config,
+    tiny_dar_moe,
+    torch_threads,
+)
 from test_inference_backend import GRID, NUM_LAYERS, max_relative_diff, perturbed_dar
 
-from dar_transformers import DARConfig, DARForCausalLM, cpu_kernels, depth_backends
+from dar_transformers import DARConfig, DARForCausalLM, cpu_kernels
 
 KERNELS = ("phase_one", "read_partial", "write_first", "write_partial", "commit")
 
 
-class CountedKernels:
-    """The built extension, counting the calls of each kernel; `broken_read` swaps in a read without the merge."""
-
-    def __init__(self, module, broken_read: bool = False):
-        self.module, self.broken_read = module, broken_read
-        self.calls = dict.fromkeys(KERNELS, 0)
-
-    def __getattr__(self, name):
-        function = getattr(self.module, name)
-
-        def counted(*args):
-            self.calls[name] += 1
-            if name == "read_partial" and self.broken_read:
-                gate, mean = args[2], args[3]
-                return (gate.unsqueeze(-1) * mean).sum(-2)  # phase 1's gated sum alone: the partial ignored
-            return function(*args)
-
-        return counted
-
-
 @pytest.fixture
 def counted_kernels(monkeypatch):
-    module = cpu_kernels.cpu_kernels()
-    assert module is not None, "the kernels must build on the test machine (a C++ compiler and ninja)"
-    counted = CountedKernels(module)
-    monkeypatch.setattr(depth_backends, "cpu_kernels", lambda: counted)
-    return counted
+    return counted_cpu_kernels(monkeypatch, KERNELS)
 
 
 def with_kernels(model):
@@ -120,7 +102,10 @@ def test_a_read_in_the_branch_dtype_is_the_float32_read_rounded_and_writes_are_t
 
 
 def test_negative_control_a_kernel_read_without_the_partial_merge_is_caught(counted_kernels):
-    counted_kernels.broken_read = True
+    def without_the_merge(read_partial, partial, query, gate, mean, *rest):
+        return (gate.unsqueeze(-1) * mean).sum(-2)  # phase 1's gated sum alone: the partial ignored
+
+    counted_kernels.replace["read_partial"] = without_the_merge
     with pytest.raises(AssertionError):
         test_the_kernels_match_the_reference_in_float64(counted_kernels, 2, "dar", 2, "duplicate", True)
 
@@ -181,16 +166,6 @@ def test_the_kernels_run_only_where_they_are_meant_to(counted_kernels):
     with torch.no_grad():
         model(random_input_ids())
     assert counted_kernels.calls["phase_one"] > 0
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # 3 x 200 = 600 rows at D = 32: more than every call's grain (32768 values per thread: 512 rows of two streams), so

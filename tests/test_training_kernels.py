@@ -18,44 +18,25 @@ two-stream write, run by `FastDepthBackend` on CPU.
 - Negative control: a backward that drops the key-norm term is caught by the float64 comparison.
 """
 
-import contextlib
 import logging
 
 import pytest
 import torch
-from conftest import perturb_dar_parameters, random_input_ids, tiny_dar_config, tiny_dar_moe
+from conftest import (
+    counted_cpu_kernels,
+    perturb_dar_parameters,
+    random_input_ids,
+    tiny_dar_config,
+    tiny_dar_moe,
+    torch_threads,
+)
 from test_inference_backend import GRID, perturbed_dar
 
-from dar_transformers import DARConfig, cpu_kernels, depth_backends
-
-class CountedKernels:
-    """The built extension, counting the calls of each kernel; `drop_key_norm` swaps in a read backward that leaves
-    out the key normalisation's gradient."""
-
-    def __init__(self, module, drop_key_norm: bool = False):
-        self.module, self.drop_key_norm = module, drop_key_norm
-        self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name):
-        function = getattr(self.module, name)
-
-        def counted(*args):
-            self.calls[name] = self.calls.get(name, 0) + 1
-            if name == "train_read_backward" and self.drop_key_norm:
-                args = list(args)
-                args[4] = torch.zeros_like(args[4])  # the entries' inverse RMS: no key scale, no norm term
-            return function(*args)
-
-        return counted
-
+from dar_transformers import DARConfig, cpu_kernels
 
 @pytest.fixture
 def counted_kernels(monkeypatch):
-    module = cpu_kernels.cpu_kernels()
-    assert module is not None, "the kernels must build on the test machine (a C++ compiler and ninja)"
-    counted = CountedKernels(module)
-    monkeypatch.setattr(depth_backends, "cpu_kernels", lambda: counted)
-    return counted
+    return counted_cpu_kernels(monkeypatch)
 
 
 def with_training_kernels(model):
@@ -107,7 +88,12 @@ def test_negative_control_a_read_backward_without_the_key_norm_term_is_caught(co
     fields = (2, "dar", 2, "duplicate", True)
     input_ids = random_input_ids()
     _, expected = loss_and_gradients(perturbed_dar(torch.float64, "reference", *fields).train(), input_ids)
-    counted_kernels.drop_key_norm = True
+    def without_the_key_norm(train_read_backward, *args):
+        args = list(args)
+        args[4] = torch.zeros_like(args[4])  # the entries' inverse RMS: no key scale, no norm term
+        return train_read_backward(*args)
+
+    counted_kernels.replace["train_read_backward"] = without_the_key_norm
     _, gradients = loss_and_gradients(with_training_kernels(perturbed_dar(torch.float64, "fast", *fields)), input_ids)
     assert gradient_error(gradients, expected) > 1e-3
 
@@ -196,16 +182,6 @@ def test_dar_moe_gradient_checkpointing_and_frozen_parameters_with_the_kernels(c
     _, gradients = loss_and_gradients(model, input_ids)
     assert gradient_error(gradients, expected) <= 1e-12
     assert counted_kernels.calls["train_read"] > calls + model.config.dar_num_branches  # replayed in backward
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_each_training_kernel_gives_the_same_bits_on_one_thread_and_on_three():
