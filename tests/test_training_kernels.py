@@ -5,7 +5,8 @@ two-stream write, run by `FastDepthBackend` on CPU.
 
 - Float64: the loss and every parameter gradient equal the reference backend's to 1e-12 (relative to the largest
   gradient) for every block size, routing, stream count, write mode and `dar_include_partial` of the inference
-  grid, and every kernel runs (counted); gradient checkpointing and frozen parameters (LoRA-style) too, and DAR-MoE
+  grid, and every kernel runs (counted); activation checkpointing (reentrant and not) with frozen parameters
+  (LoRA-style) too, and DAR-MoE
   against the PyTorch path in float32.
 - Float32 and bf16 (weights in bf16, DAR's parameters in float32): the kernels' error against the float64
   reference is within a small multiple of the PyTorch fast path's own (DESIGN.md section 4's rule); under bf16
@@ -164,7 +165,8 @@ def test_a_backward_called_inside_autocast_gives_the_gradients_of_one_called_out
     assert gradient_error(gradients, expected) <= 2e-2
 
 
-def test_dar_moe_gradient_checkpointing_and_frozen_parameters_with_the_kernels(counted_kernels):
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_dar_moe_gradient_checkpointing_and_frozen_parameters_with_the_kernels(counted_kernels, use_reentrant):
     input_ids = random_input_ids()
     moe = tiny_dar_moe(dar_block_size=3).train()  # float32: the experts' grouped product takes no float64
     perturb_dar_parameters(moe, scale=0.5, seed=1)
@@ -177,7 +179,9 @@ def test_dar_moe_gradient_checkpointing_and_frozen_parameters_with_the_kernels(c
     for name, parameter in model.named_parameters():  # only the attention projections and the DAR queries train
         parameter.requires_grad_("q_proj" in name or "pseudo_query" in name)
     _, expected = loss_and_gradients(model, input_ids)
-    with_training_kernels(model).activation_checkpointing_enable()
+    with_training_kernels(model).activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": use_reentrant}
+    )
     calls = counted_kernels.calls.get("train_read", 0)
     _, gradients = loss_and_gradients(model, input_ids)
     assert gradient_error(gradients, expected) <= 1e-12
