@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The C++ kernels of the fused eager training path (`cpu_kernels.py`, `config.dar_training_kernel = "cpp"`):
-`train_read` / `train_read_backward` for every read, `write_first` / `write_partial` / `write_backward` for every
-two-stream write, run by `FastDepthBackend` on CPU.
+`train_read` / `train_read_backward` for every read, `train_read_entry_gradients` for a block's reads at once,
+`write_first` / `write_partial` / `write_backward` for every two-stream write, run by `FastDepthBackend` on CPU.
 
 - Float64: the loss and every parameter gradient equal the reference backend's to 1e-12 (relative to the largest
   gradient) for every block size, routing, stream count, write mode and `dar_include_partial` of the inference
   grid, and every kernel runs (counted); activation checkpointing (reentrant and not) with frozen parameters
-  (LoRA-style) too, and DAR-MoE
-  against the PyTorch path in float32.
+  (LoRA-style) too, and DAR-MoE against the PyTorch path in float32; a second backward through the same graph in
+  `test_fast_path.py`.
 - Float32 and bf16 (weights in bf16, DAR's parameters in float32): the kernels' error against the float64
   reference is within a small multiple of the PyTorch fast path's own (DESIGN.md section 4's rule); under bf16
   autocast the two paths agree to the branches' bf16 rounding, and a backward called inside the autocast block
@@ -34,6 +34,7 @@ from conftest import (
 from test_inference_backend import GRID, perturbed_dar
 
 from dar_transformers import DARConfig, cpu_kernels
+
 
 @pytest.fixture
 def counted_kernels(monkeypatch):
