@@ -12,6 +12,7 @@
   reference is within a small multiple of the PyTorch fast path's own (DESIGN.md section 4's rule); under bf16
   autocast the two paths agree to the branches' bf16 rounding, and a backward called inside the autocast block
   gives the gradients of one called outside it (every optimised backend).
+- The depth weights a training forward records (`output_depth_weights`) are the reference's, to 1e-12 in float64.
 - Each kernel's outputs are the same bits on one thread and on three (the sums over tokens go by fixed chunks).
 - Under `torch.compile` the option changes nothing: the traced forward runs the two-phase read, no kernel runs,
   and the gradients are the eager kernels'.
@@ -84,6 +85,20 @@ def test_training_with_the_kernels_matches_the_reference_in_float64(counted_kern
         assert counted_kernels.calls["write_backward"] == config.dar_num_branches
     else:  # one stream writes y unchanged: no write kernel
         assert "write_backward" not in counted_kernels.calls
+
+
+def test_depth_weights_recorded_in_training_are_the_references(counted_kernels):
+    input_ids = random_input_ids()
+    recorded = []
+    for implementation in ("reference", "fast"):
+        model = perturbed_dar(torch.float64, implementation, 3, "dar", 2, "duplicate", True).train()
+        output = with_training_kernels(model)(input_ids, labels=input_ids, output_depth_weights=True)
+        output.loss.backward()
+        recorded.append(output.depth_weights)
+    expected, weights = recorded
+    assert counted_kernels.calls["train_read"] == len(weights) == len(expected)
+    for got, want in zip(weights, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_negative_control_a_read_backward_without_the_key_norm_term_is_caught(counted_kernels):
