@@ -217,12 +217,10 @@ def test_transport_write_keeps_the_branch_output_in_the_model_dtype():
         torch.testing.assert_close(grad, reference, rtol=1e-6, atol=1e-6)
 
 
-def _with_option(make_model, block_size, implementation):
-    """"fast+cpp": the fast backend with the C++ training kernels."""
+def _perturbed_with_option(block_size, implementation):
+    """`perturbed_tiny_dar`, where "fast+cpp" is the fast backend with the C++ training kernels."""
     implementation, _, kernel = implementation.partition("+")
-    model = make_model(block_size, implementation)
-    model.config.dar_training_kernel = kernel or "torch"
-    return model
+    return perturbed_tiny_dar(block_size, implementation, dar_training_kernel=kernel or "torch")
 
 
 @pytest.mark.parametrize("implementation", ["fast", "fast+cpp", "two_phase"])
@@ -231,7 +229,7 @@ def test_shared_entry_gradients_start_clean_for_a_second_backward(block_size, im
     """The fast reads add the entries' gradients into one shared buffer that the commits empty: a second backward
     through the same graph (retain_graph) must give the same gradients, not twice them (two-phase too, whose
     backward rebuilds each block's partials; and the C++ training kernels, whose reads defer their entry gradients)."""
-    model = _with_option(perturbed_tiny_dar, block_size, implementation).train()
+    model = _perturbed_with_option(block_size, implementation).train()
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
     loss = model(ids, labels=ids).loss
     loss.backward(retain_graph=True)
@@ -249,7 +247,7 @@ def test_second_backward_with_a_frozen_embedding(block_size, implementation):
     """As under LoRA: with the embedding frozen, entry 0 needs no gradient (the fast path has no commit node to empty
     its slot); every trainable parameter gets its gradient, and a second backward through the same graph gives the
     first one's (the C++ kernels' deferred entry gradients of entry 0 are never added: no commit node takes them)."""
-    model = _with_option(perturbed_tiny_dar, block_size, implementation).train()
+    model = _perturbed_with_option(block_size, implementation).train()
     model.model.embed_tokens.weight.requires_grad_(False)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
     loss = model(ids, labels=ids).loss

@@ -429,6 +429,7 @@ at::Tensor write_first(const at::Tensor& beta, const at::Tensor& written) {
 // Sums over tokens (the gradients of the query, the read gate and the write gate) are taken over fixed chunks of
 // rows, each into its own slot, and the slots are added in order afterwards: the same bits for any thread count.
 constexpr int64_t kChunkRows = 32;
+inline int64_t chunk_count(int64_t rows) { return (rows + kChunkRows - 1) / kChunkRows; }
 
 // [C, ...] -> [...]: the chunks' partial sums added in chunk order (deterministic, unlike a threaded reduction).
 template <typename scalar_t>
@@ -583,7 +584,7 @@ void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, con
                               const std::vector<int64_t>& nu, scalar_t* entry_coefficients, scalar_t* grad_partial,
                               scalar_t* chunk_query, scalar_t* chunk_gate) {
   const int64_t rows = src.rows, streams = src.streams, hidden = src.hidden, count = src.count();
-  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunks = chunk_count(rows);
   const int64_t grain = std::max<int64_t>(1, row_grain(count * streams * hidden) / kChunkRows);
   at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<scalar_t> value_dots(count * streams), grad_keyed(count * streams), coefficient(count * streams),
@@ -677,7 +678,7 @@ std::vector<at::Tensor> train_read_backward(const at::Tensor& grad_u, const at::
     TORCH_CHECK(partial_inv_rms.has_value() && partial->is_contiguous() && partial_inv_rms->is_contiguous(),
                 "train_read_backward: the partial needs its inverse RMS");
   }
-  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunks = chunk_count(rows);
   auto options = history.options();
   at::Tensor chunk_query = at::empty({chunks, streams, hidden}, options);
   at::Tensor chunk_gate = at::empty({chunks, streams}, options);
@@ -784,7 +785,7 @@ template <typename state_t, typename y_t>
 void write_backward_rows(const state_t* grad, const state_t* partial, state_t rho, const state_t* beta,
                          const y_t* written, int64_t rows, int64_t streams, int64_t hidden, state_t* grad_partial,
                          state_t* chunk_rho, state_t* chunk_beta, y_t* grad_written) {
-  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunks = chunk_count(rows);
   const int64_t grain = std::max<int64_t>(1, row_grain(streams * hidden) / kChunkRows);
   const bool low = rho < 0.5;  // torch.lerp's two forms, by the weight
   at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
@@ -849,7 +850,7 @@ std::vector<at::Tensor> write_backward(const at::Tensor& grad, const std::option
                     rho->scalar_type() == grad.scalar_type(),
                 "write_backward: a transport needs two streams, rho (1,) and a contiguous partial shaped as grad");
   }
-  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunks = chunk_count(rows);
   auto options = grad.options();
   at::Tensor grad_partial = at::empty({partial.has_value() ? batch : 0, tokens, streams, hidden}, options);
   at::Tensor chunk_rho = at::empty({chunks}, options);

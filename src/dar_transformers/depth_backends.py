@@ -858,6 +858,15 @@ class TwoPhaseDepthBackend:
 # Inference: two-phase reads with gradients off, in the fewest operations per branch.
 
 
+def eager_cpu_kernels(entry: torch.Tensor):
+    """The C++ kernels (`cpu_kernels.py`) for a forward whose history starts with `entry`, where it may run them: on
+    CPU and eagerly (a graph traced by `torch.compile`, `torch.export` or `torch.jit` computes the same passes in its
+    own code); else None, and None where they cannot be built (warned once)."""
+    if entry.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    return cpu_kernels()
+
+
 class _InferenceConstants(NamedTuple):
     """What one read and write of a residual needs from its parameters, derived once per parameter version
     (`_derived`): the routed queries scaled by sqrt(D), transposed [J, J * D] (a score is then a dot times
@@ -926,11 +935,8 @@ class InferenceDepthBackend:
         """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights;
         `residuals`: the model's branch residuals in order (empty: phase 1 per decoder layer only)."""
         self.keep_weights, self.residuals = keep_weights, tuple(residuals)
-        if (
-            self.wants_kernels and not keep_weights and entry.device.type == "cpu"
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-        ):
-            self.kernels = cpu_kernels()  # None where they cannot be built (warned once)
+        if self.wants_kernels and not keep_weights:
+            self.kernels = eager_cpu_kernels(entry)
         compute_dtype = dar_compute_dtype(entry.dtype)
         self.autocast = torch.is_autocast_enabled(entry.device.type)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
@@ -1528,11 +1534,8 @@ class FastDepthBackend:
         self.kernels = None  # the C++ kernels, where this forward runs them (`start`)
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
-        if (
-            self.wants_kernels and entry.device.type == "cpu" and entry.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-        ):
-            self.kernels = cpu_kernels()  # None where they cannot be built (warned once)
+        if self.wants_kernels and entry.dtype in (torch.float32, torch.float64):
+            self.kernels = eager_cpu_kernels(entry)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
         return DepthState(self, None, (self._commit(entry, 0),))
