@@ -234,15 +234,17 @@ def test_the_operator_read_compiles_with_inductor_float32():
     compiled_matches_eager(model, backend="inductor", rtol=2e-4, atol=1e-5)
 
 
-def test_every_traced_training_read_is_the_one_opaque_operator(compiled_read="operator"):
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
+def test_every_traced_training_read_is_the_one_opaque_operator(kernel, compiled_read="operator"):
     """`dar_compiled_read="operator"`: the compiler generates no code for a training read (item 3 of issue 16: every
     block's reads run the same precompiled code, where inlined each read compiles kernels of its own): the graphs
     AOTAutograd hands to inductor call the read operator once per read (M branches and the final readout) and its
     gradient operator once per read, and hold no depth softmax of their own (`aten.exp` appears only in the loss,
-    `aten.bmm` not at all). With the inlined read it fails."""
+    `aten.bmm` not at all). With `dar_training_kernel="cpp"` the operators are the source read and write (C++ on
+    CPU), and the graphs hold no transport of their own either (`aten.flip`). With the inlined read it fails."""
     from torch._dynamo.backends.common import aot_autograd
 
-    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read=compiled_read)
+    model = tiny(dtype=torch.float32, dar_block_size=2, dar_compiled_read=compiled_read, dar_training_kernel=kernel)
     graphs = {}
 
     def compiler(kind):
@@ -257,9 +259,15 @@ def test_every_traced_training_read_is_the_one_opaque_operator(compiled_read="op
     torch.compile(model, backend=backend, fullgraph=True)(input_ids=input_ids, labels=input_ids).loss.backward()
     reads = model.config.dar_num_branches + 1
     forward, backward = graphs["forward"], graphs["backward"]
-    assert sum(target.endswith(".two_phase_read.default") for target in forward) == reads
-    assert sum(target.endswith(".two_phase_read_backward.default") for target in backward) == reads
+    read = "two_phase_read" if kernel == "torch" else "source_read"
+    assert sum(target.endswith(f".{read}.default") for target in forward) == reads
+    assert sum(target.endswith(f".{read}_backward.default") for target in backward) == reads
     assert not any("bmm" in target for target in forward + backward)
+    if kernel == "cpp":
+        writes = model.config.dar_num_branches
+        assert sum(target.endswith(".source_write.default") for target in forward) == writes
+        assert sum(target.endswith(".source_write_backward.default") for target in backward) == writes
+        assert not any("flip" in target for target in forward + backward)
     assert sum("aten.exp." in target for target in forward) <= 1  # the loss's log-softmax, if decomposed
 
 

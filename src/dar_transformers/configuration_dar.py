@@ -42,8 +42,9 @@
   path: "torch" (the default: PyTorch operations and hand-written backwards) or "cpp" (each read, forward and
   backward, and each two-stream write, forward and backward, one C++ call over the tokens, reading each token's
   sources once; the same `cpu_kernels.py` extension, built and falling back as above). Same equations and the same
-  saved tensors; compiled graphs (which trace the two-phase read), the other backends and other devices are
-  unaffected.
+  saved tensors. With `dar_compiled_read="operator"` it also sets what that operator runs on CPU: the C++ read
+  (`read_sources`, each read's entries' statistics computed in its pass) instead of PyTorch operations. Inlined
+  compiled reads, the other backends and other devices are unaffected.
 """
 
 import math

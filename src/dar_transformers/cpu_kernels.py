@@ -42,6 +42,16 @@ token, its sources read from memory once per call (the PyTorch operations pass o
   write_backward(g, P, rho, beta, y)                          -> d P, d rho (1,), d beta [J, D], d y (y's dtype)
       the backward of write_first (P None) and write_partial, in one pass.
 
+With `dar_compiled_read = "operator"` as well, each read of a training forward traced by `torch.compile` is a custom
+operator (`depth_backends.traced_source_read`) running
+
+  read_sources(query, gate, [sources], kappa, nu, eps) -> u [B, T, D], weights, key dots, inverse RMS [N, B, T, J]
+      `train_read` over N sources given as separate tensors [B, T, J, D] (the committed entries, then the partial
+      if read: a compiled graph has no shared buffer), every source's inverse RMS computed in the same pass;
+  read_sources_backward(g, query, gate, [sources], inverse RMS, weights, key dots, kappa, nu)
+      -> [d query [J, D], d gate [J], d source [B, T, J, D] for each source]
+      its backward, every source's gradient written (a compiled graph adds each entry's gradients itself).
+
 The gradients summed over tokens (query, gate, beta, rho) are summed by fixed chunks of 32 rows and the chunks added
 in order, so their bits do not depend on the thread count either (tested).
 
@@ -49,7 +59,7 @@ They are built by `torch.utils.cpp_extension.load_inline` on first use, once per
 (about 40 s on two cores; cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and need a C++
 compiler and ninja; where either is missing the build fails once, a warning says why, and the PyTorch operations run
 instead. They run eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
-passes) and on CPU; the inference kernels with gradients off and without recorded depth weights. They take any
+passes; the source read operators are called by a compiled graph as they are) and on CPU; the inference kernels with gradients off and without recorded depth weights. They take any
 number of tokens (on many, the rows are split over torch's intra-op threads; on a few, as in decoding, they run on
 the calling thread). The source is a string in this file so that a model folder's remote code carries it.
 
@@ -466,39 +476,37 @@ inline scalar_t dot_of(const scalar_t* a, const scalar_t* b, int64_t n) {
   return ((s0 + s1) + (s2 + s3)) + rest;
 }
 
-// The sources of one read: the committed entries in the history buffer [S_max, rows, J, D], then the partial.
+// The sources of one read, each [rows, J, D] with its inverse RMS [rows, J]: the committed entries (the first
+// `entries`; rows of the history buffer [S_max, rows, J, D], or separate tensors), then the partial if read. The
+// inverse RMS of sources `computed` and after is computed by the forward, into `computed_inv_rms` [N - computed,
+// rows, J], which `inv_rms` of those sources points into.
 template <typename scalar_t>
 struct ReadSources {
-  const scalar_t* history;
-  const scalar_t* inv_rms;  // [S_max, rows, J]
-  const scalar_t* partial;  // [rows, J, D] or nullptr
-  const scalar_t* partial_inv_rms;  // [rows, J] or nullptr
-  int64_t entries, rows, streams, hidden;
-  int64_t count() const { return entries + (partial != nullptr); }
-  const scalar_t* row(int64_t n, int64_t r) const {
-    return n < entries ? history + ((n * rows + r) * streams) * hidden : partial + r * streams * hidden;
-  }
-  scalar_t scale(int64_t n, int64_t r, int64_t s) const {
-    return n < entries ? inv_rms[(n * rows + r) * streams + s] : partial_inv_rms[r * streams + s];
-  }
+  std::vector<const scalar_t*> source, inv_rms;
+  scalar_t* computed_inv_rms;
+  int64_t entries, computed, rows, streams, hidden;
+  int64_t count() const { return source.size(); }
+  const scalar_t* row(int64_t n, int64_t r) const { return source[n] + r * streams * hidden; }
+  scalar_t scale(int64_t n, int64_t r, int64_t s) const { return inv_rms[n][r * streams + s]; }
 };
 
 // Forward of one read (eq. 2-5): key dots of the folded query with each source's key stream, the depth softmax
 // of (dot * inverse RMS), and u = sum_j gate_j sum_n a^j_n V^{nu(j)}_n; writes u [rows, D], the weights and key
-// dots [N, rows, J], and the partial's inverse RMS [rows, J].
+// dots [N, rows, J], and the inverse RMS of the sources that `src` says are computed here.
 template <typename scalar_t>
-void train_read_rows(const scalar_t* query, const scalar_t* gate, ReadSources<scalar_t> src, scalar_t* partial_inv_rms,
+void train_read_rows(const scalar_t* query, const scalar_t* gate, const ReadSources<scalar_t>& src,
                      const std::vector<int64_t>& kappa, const std::vector<int64_t>& nu, double eps, scalar_t* u,
                      scalar_t* weights, scalar_t* keyed) {
   const int64_t rows = src.rows, streams = src.streams, hidden = src.hidden, count = src.count();
   at::parallel_for(0, rows, row_grain(count * streams * hidden), [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> w(count * streams);
     for (int64_t r = begin; r < end; ++r) {
-      if (src.partial != nullptr) {  // 1 / sqrt(mean_d P^2 + eps), as `inverse_rms`
+      for (int64_t n = src.computed; n < count; ++n) {  // 1 / sqrt(mean_d h^2 + eps), as `inverse_rms`
         for (int64_t s = 0; s < streams; ++s) {
-          const scalar_t* x = src.partial + (r * streams + s) * hidden;
+          const scalar_t* x = src.row(n, r) + s * hidden;
           const scalar_t sum = dot_of(x, x, hidden);
-          partial_inv_rms[r * streams + s] = 1 / std::sqrt(sum / hidden + static_cast<scalar_t>(eps));
+          src.computed_inv_rms[((n - src.computed) * rows + r) * streams + s] =
+              1 / std::sqrt(sum / hidden + static_cast<scalar_t>(eps));
         }
       }
       for (int64_t n = 0; n < count; ++n) {
@@ -534,21 +542,65 @@ void train_read_rows(const scalar_t* query, const scalar_t* gate, ReadSources<sc
   });
 }
 
+// The sources of a fused eager read: the first `entries` rows of the history buffer [S_max, B, T, J, D] with their
+// inverse RMS [S_max, B, T, J], then the partial with its inverse RMS [B, T, J] (computed by the forward) if read.
+template <typename scalar_t>
+ReadSources<scalar_t> buffer_sources(const at::Tensor& history, const at::Tensor& inv_rms, int64_t entries,
+                                     const std::optional<at::Tensor>& partial,
+                                     const std::optional<at::Tensor>& partial_inv_rms) {
+  const int64_t rows = history.size(1) * history.size(2), streams = history.size(3), hidden = history.size(4);
+  ReadSources<scalar_t> src{{}, {}, nullptr, entries, entries, rows, streams, hidden};
+  for (int64_t n = 0; n < entries; ++n) {
+    src.source.push_back(history.data_ptr<scalar_t>() + n * rows * streams * hidden);
+    src.inv_rms.push_back(inv_rms.data_ptr<scalar_t>() + n * rows * streams);
+  }
+  if (partial.has_value()) {
+    src.source.push_back(partial->data_ptr<scalar_t>());
+    src.inv_rms.push_back(partial_inv_rms->data_ptr<scalar_t>());
+    src.computed_inv_rms = partial_inv_rms->data_ptr<scalar_t>();
+  }
+  return src;
+}
+
+// The sources of a read traced by torch.compile (`read_sources` below): separate tensors [B, T, J, D], every
+// inverse RMS computed by the forward into inv_rms [N, B, T, J].
+template <typename scalar_t>
+ReadSources<scalar_t> list_sources(const std::vector<at::Tensor>& sources, const at::Tensor& inv_rms, int64_t entries) {
+  const int64_t rows = sources[0].size(0) * sources[0].size(1), streams = sources[0].size(2), hidden = sources[0].size(3);
+  ReadSources<scalar_t> src{{}, {}, inv_rms.data_ptr<scalar_t>(), entries, 0, rows, streams, hidden};
+  for (size_t n = 0; n < sources.size(); ++n) {
+    src.source.push_back(sources[n].data_ptr<scalar_t>());
+    src.inv_rms.push_back(inv_rms.data_ptr<scalar_t>() + n * rows * streams);
+  }
+  return src;
+}
+
+void check_read_operands(const char* name, const at::Tensor& query, const at::Tensor& gate, int64_t rows,
+                         int64_t streams, int64_t hidden, const std::vector<int64_t>& key_streams,
+                         const std::vector<int64_t>& value_streams, at::ScalarType dtype) {
+  TORCH_CHECK(query.is_contiguous() && gate.is_contiguous() && query.numel() == streams * hidden &&
+                  gate.numel() == streams && int64_t(key_streams.size()) == streams &&
+                  int64_t(value_streams.size()) == streams && query.scalar_type() == dtype &&
+                  gate.scalar_type() == dtype,
+              name, ": query [J, D] and gate [J] contiguous in the sources' dtype, one key and value stream per target");
+  for (int64_t j = 0; j < streams; ++j) {
+    TORCH_CHECK(0 <= key_streams[j] && key_streams[j] < streams && 0 <= value_streams[j] && value_streams[j] < streams,
+                name, ": stream indices within [0, J)");
+  }
+}
+
 std::vector<at::Tensor> train_read(const at::Tensor& query, const at::Tensor& gate, const at::Tensor& history,
                                    const at::Tensor& inv_rms, int64_t entries, const std::optional<at::Tensor>& partial,
                                    std::vector<int64_t> key_streams, std::vector<int64_t> value_streams, double eps) {
-  TORCH_CHECK(history.dim() == 5 && history.is_contiguous() && inv_rms.is_contiguous() && query.is_contiguous() &&
-                  gate.is_contiguous(),
-              "train_read: a contiguous history buffer [S_max, B, T, J, D], its inverse RMS, query [J, D], gate [J]");
+  TORCH_CHECK(history.dim() == 5 && history.is_contiguous() && inv_rms.is_contiguous(),
+              "train_read: a contiguous history buffer [S_max, B, T, J, D] and its inverse RMS");
   const int64_t batch = history.size(1), tokens = history.size(2), streams = history.size(3), hidden = history.size(4);
   const int64_t rows = batch * tokens, has_partial = partial.has_value() ? 1 : 0, count = entries + has_partial;
-  TORCH_CHECK(0 <= entries && entries <= history.size(0) && count > 0 && query.numel() == streams * hidden &&
-                  gate.numel() == streams && int64_t(key_streams.size()) == streams &&
-                  int64_t(value_streams.size()) == streams && inv_rms.numel() == history.numel() / hidden,
-              "train_read: inconsistent shapes");
   const auto dtype = history.scalar_type();
-  TORCH_CHECK(query.scalar_type() == dtype && gate.scalar_type() == dtype && inv_rms.scalar_type() == dtype,
-              "train_read: every operand in the compute dtype");
+  check_read_operands("train_read", query, gate, rows, streams, hidden, key_streams, value_streams, dtype);
+  TORCH_CHECK(0 <= entries && entries <= history.size(0) && count > 0 && inv_rms.numel() == history.numel() / hidden &&
+                  inv_rms.scalar_type() == dtype,
+              "train_read: inconsistent shapes");
   if (has_partial) {
     TORCH_CHECK(partial->is_contiguous() && partial->scalar_type() == dtype && partial->numel() == rows * streams * hidden,
                 "train_read: a contiguous partial [B, T, J, D] in the compute dtype");
@@ -559,16 +611,47 @@ std::vector<at::Tensor> train_read(const at::Tensor& query, const at::Tensor& ga
   at::Tensor keyed = at::empty({count, batch, tokens, streams}, options);
   at::Tensor partial_inv_rms = at::empty({has_partial ? batch : 0, tokens, streams}, options);
   AT_DISPATCH_FLOATING_TYPES(dtype, "train_read", [&] {
-    ReadSources<scalar_t> src{history.data_ptr<scalar_t>(), inv_rms.data_ptr<scalar_t>(),
-                              has_partial ? partial->data_ptr<scalar_t>() : nullptr,
-                              has_partial ? partial_inv_rms.data_ptr<scalar_t>() : nullptr,
-                              entries, rows, streams, hidden};
-    train_read_rows<scalar_t>(query.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), src,
-                              has_partial ? partial_inv_rms.data_ptr<scalar_t>() : nullptr, key_streams,
+    const auto src = buffer_sources<scalar_t>(history, inv_rms, entries, partial, partial_inv_rms);
+    train_read_rows<scalar_t>(query.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), src, key_streams,
                               value_streams, eps, u.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(),
                               keyed.data_ptr<scalar_t>());
   });
   return {u, weights, keyed, partial_inv_rms};
+}
+
+// The sources of one read as separate tensors, all in one dtype, [B, T, J, D] each.
+void check_sources(const char* name, const std::vector<at::Tensor>& sources, int64_t entries) {
+  TORCH_CHECK(!sources.empty() && 0 <= entries && entries <= int64_t(sources.size()) && sources[0].dim() == 4,
+              name, ": at least one source [B, T, J, D]");
+  for (const auto& source : sources) {
+    TORCH_CHECK(source.is_contiguous() && source.sizes() == sources[0].sizes() &&
+                    source.scalar_type() == sources[0].scalar_type(),
+                name, ": contiguous sources of one shape and dtype");
+  }
+}
+
+// `train_read` of sources given as separate tensors (the committed entries and, last, the partial if read), every
+// source's inverse RMS computed in the same pass: -> u [B, T, D], weights, key dots and inverse RMS [N, B, T, J].
+std::vector<at::Tensor> read_sources(const at::Tensor& query, const at::Tensor& gate,
+                                     const std::vector<at::Tensor>& sources, std::vector<int64_t> key_streams,
+                                     std::vector<int64_t> value_streams, double eps) {
+  check_sources("read_sources", sources, int64_t(sources.size()));
+  const int64_t batch = sources[0].size(0), tokens = sources[0].size(1), streams = sources[0].size(2),
+                hidden = sources[0].size(3), count = sources.size();
+  const auto dtype = sources[0].scalar_type();
+  check_read_operands("read_sources", query, gate, batch * tokens, streams, hidden, key_streams, value_streams, dtype);
+  auto options = sources[0].options();
+  at::Tensor u = at::empty({batch, tokens, hidden}, options);
+  at::Tensor weights = at::empty({count, batch, tokens, streams}, options);
+  at::Tensor keyed = at::empty({count, batch, tokens, streams}, options);
+  at::Tensor inv_rms = at::empty({count, batch, tokens, streams}, options);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "read_sources", [&] {
+    const auto src = list_sources<scalar_t>(sources, inv_rms, count);
+    train_read_rows<scalar_t>(query.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), src, key_streams,
+                              value_streams, eps, u.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(),
+                              keyed.data_ptr<scalar_t>());
+  });
+  return {u, weights, keyed, inv_rms};
 }
 
 // Backward of one read, token by token, with each token's sources read from memory once (the next pass over them
@@ -579,13 +662,15 @@ std::vector<at::Tensor> train_read(const at::Tensor& query, const at::Tensor& ga
 //   dL/dS^s_n = c^s_n g + sum_{j: kappa(j) = s} gk^j_n q^j + k^s_n S^s_n
 // (`train_read_entry_gradients` adds these for all reads of a block at once).
 template <typename scalar_t>
-void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, const scalar_t* gate, ReadSources<scalar_t> src,
-                              const scalar_t* weights, const scalar_t* keyed, const std::vector<int64_t>& kappa,
-                              const std::vector<int64_t>& nu, scalar_t* entry_coefficients, scalar_t* grad_partial,
+void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, const scalar_t* gate,
+                              const ReadSources<scalar_t>& src, const scalar_t* weights, const scalar_t* keyed,
+                              const std::vector<int64_t>& kappa, const std::vector<int64_t>& nu,
+                              scalar_t* entry_coefficients, const std::vector<scalar_t*>& grad_sources,
                               scalar_t* chunk_query, scalar_t* chunk_gate) {
   const int64_t rows = src.rows, streams = src.streams, hidden = src.hidden, count = src.count();
   const int64_t chunks = chunk_count(rows);
   const int64_t grain = std::max<int64_t>(1, row_grain(count * streams * hidden) / kChunkRows);
+  const int64_t written = entry_coefficients != nullptr ? src.entries : 0;  // the first source whose gradient is written
   at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<scalar_t> value_dots(count * streams), grad_keyed(count * streams), coefficient(count * streams),
         norm(count * streams);
@@ -630,16 +715,16 @@ void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, con
 #pragma omp simd
             for (int64_t d = 0; d < hidden; ++d) gqj[d] += gk * v[d];
           }
-          if (n < src.entries) {
+          if (n < written) {
             scalar_t* out = entry_coefficients + (n * rows + r) * 3 * streams;
             std::copy_n(coefficient.data() + n * streams, streams, out);
             std::copy_n(grad_keyed.data() + n * streams, streams, out + streams);
             std::copy_n(norm.data() + n * streams, streams, out + 2 * streams);
             continue;
           }
-          for (int64_t s = 0; s < streams; ++s) {  // the partial's gradient, written
+          for (int64_t s = 0; s < streams; ++s) {  // the source's gradient, written
             const scalar_t* v = x + s * hidden;
-            scalar_t* o = grad_partial + (r * streams + s) * hidden;
+            scalar_t* o = grad_sources[n - written] + (r * streams + s) * hidden;
             const scalar_t c = coefficient[n * streams + s], k = norm[n * streams + s];
 #pragma omp simd
             for (int64_t d = 0; d < hidden; ++d) o[d] = c * g[d] + k * v[d];
@@ -657,23 +742,30 @@ void train_read_backward_rows(const scalar_t* grad_u, const scalar_t* query, con
   });
 }
 
+void check_read_statistics(const char* name, const at::Tensor& grad_u, const at::Tensor& weights,
+                           const at::Tensor& keyed, int64_t count, int64_t rows, int64_t streams, int64_t hidden,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(grad_u.is_contiguous() && weights.is_contiguous() && keyed.is_contiguous() &&
+                  grad_u.numel() == rows * hidden && weights.numel() == count * rows * streams &&
+                  keyed.numel() == weights.numel() && grad_u.scalar_type() == dtype && weights.scalar_type() == dtype &&
+                  keyed.scalar_type() == dtype,
+              name, ": contiguous d u [B, T, D], weights and key dots [N, B, T, J] in the sources' dtype");
+}
+
 std::vector<at::Tensor> train_read_backward(const at::Tensor& grad_u, const at::Tensor& query, const at::Tensor& gate,
                                             const at::Tensor& history, const at::Tensor& inv_rms, int64_t entries,
                                             const std::optional<at::Tensor>& partial,
                                             const std::optional<at::Tensor>& partial_inv_rms, const at::Tensor& weights,
                                             const at::Tensor& keyed, std::vector<int64_t> key_streams,
                                             std::vector<int64_t> value_streams) {
-  TORCH_CHECK(grad_u.is_contiguous() && weights.is_contiguous() && keyed.is_contiguous() && history.is_contiguous() &&
-                  inv_rms.is_contiguous() && query.is_contiguous() && gate.is_contiguous(),
-              "train_read_backward: contiguous operands");
+  TORCH_CHECK(history.dim() == 5 && history.is_contiguous() && inv_rms.is_contiguous(),
+              "train_read_backward: a contiguous history buffer and its inverse RMS");
   const int64_t batch = history.size(1), tokens = history.size(2), streams = history.size(3), hidden = history.size(4);
   const int64_t rows = batch * tokens, has_partial = partial.has_value() ? 1 : 0, count = entries + has_partial;
   const auto dtype = history.scalar_type();
-  TORCH_CHECK(0 <= entries && entries <= history.size(0) && grad_u.numel() == rows * hidden &&
-                  weights.numel() == count * rows * streams && keyed.numel() == weights.numel() &&
-                  grad_u.scalar_type() == dtype && weights.scalar_type() == dtype && keyed.scalar_type() == dtype &&
-                  query.scalar_type() == dtype && gate.scalar_type() == dtype,
-              "train_read_backward: inconsistent shapes or dtypes");
+  check_read_operands("train_read_backward", query, gate, rows, streams, hidden, key_streams, value_streams, dtype);
+  check_read_statistics("train_read_backward", grad_u, weights, keyed, count, rows, streams, hidden, dtype);
+  TORCH_CHECK(0 <= entries && entries <= history.size(0), "train_read_backward: more entries than the buffer holds");
   if (has_partial) {
     TORCH_CHECK(partial_inv_rms.has_value() && partial->is_contiguous() && partial_inv_rms->is_contiguous(),
                 "train_read_backward: the partial needs its inverse RMS");
@@ -685,18 +777,50 @@ std::vector<at::Tensor> train_read_backward(const at::Tensor& grad_u, const at::
   at::Tensor grad_partial = at::empty({has_partial ? batch : 0, tokens, streams, hidden}, options);
   at::Tensor entry_coefficients = at::empty({entries, rows, 3, streams}, options);
   AT_DISPATCH_FLOATING_TYPES(dtype, "train_read_backward", [&] {
-    ReadSources<scalar_t> src{history.data_ptr<scalar_t>(), inv_rms.data_ptr<scalar_t>(),
-                              has_partial ? partial->data_ptr<scalar_t>() : nullptr,
-                              has_partial ? partial_inv_rms->data_ptr<scalar_t>() : nullptr,
-                              entries, rows, streams, hidden};
+    const auto src = buffer_sources<scalar_t>(history, inv_rms, entries, partial, partial_inv_rms);
     train_read_backward_rows<scalar_t>(grad_u.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(),
                                        gate.data_ptr<scalar_t>(), src, weights.data_ptr<scalar_t>(),
                                        keyed.data_ptr<scalar_t>(), key_streams, value_streams,
                                        entry_coefficients.data_ptr<scalar_t>(),
-                                       has_partial ? grad_partial.data_ptr<scalar_t>() : nullptr,
+                                       std::vector<scalar_t*>{has_partial ? grad_partial.data_ptr<scalar_t>() : nullptr},
                                        chunk_query.data_ptr<scalar_t>(), chunk_gate.data_ptr<scalar_t>());
   });
   return {sum_chunks(chunk_query), sum_chunks(chunk_gate), grad_partial, entry_coefficients};
+}
+
+// The backward of `read_sources`, every source's gradient written: -> d query [J, D], d gate [J], then one d source
+// [B, T, J, D] each (separate allocations: one [N, B, T, J, D] block is past the size up to which glibc reuses freed
+// memory (32 MB) at the 1B width already, and its fresh pages cost more than writing them).
+std::vector<at::Tensor> read_sources_backward(const at::Tensor& grad_u, const at::Tensor& query, const at::Tensor& gate,
+                                              const std::vector<at::Tensor>& sources, const at::Tensor& inv_rms,
+                                              const at::Tensor& weights, const at::Tensor& keyed,
+                                              std::vector<int64_t> key_streams, std::vector<int64_t> value_streams) {
+  check_sources("read_sources_backward", sources, int64_t(sources.size()));
+  const int64_t batch = sources[0].size(0), tokens = sources[0].size(1), streams = sources[0].size(2),
+                hidden = sources[0].size(3), count = sources.size(), rows = batch * tokens;
+  const auto dtype = sources[0].scalar_type();
+  check_read_operands("read_sources_backward", query, gate, rows, streams, hidden, key_streams, value_streams, dtype);
+  check_read_statistics("read_sources_backward", grad_u, weights, keyed, count, rows, streams, hidden, dtype);
+  TORCH_CHECK(inv_rms.is_contiguous() && inv_rms.numel() == weights.numel() && inv_rms.scalar_type() == dtype,
+              "read_sources_backward: the sources' inverse RMS [N, B, T, J] from read_sources");
+  const int64_t chunks = chunk_count(rows);
+  auto options = sources[0].options();
+  at::Tensor chunk_query = at::empty({chunks, streams, hidden}, options);
+  at::Tensor chunk_gate = at::empty({chunks, streams}, options);
+  std::vector<at::Tensor> grads{at::Tensor(), at::Tensor()};  // the query's and the gate's, summed below
+  for (int64_t n = 0; n < count; ++n) grads.push_back(at::empty({batch, tokens, streams, hidden}, options));
+  AT_DISPATCH_FLOATING_TYPES(dtype, "read_sources_backward", [&] {
+    const auto src = list_sources<scalar_t>(sources, inv_rms, count);
+    std::vector<scalar_t*> grad_sources;
+    for (int64_t n = 0; n < count; ++n) grad_sources.push_back(grads[2 + n].data_ptr<scalar_t>());
+    train_read_backward_rows<scalar_t>(grad_u.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(),
+                                       gate.data_ptr<scalar_t>(), src, weights.data_ptr<scalar_t>(),
+                                       keyed.data_ptr<scalar_t>(), key_streams, value_streams, nullptr,
+                                       grad_sources, chunk_query.data_ptr<scalar_t>(), chunk_gate.data_ptr<scalar_t>());
+  });
+  grads[0] = sum_chunks(chunk_query);
+  grads[1] = sum_chunks(chunk_gate);
+  return grads;
 }
 
 // The committed entries' gradients from R reads' backwards at once (a block's reads, as `DepthGradients` defers
@@ -873,7 +997,7 @@ std::vector<at::Tensor> write_backward(const at::Tensor& grad, const std::option
 
 _FUNCTIONS = [
     "commit", "phase_one", "read_partial", "write_first", "write_partial", "train_read", "train_read_backward",
-    "train_read_entry_gradients", "write_backward",
+    "train_read_entry_gradients", "write_backward", "read_sources", "read_sources_backward",
 ]
 _loaded: dict[str, object] = {}  # "module" -> the built extension, or None after a failed build
 

@@ -47,7 +47,9 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     With `config.dar_compiled_read = "operator"` each read, its phase 1 and the entries' statistics included, is
     instead one custom operator (`traced_two_phase_read`) whose gradient is another (`read_gradients` behind it):
     opaque to the compiler, so inductor calls the same precompiled code for every read of every block and the first
-    compiled step compiles far less, while the reads run unfused.
+    compiled step compiles far less, while the reads run unfused. With `config.dar_training_kernel = "cpp"` too, the
+    operators are `traced_source_read` and its gradient, which run the C++ kernels on CPU (`cpu_kernels.py`:
+    `read_sources`, one pass over each token's sources each way) and PyTorch operations elsewhere.
 
 Shape legend: B batch, T tokens, D hidden, S committed entries, N sources of one read (S, or S + 1 with the
 partial), R reads planned together, J streams. One layout for the history everywhere: depth-major, entry n of every
@@ -568,6 +570,162 @@ def _traced_read_gradient(ctx, grad_input, _grad_weights):
 traced_two_phase_read.register_autograd(_traced_read_gradient, setup_context=_setup_traced_read)
 
 
+# `dar_compiled_read = "operator"` with `dar_training_kernel = "cpp"`: the traced training read as the C++ kernels
+# (`cpu_kernels.py`: `read_sources`, `read_sources_backward`) on CPU in float32 / float64, one pass over each token's
+# sources each way, the sources' key statistics computed in the same pass; elsewhere (or where the kernels cannot be
+# built) the same outputs from PyTorch operations. Takes the folded query [J, D] and the sources as one list (the
+# committed entries, then the partial if read), since the kernels treat the partial as one more source.
+
+
+def _source_kernels(query: torch.Tensor):
+    """The C++ kernels where a source read operator runs them (called by the operator, outside any trace)."""
+    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64):
+        return None
+    return cpu_kernels()
+
+
+@torch.library.custom_op(f"{_OPERATORS}::source_read", mutates_args=())
+def traced_source_read(
+    query: torch.Tensor, gate: torch.Tensor, sources: list[torch.Tensor], key_streams: list[int],
+    value_streams: list[int], eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One read of `sources` (each [B, T, J, D]) -> (u [B, T, D], depth weights, key dots, the sources' inverse RMS
+    [N, B, T, J]), in the query's dtype; autograd keeps the sources (alive anyway) and the three statistics."""
+    sources = [source.to(query.dtype).contiguous() for source in sources]
+    kernels = _source_kernels(query)
+    if kernels is not None:
+        return tuple(kernels.read_sources(query.contiguous(), gate.contiguous(), sources, key_streams, value_streams,
+                                          eps))
+    history = torch.stack(sources)  # [N, B, T, J, D]
+    history_inv_rms = inverse_rms_unfused(history, eps)
+    routed = routed_queries(query, tuple(key_streams))
+    branch_input, weights, key_dots = _depth_read_forward(
+        routed, gate, history, history_inv_rms, tuple(key_streams), tuple(value_streams)
+    )
+    return branch_input.contiguous(), weights.contiguous(), key_dots.contiguous(), history_inv_rms
+
+
+@traced_source_read.register_fake
+def _(query, gate, sources, key_streams, value_streams, eps):
+    batch, tokens, streams, hidden = sources[0].shape
+    statistics = query.new_empty(len(sources), batch, tokens, streams)
+    return query.new_empty(batch, tokens, hidden), statistics, torch.empty_like(statistics), torch.empty_like(statistics)
+
+
+@torch.library.custom_op(f"{_OPERATORS}::source_read_backward", mutates_args=())
+def _traced_source_read_backward(
+    grad_input: torch.Tensor, query: torch.Tensor, gate: torch.Tensor, sources: list[torch.Tensor],
+    weights: torch.Tensor, key_dots: torch.Tensor, inv_rms: torch.Tensor, key_streams: list[int],
+    value_streams: list[int],
+) -> list[torch.Tensor]:
+    """The gradient of `traced_source_read`: [d query [J, D], d gate [J], one d source [B, T, J, D] per source], in
+    the query's dtype."""
+    dtype = query.dtype
+    sources = [source.to(dtype).contiguous() for source in sources]
+    grad_input = grad_input.to(dtype).contiguous()
+    kernels = _source_kernels(query)
+    if kernels is not None:
+        return kernels.read_sources_backward(grad_input, query.contiguous(), gate.contiguous(), sources, inv_rms,
+                                             weights, key_dots, key_streams, value_streams)
+    routing = (tuple(key_streams), tuple(value_streams))
+    grad_routed, grad_gate, _, grad_chunks = read_gradients(
+        grad_input, routed_queries(query, routing[0]), gate, weights, None, None, inv_rms, sources, routing,
+        separate=True,
+    )
+    streams, hidden = query.shape
+    selector = stream_selector(routing[0], query)  # [J_key, J]: the query rows `routed_queries` placed
+    grad_query = (grad_routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T.contiguous()
+    return [grad_query, grad_gate, *(grad[0] for grad in grad_chunks)]
+
+
+@_traced_source_read_backward.register_fake
+def _(grad_input, query, gate, sources, weights, key_dots, inv_rms, key_streams, value_streams):
+    return [torch.empty_like(query), torch.empty_like(gate), *(query.new_empty(source.shape) for source in sources)]
+
+
+def _setup_source_read(ctx, inputs, output) -> None:
+    query, gate, sources, key_streams, value_streams, _eps = inputs
+    _branch_input, weights, key_dots, inv_rms = output
+    ctx.save_for_backward(query, gate, weights, key_dots, inv_rms, *sources)
+    ctx.arguments = (key_streams, value_streams)
+    ctx.mark_non_differentiable(weights, key_dots, inv_rms)
+
+
+def _source_read_gradient(ctx, grad_input, _grad_weights, _grad_key_dots, _grad_inv_rms):
+    query, gate, weights, key_dots, inv_rms, *sources = ctx.saved_tensors
+    grad_query, grad_gate, *grad_sources = _traced_source_read_backward(
+        grad_input, query, gate, sources, weights, key_dots, inv_rms, *ctx.arguments
+    )
+    grad_sources = [grad.to(source.dtype) for grad, source in zip(grad_sources, sources)]
+    return grad_query, grad_gate, grad_sources, None, None, None
+
+
+traced_source_read.register_autograd(_source_read_gradient, setup_context=_setup_source_read)
+
+
+@torch.library.custom_op(f"{_OPERATORS}::source_write", mutates_args=())
+def traced_source_write(
+    partial: Optional[torch.Tensor], rho: Optional[torch.Tensor], beta: torch.Tensor, branch_output: torch.Tensor,
+) -> torch.Tensor:
+    """A two-stream write (6) traced for training with the kernel reads: `write_first` (partial None) or
+    `write_partial` on CPU, `cast_gated_write` elsewhere -> P' [B, T, 2, D] in beta's dtype; autograd keeps P, the
+    gates and y in the model dtype, as `_TransportWrite` does."""
+    kernels = _source_kernels(beta)
+    if kernels is None:
+        return cast_gated_write(partial, rho, beta, branch_output)
+    if partial is None:
+        return kernels.write_first(beta.contiguous(), branch_output.contiguous())
+    return kernels.write_partial(partial.contiguous(), rho, beta.contiguous(), branch_output.contiguous())
+
+
+@traced_source_write.register_fake
+def _(partial, rho, beta, branch_output):
+    return beta.new_empty(*branch_output.shape[:-1], *beta.shape)
+
+
+@torch.library.custom_op(f"{_OPERATORS}::source_write_backward", mutates_args=())
+def _traced_source_write_backward(
+    grad: torch.Tensor, partial: Optional[torch.Tensor], rho: Optional[torch.Tensor], beta: torch.Tensor,
+    branch_output: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The gradient of `traced_source_write`: [d P, d rho (empty tensors without a partial), d beta, d y]."""
+    kernels = _source_kernels(beta)
+    if kernels is not None:
+        grads = kernels.write_backward(grad.to(beta.dtype).contiguous(),
+                                       None if partial is None else partial.contiguous(), rho, beta.contiguous(),
+                                       branch_output.contiguous())
+    else:
+        grads = transport_write_gradients(grad.to(beta.dtype), partial, rho, beta, branch_output)
+    if partial is None:
+        grads = [beta.new_empty(0), beta.new_empty(0), *grads[2:]]
+    return list(grads)
+
+
+@_traced_source_write_backward.register_fake
+def _(grad, partial, rho, beta, branch_output):
+    if partial is None:
+        grads = [beta.new_empty(0), beta.new_empty(0)]
+    else:
+        grads = [torch.empty_like(partial), torch.empty_like(rho)]
+    return grads + [torch.empty_like(beta), torch.empty_like(branch_output)]
+
+
+def _setup_source_write(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _source_write_gradient(ctx, grad):
+    partial, rho, beta, branch_output = ctx.saved_tensors
+    grad_partial, grad_rho, grad_beta, grad_output = _traced_source_write_backward(grad, partial, rho, beta,
+                                                                                   branch_output)
+    if partial is None:
+        grad_partial = grad_rho = None
+    return grad_partial, grad_rho, grad_beta, grad_output
+
+
+traced_source_write.register_autograd(_source_write_gradient, setup_context=_setup_source_write)
+
+
 @contextmanager
 def _onloaded(module: torch.nn.Module) -> Iterator[None]:
     """The weights of `module` and its submodules, loaded if accelerate offloaded them (`device_map` with "disk" or
@@ -759,7 +917,13 @@ class TwoPhaseDepthBackend:
     def __init__(self, config):
         self.eps = config.rms_norm_eps
         self.compiled_read = config.dar_compiled_read
+        self.training_kernel = config.dar_training_kernel
         self.lean: _LeanPartials | None = None
+
+    def _traced_kernels(self) -> bool:
+        """A forward traced for training whose reads and two-stream writes are the source operators (which run the
+        C++ kernels on CPU): `dar_compiled_read="operator"` with `dar_training_kernel="cpp"`."""
+        return _traced_training() and self.compiled_read == "operator" and self.training_kernel == "cpp"
 
     def keeping_partials_lean(self):
         """Context of a training forward: autograd keeps no float32 partial state (only the committed entries, and
@@ -806,11 +970,18 @@ class TwoPhaseDepthBackend:
         if planned is None and not traced:
             planned = self.plan(state, residual)[0]
         with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
-            routed = self._routed(residual, like)
             scale = read_gate.read_scale * attention.count_scale(num_sources)
             gate = _derived(
                 read_gate, f"gate_{num_sources}", like, lambda: read_gate.stream_weights().to(like) * scale
             )  # [J]: (alpha, 1 - alpha) times read and count scaling
+            if traced and self._traced_kernels():
+                sources = [*state.history, *([state.partial] if read_partial else [])]
+                branch_input, weights, _, _ = traced_source_read(
+                    attention.scoring_query().to(like), gate, sources, list(attention.key_streams),
+                    list(attention.value_streams), self.eps,
+                )
+                return branch_input, weights
+            routed = self._routed(residual, like)
             if traced and self.compiled_read == "operator":
                 return traced_two_phase_read(
                     routed, gate, state.partial if read_partial else None, list(state.history),
@@ -837,7 +1008,10 @@ class TwoPhaseDepthBackend:
                 if state.partial is not None:
                     rho = _derived(write_gate, "rho", like, lambda: write_gate.rho().to(like))  # (1,)
             # y stays in the model dtype: autograd keeps it as the branch produced it
-            partial = gated_write(state.partial, rho, beta, branch_output)  # [B, T, J, D], compute dtype
+            if write_gate.num_streams == 2 and self._traced_kernels():
+                partial = traced_source_write(state.partial, rho, beta, branch_output)
+            else:
+                partial = gated_write(state.partial, rho, beta, branch_output)  # [B, T, J, D], compute dtype
         lean = self.lean is not None and partial.requires_grad
         if lean and not commits:
             self.lean.record(partial, beta, rho, branch_output, opens_block=state.partial is None)
@@ -1429,21 +1603,24 @@ class _TransportWrite(torch.autograd.Function):
     @staticmethod
     @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad):
-        partial, rho, beta, branch_output = ctx.saved_tensors
-        grad_partial = grad_rho = None
-        if partial is not None:
-            swapped = grad.flip(-2)  # the transport matrix is symmetric: dL/dP = [[rho, 1-rho], [1-rho, rho]] g
-            grad_partial = torch.lerp(swapped, grad, rho) if ctx.needs_input_grad[0] else None
-            if ctx.needs_input_grad[1]:  # dL/drho = sum g . (P - swap P) = sum (g - swap g) . P
-                flat_partial = partial.flatten()
-                grad_rho = torch.vdot(grad.flatten(), flat_partial) - torch.vdot(swapped.flatten(), flat_partial)
-                grad_rho = grad_rho.reshape(rho.shape)
-        written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D], recomputed from the kept model dtype
-        grad_beta = (grad * written).sum((0, 1)) if ctx.needs_input_grad[2] else None  # [J, D]
-        grad_output = None
-        if ctx.needs_input_grad[3]:
-            grad_output = (grad * beta).sum(-2).to(branch_output.dtype)  # [B, T, D]
-        return grad_partial, grad_rho, grad_beta, grad_output
+        return transport_write_gradients(grad, *ctx.saved_tensors, needs=ctx.needs_input_grad)
+
+
+def transport_write_gradients(grad, partial, rho, beta, branch_output, needs=(True,) * 4):
+    """The gradients of `cast_gated_write` from P, the gates and y in the model dtype: (d P, d rho, d beta, d y),
+    None for those not in `needs` and, without a partial, for P and rho."""
+    grad_partial = grad_rho = None
+    if partial is not None:
+        swapped = grad.flip(-2)  # the transport matrix is symmetric: dL/dP = [[rho, 1-rho], [1-rho, rho]] g
+        grad_partial = torch.lerp(swapped, grad, rho) if needs[0] else None
+        if needs[1]:  # dL/drho = sum g . (P - swap P) = sum (g - swap g) . P
+            flat_partial = partial.flatten()
+            grad_rho = torch.vdot(grad.flatten(), flat_partial) - torch.vdot(swapped.flatten(), flat_partial)
+            grad_rho = grad_rho.reshape(rho.shape)
+    written = branch_output.to(beta.dtype).unsqueeze(-2)  # [B, T, 1, D], recomputed from the kept model dtype
+    grad_beta = (grad * written).sum((0, 1)) if needs[2] else None  # [J, D]
+    grad_output = (grad * beta).sum(-2).to(branch_output.dtype) if needs[3] else None  # [B, T, D]
+    return grad_partial, grad_rho, grad_beta, grad_output
 
 
 class _KernelDepthRead(torch.autograd.Function):
