@@ -42,8 +42,9 @@ token, its sources read from memory once per call (the PyTorch operations pass o
   write_backward(g, P, rho, beta, y)                          -> d P, d rho (1,), d beta [J, D], d y (y's dtype)
       the backward of write_first (P None) and write_partial, in one pass.
 
-With `dar_compiled_read = "operator"` as well, each read of a training forward traced by `torch.compile` is a custom
-operator (`depth_backends.traced_source_read`) running
+With `dar_compiled_read = "operator"` as well, a training forward traced by `torch.compile` calls each two-stream
+write as a custom operator over the write kernels above (`depth_backends.traced_source_write`) and each read as one
+over these (`traced_source_read`):
 
   read_sources(query, gate, [sources], kappa, nu, eps) -> u [B, T, D], weights, key dots, inverse RMS [N, B, T, J]
       `train_read` over N sources given as separate tensors [B, T, J, D] (the committed entries, then the partial
@@ -59,9 +60,9 @@ They are built by `torch.utils.cpp_extension.load_inline` on first use, once per
 (about 40 s on two cores; cached under `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and need a C++
 compiler and ninja; where either is missing the build fails once, a warning says why, and the PyTorch operations run
 instead. They run eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
-passes; the source read operators are called by a compiled graph as they are) and on CPU; the inference kernels with gradients off and without recorded depth weights. They take any
-number of tokens (on many, the rows are split over torch's intra-op threads; on a few, as in decoding, they run on
-the calling thread). The source is a string in this file so that a model folder's remote code carries it.
+passes; a compiled graph calls the source operators as they are) and on CPU; the inference kernels with gradients
+off and without recorded depth weights. They take any number of tokens (on many, the rows are split over torch's
+intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a string in this file so that a model folder's remote code carries it.
 
 Shape legend as in `depth_backends.py`: B batch, T tokens, D hidden, S committed entries, R reads, J streams.
 """

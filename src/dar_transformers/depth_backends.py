@@ -570,11 +570,12 @@ def _traced_read_gradient(ctx, grad_input, _grad_weights):
 traced_two_phase_read.register_autograd(_traced_read_gradient, setup_context=_setup_traced_read)
 
 
-# `dar_compiled_read = "operator"` with `dar_training_kernel = "cpp"`: the traced training read as the C++ kernels
-# (`cpu_kernels.py`: `read_sources`, `read_sources_backward`) on CPU in float32 / float64, one pass over each token's
-# sources each way, the sources' key statistics computed in the same pass; elsewhere (or where the kernels cannot be
-# built) the same outputs from PyTorch operations. Takes the folded query [J, D] and the sources as one list (the
-# committed entries, then the partial if read), since the kernels treat the partial as one more source.
+# `dar_compiled_read = "operator"` with `dar_training_kernel = "cpp"`: the traced training read and two-stream write
+# as the C++ kernels (`cpu_kernels.py`: `read_sources`, `read_sources_backward`, `write_*`) on CPU in float32 /
+# float64, one pass over each token's sources each way, the sources' key statistics computed in the read's pass;
+# elsewhere (or where the kernels cannot be built) the same outputs from PyTorch operations. The read takes the folded
+# query [J, D] and the sources as one list (the committed entries, then the partial if read), since the kernels treat
+# the partial as one more source.
 
 
 def _source_kernels(query: torch.Tensor):
@@ -974,7 +975,7 @@ class TwoPhaseDepthBackend:
             gate = _derived(
                 read_gate, f"gate_{num_sources}", like, lambda: read_gate.stream_weights().to(like) * scale
             )  # [J]: (alpha, 1 - alpha) times read and count scaling
-            if traced and self._traced_kernels():
+            if self._traced_kernels():
                 sources = [*state.history, *([state.partial] if read_partial else [])]
                 branch_input, weights, _, _ = traced_source_read(
                     attention.scoring_query().to(like), gate, sources, list(attention.key_streams),
