@@ -24,9 +24,9 @@ import copy
 
 import pytest
 import torch
-from conftest import counted_cpu_kernels, random_input_ids, tiny_dar_moe, perturb_dar_parameters, torch_threads
+from conftest import counted_cpu_kernels, perturb_dar_parameters, random_input_ids, tiny_dar_moe, torch_threads
 from test_inference_backend import GRID, perturbed_dar
-from test_training_kernels import gradient_error, loss_and_gradients
+from test_training_kernels import gradient_error, loss_and_gradients, without_the_key_norm
 
 from dar_transformers import cpu_kernels, depth_backends
 
@@ -158,12 +158,6 @@ def test_negative_control_a_backward_without_the_key_norm_term_is_caught(monkeyp
     fields = (2, "dar", 2, "duplicate", True)
     input_ids = random_input_ids()
     _, expected = loss_and_gradients(perturbed_dar(torch.float64, "reference", *fields).train(), input_ids)
-
-    def without_the_key_norm(read_sources_backward, *args):
-        args = list(args)
-        args[4] = torch.zeros_like(args[4])  # the sources' inverse RMS: no key scale, no norm term
-        return read_sources_backward(*args)
-
     counted.replace["read_sources_backward"] = without_the_key_norm
     model = perturbed_dar(torch.float64, "fast", *fields).train()
     _, gradients = loss_and_gradients(model, input_ids, run=compiled_with_kernels(model))

@@ -101,15 +101,18 @@ def test_depth_weights_recorded_in_training_are_the_references(counted_kernels):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def without_the_key_norm(read_backward, *args):
+    """A read backward kernel (`train_read_backward`, `read_sources_backward`: the sources' inverse RMS is their
+    fifth argument) given zeros for the inverse RMS: no key scale, no norm term (negative controls)."""
+    args = list(args)
+    args[4] = torch.zeros_like(args[4])
+    return read_backward(*args)
+
+
 def test_negative_control_a_read_backward_without_the_key_norm_term_is_caught(counted_kernels):
     fields = (2, "dar", 2, "duplicate", True)
     input_ids = random_input_ids()
     _, expected = loss_and_gradients(perturbed_dar(torch.float64, "reference", *fields).train(), input_ids)
-    def without_the_key_norm(train_read_backward, *args):
-        args = list(args)
-        args[4] = torch.zeros_like(args[4])  # the entries' inverse RMS: no key scale, no norm term
-        return train_read_backward(*args)
-
     counted_kernels.replace["train_read_backward"] = without_the_key_norm
     _, gradients = loss_and_gradients(with_training_kernels(perturbed_dar(torch.float64, "fast", *fields)), input_ids)
     assert gradient_error(gradients, expected) > 1e-3
