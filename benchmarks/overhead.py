@@ -26,7 +26,7 @@ first call of each mode (compile time included) is reported separately as `*_fir
     python benchmarks/overhead.py --shape small   # a smaller shape for a quick look
     python benchmarks/overhead.py --compile       # compiled Llama vs compiled Block DAR (about 11 minutes here)
     python benchmarks/overhead.py --compile --shape small --models llama,dar-block,dar-full
-    python benchmarks/overhead.py --first-steps --models llama,dar-block,dar-block+operator+cpp   # compile time alone
+    python benchmarks/overhead.py --first-steps --models llama,dar-block,dar-block+operator+cpp   # compile time
 
 On a machine with a GPU the same command runs there (`--device cuda`, the default when CUDA is available): timings
 synchronise the device, and peak memory is the CUDA allocator's high-water mark of one step.
@@ -250,7 +250,8 @@ print(int(high_water.split()[1]) / 1024)
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def first_compiled_step_subprocess(name: str, shape_name: str, batch: int, seq: int, clock_name: str) -> float:
+def first_compiled_step_subprocess(name: str, shape_name: str, batch: int, seq: int, clock_name: str,
+                                   device: str) -> float:
     """Seconds of the first compiled training step (compile included, cold caches) of a fresh process that builds
     only this model: in one process, a model compiled after others can take up to twice as long (dynamo's caches
     of the shared forward code and the process's state carry over), so `--first-steps` compares models each alone."""
@@ -262,9 +263,9 @@ import overhead
 overhead.clock = time.process_time if {clock_name!r} == "process" else time.perf_counter
 torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
-model = overhead.build_model({name!r}, overhead.SHAPES[{shape_name!r}]).train()
+model = overhead.build_model({name!r}, overhead.SHAPES[{shape_name!r}]).to({device!r}).train()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-batch = torch.randint(0, 1000, ({batch}, {seq}))
+batch = torch.randint(0, 1000, ({batch}, {seq})).to({device!r})
 print(overhead.time_train_step(torch.compile(model), optimizer, batch))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -275,12 +276,13 @@ def first_steps(args, names: list[str]) -> None:
     """`--first-steps`: the first compiled training step of each model, each alone in a fresh process."""
     results = {}
     for name in names:
-        results[name] = first_compiled_step_subprocess(name, args.shape, args.batch, args.seq, args.clock)
+        results[name] = first_compiled_step_subprocess(name, args.shape, args.batch, args.seq, args.clock,
+                                                       args.device)
         ratio = f" ({results[name] / results['llama']:.2f}x Llama)" if "llama" in results else ""
         print(f"{name}: first compiled training step {results[name]:.1f} s{ratio}", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    record = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "clock": args.clock, "torch": torch.__version__,
-              "train_step_first_s": results}
+    record = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "clock": args.clock, "device": args.device,
+              "torch": torch.__version__, "train_step_first_s": results}
     args.output.write_text(json.dumps(record, indent=2))
     print(f"wrote {args.output}")
 
@@ -317,7 +319,8 @@ def main() -> None:
                         help="wall-clock time, or this process's CPU time (CPU only; for a loaded shared machine)")
     parser.add_argument("--first-steps", action="store_true",
                         help="only the first compiled training step (compile included) of each model, each in a fresh "
-                        "process, in the order given (implies --compile)")
+                        "process, in the order given (implies --compile; time it with --clock wall: inductor compiles "
+                        "in worker processes, which a process clock does not count)")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results (default: results/overhead.json, or overhead_compile.json with --compile)")
     args = parser.parse_args()
