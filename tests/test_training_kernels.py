@@ -14,8 +14,9 @@
   gives the gradients of one called outside it (every optimised backend).
 - The depth weights a training forward records (`output_depth_weights`) are the reference's, to 1e-12 in float64.
 - Each kernel's outputs are the same bits on one thread and on three (the sums over tokens go by fixed chunks).
-- Under `torch.compile` the option changes nothing: the traced forward runs the two-phase read, no kernel runs,
-  and the gradients are the eager kernels'.
+- Under `torch.compile` with the default inlined read the option changes nothing: the traced forward runs the
+  two-phase read, no kernel runs, and the gradients are the eager kernels' (with `dar_compiled_read="operator"` the
+  kernels run inside the graph: `test_compiled_kernels.py`).
 - A second derivative is refused; without a compiler a warning names the option and the PyTorch path trains.
 - Negative control: a backward that drops the key-norm term is caught by the float64 comparison.
 """
