@@ -78,7 +78,7 @@ def test_the_pytorch_fallback_inside_the_operators_gives_the_kernels_values(monk
     results = []
     for kernels in (True, False):
         if not kernels:
-            monkeypatch.setattr(depth_backends, "_source_kernels", lambda query: None)
+            monkeypatch.setattr(depth_backends, "training_cpu_kernels", lambda like: None)
         model = perturbed_dar(torch.float64, "fast", *fields).train()
         results.append(loss_and_gradients(model, input_ids, run=compiled_with_kernels(model)))
     (expected_loss, expected), (loss, gradients) = results

@@ -192,6 +192,13 @@ def routed_queries(query: torch.Tensor, key_streams: tuple[int, ...]) -> torch.T
     return routed.reshape(streams * hidden, streams)
 
 
+def unrouted_queries(routed: torch.Tensor, selector: torch.Tensor) -> torch.Tensor:
+    """[J_key * D, J] -> [J, D]: the rows `routed_queries` placed (selector [J_key, J], `stream_selector` of the key
+    streams); applied to the routed query's gradient, the query's gradient (the placement's adjoint)."""
+    streams = selector.shape[1]
+    return (routed.view(streams, -1, streams) * selector[:, None, :]).sum(0).T
+
+
 def wide_product(rows: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """rows [n, k] @ weight_t.T for a narrow weight (weight_t [r, k], r a few columns): computed as
     (weight_t @ rows.T).T, a view [n, r]. CPU BLAS takes a [k, r] right operand several times slower per row than
@@ -410,7 +417,7 @@ def read_gradients(grad_input, routed, gate, weights, partial, partial_inv_rms, 
     grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]: d/d key dots
     selector = stream_selector(key_streams, weights)  # [J_key, J]
     grad_inv_rms = (grad_scores * key_dots) @ selector.T  # [N, B, T, J_key]
-    queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
+    queries = unrouted_queries(routed, selector)  # [J, D]
     coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
     keys_permuted = sorted(key_streams) == list(range(streams))  # each key stream keys exactly one target
@@ -578,13 +585,6 @@ traced_two_phase_read.register_autograd(_traced_read_gradient, setup_context=_se
 # the partial as one more source.
 
 
-def _source_kernels(query: torch.Tensor):
-    """The C++ kernels where a source read operator runs them (called by the operator, outside any trace)."""
-    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64):
-        return None
-    return cpu_kernels()
-
-
 @torch.library.custom_op(f"{_OPERATORS}::source_read", mutates_args=())
 def traced_source_read(
     query: torch.Tensor, gate: torch.Tensor, sources: list[torch.Tensor], key_streams: list[int],
@@ -593,7 +593,7 @@ def traced_source_read(
     """One read of `sources` (each [B, T, J, D]) -> (u [B, T, D], depth weights, key dots, the sources' inverse RMS
     [N, B, T, J]), in the query's dtype; autograd keeps the sources (alive anyway) and the three statistics."""
     sources = [source.to(query.dtype).contiguous() for source in sources]
-    kernels = _source_kernels(query)
+    kernels = training_cpu_kernels(query)
     if kernels is not None:
         return tuple(kernels.read_sources(query.contiguous(), gate.contiguous(), sources, key_streams, value_streams,
                                           eps))
@@ -624,7 +624,7 @@ def _traced_source_read_backward(
     dtype = query.dtype
     sources = [source.to(dtype).contiguous() for source in sources]
     grad_input = grad_input.to(dtype).contiguous()
-    kernels = _source_kernels(query)
+    kernels = training_cpu_kernels(query)
     if kernels is not None:
         return kernels.read_sources_backward(grad_input, query.contiguous(), gate.contiguous(), sources, inv_rms,
                                              weights, key_dots, key_streams, value_streams)
@@ -633,9 +633,7 @@ def _traced_source_read_backward(
         grad_input, routed_queries(query, routing[0]), gate, weights, None, None, inv_rms, sources, routing,
         separate=True,
     )
-    streams, hidden = query.shape
-    selector = stream_selector(routing[0], query)  # [J_key, J]: the query rows `routed_queries` placed
-    grad_query = (grad_routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T.contiguous()
+    grad_query = unrouted_queries(grad_routed, stream_selector(routing[0], query)).contiguous()
     return [grad_query, grad_gate, *(grad[0] for grad in grad_chunks)]
 
 
@@ -671,7 +669,7 @@ def traced_source_write(
     """A two-stream write (6) traced for training with the kernel reads: `write_first` (partial None) or
     `write_partial` on CPU, `cast_gated_write` elsewhere -> P' [B, T, 2, D] in beta's dtype; autograd keeps P, the
     gates and y in the model dtype, as `_TransportWrite` does."""
-    kernels = _source_kernels(beta)
+    kernels = training_cpu_kernels(beta)
     if kernels is None:
         return cast_gated_write(partial, rho, beta, branch_output)
     if partial is None:
@@ -690,7 +688,7 @@ def _traced_source_write_backward(
     branch_output: torch.Tensor,
 ) -> list[torch.Tensor]:
     """The gradient of `traced_source_write`: [d P, d rho (empty tensors without a partial), d beta, d y]."""
-    kernels = _source_kernels(beta)
+    kernels = training_cpu_kernels(beta)
     if kernels is not None:
         grads = kernels.write_backward(grad.to(beta.dtype).contiguous(),
                                        None if partial is None else partial.contiguous(), rho, beta.contiguous(),
@@ -1040,6 +1038,14 @@ def eager_cpu_kernels(entry: torch.Tensor):
     if entry.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
     return cpu_kernels()
+
+
+def training_cpu_kernels(like: torch.Tensor):
+    """The C++ kernels where the training kernels may run on tensors like `like`: as `eager_cpu_kernels`, and in
+    float32 or float64 (they compute in one dtype, the depth state's)."""
+    if like.dtype not in (torch.float32, torch.float64):
+        return None
+    return eager_cpu_kernels(like)
 
 
 class _InferenceConstants(NamedTuple):
@@ -1515,7 +1521,7 @@ class _DepthRead(torch.autograd.Function):
         grad_keyed = grad_scores * key_inv_rms  # [N, B, T, J]
         selector = stream_selector(key_streams, weights)  # [J_key, J]
         grad_inv_rms = (grad_scores * keyed_dots) @ selector.T  # [N, B, T, J_key]
-        queries = (routed.view(streams, hidden, streams) * selector[:, None, :]).sum(0).T  # [J, D], unrouted
+        queries = unrouted_queries(routed, selector)  # [J, D]
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
         # Committed entries: values, keys and key norm, added in place into their slots of the shared gradient.
@@ -1712,8 +1718,8 @@ class FastDepthBackend:
         self.kernels = None  # the C++ kernels, where this forward runs them (`start`)
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
-        if self.wants_kernels and entry.dtype in (torch.float32, torch.float64):
-            self.kernels = eager_cpu_kernels(entry)
+        if self.wants_kernels:
+            self.kernels = training_cpu_kernels(entry)
         self.history_buffer = entry.new_empty(self.num_slots, *entry.shape)  # [S_max, B, T, J, D]
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1])  # [S_max, B, T, J]
         return DepthState(self, None, (self._commit(entry, 0),))
