@@ -4,7 +4,8 @@ runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager m
 
 - It is the backend of exactly the forwards with gradients off, eager and compiled (vLLM's compiled mode, HF's
   compiled static-cache decoding, `torch.export`), and not for "reference"; a compiled no-grad forward is one
-  graph (fullgraph) with the eager values.
+  graph (fullgraph) with the eager values; with inductor's freezing too. Its commits write the slot alone (`index_put`,
+  no `select_scatter`, which inductor lowers to a pass over the whole history; negative control: the eager copy).
 - Float64 logits and depth weights equal the reference backend's to 1e-12 relative for every block size (1, 2, 3,
   about 8 blocks, one block), routing, stream count, write mode and `dar_include_partial`, with random DAR
   parameters; in float32 it is no further from float64 than a small multiple of the reference's own error
@@ -13,6 +14,8 @@ runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager m
   the logits of the training path (gradients on) within bf16 rounding.
 - Negative control: a read that leaves out the partial's merge is caught by the float64 comparison.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -199,3 +202,60 @@ def test_a_compiled_inference_forward_is_one_graph_with_the_eager_values(block_s
             for _ in range(2):
                 torch.testing.assert_close(compiled(input_ids).logits, expected, rtol=1e-12, atol=0)
     assert counter.frame_count == 1
+
+
+def test_inductor_freezing_folds_the_depth_constants_and_keeps_the_eager_values():
+    """With inductor's freezing (`torch._inductor.config.freezing`; vLLM's CPU backend sets it with max_autotune),
+    a compiled forward with gradients off takes the weights as constants and computes what depends on them alone at
+    compile time: DAR's folded queries, read gates and write gates, which an unfrozen graph recomputes at every
+    call (README, Overhead). The logits stay the eager ones."""
+    model = perturbed_dar(torch.float32, "fast", 2, "dar", 2, "duplicate", True)
+    input_ids = random_input_ids()
+    torch._dynamo.reset()
+    with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+        expected = model(input_ids).logits
+        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(2):
+                torch.testing.assert_close(compiled(input_ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _commit_into_the_slot_view(backend, entry, slot):
+    """The eager commit's write, a copy into the slot's view (negative control of the next test)."""
+    stored = backend.history_buffer[slot]
+    stored.copy_(entry)
+    key_scale = backend._key_scale(stored.to(backend.inv_rms_buffer.dtype))
+    backend.inv_rms_buffer[slot] = depth_backends._streams(key_scale, backend.key_streams, 2)
+    return stored
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["index_put", "negative_control"])
+def test_a_compiled_commit_writes_its_slot_alone(monkeypatch, broken):
+    """A traced commit writes the history buffer and its key scales with `index_put` (`_traced_commit`), which
+    inductor lowers to a write of the slot alone: the graph AOTAutograd hands the compiler holds one `index_put` per
+    buffer and commit and no `select_scatter`, the functional form of a copy into the slot's view, which inductor
+    lowers to a pass over the whole buffer (S_max entries read and written per commit). The eager write, traced,
+    fails the check."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    if broken:
+        monkeypatch.setattr(depth_backends.InferenceDepthBackend, "_traced_commit", _commit_into_the_slot_view)
+    model = perturbed_dar(torch.float32, "fast", 2, "dar", 2, "duplicate", True)
+    graphs = []
+
+    def compile_graph(graph_module, example_inputs):
+        graphs.append([str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"])
+        return graph_module
+
+    torch._dynamo.reset()
+    input_ids = random_input_ids()
+    with torch.inference_mode():
+        expected = model(input_ids).logits
+        logits = torch.compile(model, backend=aot_autograd(fw_compiler=compile_graph), fullgraph=True)(input_ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    (targets,) = graphs
+    commits = 1 + -(-model.config.dar_num_branches // model.config.dar_block_size)  # B_0 and one per block
+    failure = pytest.raises(AssertionError) if broken else contextlib.nullcontext()
+    with failure:
+        assert sum("index_put" in target for target in targets) == 2 * commits
+        assert not any("select_scatter" in target for target in targets)
