@@ -204,11 +204,11 @@ def test_a_compiled_inference_forward_is_one_graph_with_the_eager_values(block_s
     assert counter.frame_count == 1
 
 
-def test_inductor_freezing_folds_the_depth_constants_and_keeps_the_eager_values():
-    """With inductor's freezing (`torch._inductor.config.freezing`; vLLM's CPU backend sets it with max_autotune),
-    a compiled forward with gradients off takes the weights as constants and computes what depends on them alone at
-    compile time: DAR's folded queries, read gates and write gates, which an unfrozen graph recomputes at every
-    call (README, Overhead). The logits stay the eager ones."""
+def test_a_compiled_forward_under_inductor_freezing_gives_the_eager_values():
+    """Inductor's freezing (`torch._inductor.config.freezing`; vLLM's CPU backend sets it with max_autotune) compiles
+    a forward with gradients off with the weights as constants, so what depends on them alone (DAR's folded
+    queries, read gates and write gates, which an unfrozen graph computes at every call; README, Overhead) is
+    computed at compile time. The logits stay the eager ones."""
     model = perturbed_dar(torch.float32, "fast", 2, "dar", 2, "duplicate", True)
     input_ids = random_input_ids()
     torch._dynamo.reset()
