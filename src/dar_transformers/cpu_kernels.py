@@ -62,7 +62,8 @@ compiler and ninja; where either is missing the build fails once, a warning says
 instead. They run eagerly (not traced by `torch.compile` or `torch.export`, whose generated code fuses the same
 passes; a compiled graph calls the source operators as they are) and on CPU; the inference kernels with gradients
 off and without recorded depth weights. They take any number of tokens (on many, the rows are split over torch's
-intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a string in this file so that a model folder's remote code carries it.
+intra-op threads; on a few, as in decoding, they run on the calling thread). The source is a string in this file so
+that a model folder's remote code carries it.
 
 Shape legend as in `depth_backends.py`: B batch, T tokens, D hidden, S committed entries, R reads, J streams.
 """
@@ -563,12 +564,14 @@ ReadSources<scalar_t> buffer_sources(const at::Tensor& history, const at::Tensor
   return src;
 }
 
-// The sources of a read traced by torch.compile (`read_sources` below): separate tensors [B, T, J, D], every
-// inverse RMS computed by the forward into inv_rms [N, B, T, J].
+// The sources of a read traced by torch.compile (`read_sources` below): separate tensors [B, T, J, D], all counted
+// as entries (each one's gradient written in full), every inverse RMS computed by the forward into inv_rms
+// [N, B, T, J].
 template <typename scalar_t>
-ReadSources<scalar_t> list_sources(const std::vector<at::Tensor>& sources, const at::Tensor& inv_rms, int64_t entries) {
-  const int64_t rows = sources[0].size(0) * sources[0].size(1), streams = sources[0].size(2), hidden = sources[0].size(3);
-  ReadSources<scalar_t> src{{}, {}, inv_rms.data_ptr<scalar_t>(), entries, 0, rows, streams, hidden};
+ReadSources<scalar_t> list_sources(const std::vector<at::Tensor>& sources, const at::Tensor& inv_rms) {
+  const int64_t rows = sources[0].size(0) * sources[0].size(1), streams = sources[0].size(2),
+                hidden = sources[0].size(3), count = sources.size();
+  ReadSources<scalar_t> src{{}, {}, inv_rms.data_ptr<scalar_t>(), count, 0, rows, streams, hidden};
   for (size_t n = 0; n < sources.size(); ++n) {
     src.source.push_back(sources[n].data_ptr<scalar_t>());
     src.inv_rms.push_back(inv_rms.data_ptr<scalar_t>() + n * rows * streams);
@@ -621,9 +624,8 @@ std::vector<at::Tensor> train_read(const at::Tensor& query, const at::Tensor& ga
 }
 
 // The sources of one read as separate tensors, all in one dtype, [B, T, J, D] each.
-void check_sources(const char* name, const std::vector<at::Tensor>& sources, int64_t entries) {
-  TORCH_CHECK(!sources.empty() && 0 <= entries && entries <= int64_t(sources.size()) && sources[0].dim() == 4,
-              name, ": at least one source [B, T, J, D]");
+void check_sources(const char* name, const std::vector<at::Tensor>& sources) {
+  TORCH_CHECK(!sources.empty() && sources[0].dim() == 4, name, ": at least one source [B, T, J, D]");
   for (const auto& source : sources) {
     TORCH_CHECK(source.is_contiguous() && source.sizes() == sources[0].sizes() &&
                     source.scalar_type() == sources[0].scalar_type(),
@@ -636,7 +638,7 @@ void check_sources(const char* name, const std::vector<at::Tensor>& sources, int
 std::vector<at::Tensor> read_sources(const at::Tensor& query, const at::Tensor& gate,
                                      const std::vector<at::Tensor>& sources, std::vector<int64_t> key_streams,
                                      std::vector<int64_t> value_streams, double eps) {
-  check_sources("read_sources", sources, int64_t(sources.size()));
+  check_sources("read_sources", sources);
   const int64_t batch = sources[0].size(0), tokens = sources[0].size(1), streams = sources[0].size(2),
                 hidden = sources[0].size(3), count = sources.size();
   const auto dtype = sources[0].scalar_type();
@@ -647,7 +649,7 @@ std::vector<at::Tensor> read_sources(const at::Tensor& query, const at::Tensor& 
   at::Tensor keyed = at::empty({count, batch, tokens, streams}, options);
   at::Tensor inv_rms = at::empty({count, batch, tokens, streams}, options);
   AT_DISPATCH_FLOATING_TYPES(dtype, "read_sources", [&] {
-    const auto src = list_sources<scalar_t>(sources, inv_rms, count);
+    const auto src = list_sources<scalar_t>(sources, inv_rms);
     train_read_rows<scalar_t>(query.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), src, key_streams,
                               value_streams, eps, u.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(),
                               keyed.data_ptr<scalar_t>());
@@ -796,7 +798,7 @@ std::vector<at::Tensor> read_sources_backward(const at::Tensor& grad_u, const at
                                               const std::vector<at::Tensor>& sources, const at::Tensor& inv_rms,
                                               const at::Tensor& weights, const at::Tensor& keyed,
                                               std::vector<int64_t> key_streams, std::vector<int64_t> value_streams) {
-  check_sources("read_sources_backward", sources, int64_t(sources.size()));
+  check_sources("read_sources_backward", sources);
   const int64_t batch = sources[0].size(0), tokens = sources[0].size(1), streams = sources[0].size(2),
                 hidden = sources[0].size(3), count = sources.size(), rows = batch * tokens;
   const auto dtype = sources[0].scalar_type();
@@ -811,7 +813,7 @@ std::vector<at::Tensor> read_sources_backward(const at::Tensor& grad_u, const at
   std::vector<at::Tensor> grads{at::Tensor(), at::Tensor()};  // the query's and the gate's, summed below
   for (int64_t n = 0; n < count; ++n) grads.push_back(at::empty({batch, tokens, streams, hidden}, options));
   AT_DISPATCH_FLOATING_TYPES(dtype, "read_sources_backward", [&] {
-    const auto src = list_sources<scalar_t>(sources, inv_rms, count);
+    const auto src = list_sources<scalar_t>(sources, inv_rms);
     std::vector<scalar_t*> grad_sources;
     for (int64_t n = 0; n < count; ++n) grad_sources.push_back(grads[2 + n].data_ptr<scalar_t>());
     train_read_backward_rows<scalar_t>(grad_u.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(),
