@@ -220,18 +220,14 @@ def test_a_compiled_forward_under_inductor_freezing_gives_the_eager_values():
                 torch.testing.assert_close(compiled(input_ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def _commit_into_the_slot_view(backend, entry, slot):
-    """The eager commit's write, a copy into the slot's view (negative control of the next test)."""
-    stored = backend.history_buffer[slot]
-    stored.copy_(entry)
-    key_scale = backend._key_scale(stored.to(backend.inv_rms_buffer.dtype))
-    backend.inv_rms_buffer[slot] = depth_backends._streams(key_scale, backend.key_streams, 2)
-    return stored
+def _copy_into_the_slot_view(buffer, slot, value):
+    """The eager write of a slot, `buffer[slot] = value` (negative control of the next test)."""
+    buffer[slot] = value
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["index_put", "negative_control"])
 def test_a_compiled_commit_writes_its_slot_alone(monkeypatch, broken):
-    """A traced commit writes the history buffer and its key scales with `index_put` (`_traced_commit`), which
+    """A traced commit writes the history buffer and its key scales with `index_put` (`_store_slot`), which
     inductor lowers to a write of the slot alone: the graph AOTAutograd hands the compiler holds one `index_put` per
     buffer and commit and no `select_scatter`, the functional form of a copy into the slot's view, which inductor
     lowers to a pass over the whole buffer (S_max entries read and written per commit). The eager write, traced,
@@ -239,7 +235,7 @@ def test_a_compiled_commit_writes_its_slot_alone(monkeypatch, broken):
     from torch._dynamo.backends.common import aot_autograd
 
     if broken:
-        monkeypatch.setattr(depth_backends.InferenceDepthBackend, "_traced_commit", _commit_into_the_slot_view)
+        monkeypatch.setattr(depth_backends, "_store_slot", _copy_into_the_slot_view)
     model = perturbed_dar(torch.float32, "fast", 2, "dar", 2, "duplicate", True)
     graphs = []
 

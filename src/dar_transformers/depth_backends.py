@@ -1048,6 +1048,17 @@ def training_cpu_kernels(like: torch.Tensor):
     return eager_cpu_kernels(like)
 
 
+def _store_slot(buffer: torch.Tensor, slot: int, value: torch.Tensor) -> None:
+    """buffer[slot] = value, cast to the buffer's dtype. In a forward traced by `torch.compile`, by `index_put_`, which
+    inductor lowers to a write of the slot alone: a copy into the slot's view becomes a `select_scatter`, which
+    inductor lowers to a pass that reads and writes the whole buffer (the history: S_max entries twice per commit; at
+    8B, a 4096-token prefill's nine 134 MB slots, 21.7 GB per forward; README, Overhead)."""
+    if torch.compiler.is_compiling():
+        buffer.index_put_((torch.tensor([slot], device=buffer.device),), value.to(buffer.dtype).unsqueeze(0))
+    else:
+        buffer[slot] = value
+
+
 class _InferenceConstants(NamedTuple):
     """What one read and write of a residual needs from its parameters, derived once per parameter version
     (`_derived`): the routed queries scaled by sqrt(D), transposed [J, J * D] (a score is then a dot times
@@ -1082,7 +1093,7 @@ class InferenceDepthBackend:
     many, where it costs the bytes it moves; so:
     - committed entries live in one depth-major buffer allocated per forward (no stack per read), each with the
       per-token key scale 1 / sqrt(sum h^2 + D eps) of its key stream, computed once at its commit (a traced commit
-      writes its slot with `index_put_`, `_traced_commit`, which inductor does not turn into a pass over the buffer);
+      writes its slot with `index_put_`, `_store_slot`, which inductor does not turn into a pass over the buffer);
     - per residual, the folded queries (times sqrt(D)), the read gate with its count scaling and the write gates are
       derived once per parameter version (`_InferenceConstants`, `_derived`) and looked up once per forward;
     - phase 1 runs once per block for the block's reads that are still ahead (`_reads_ahead`; once per decoder layer
@@ -1180,27 +1191,13 @@ class InferenceDepthBackend:
 
     def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
         """Store a committed entry and its key scale, by target stream: slot j holds the scale of j's key stream."""
-        if torch.compiler.is_compiling():
-            return self._traced_commit(entry, slot)
         stored = self.history_buffer[slot]
         if self.kernels is not None and entry.is_contiguous() and entry.dtype == self.inv_rms_buffer.dtype:
             self.kernels.commit(entry, self.history_buffer, slot, self.inv_rms_buffer, self.key_streams, self.eps)
             return stored
-        stored.copy_(entry)  # in the history's dtype; the statistics are of the stored value
-        key_scale = self._key_scale(stored.to(self.inv_rms_buffer.dtype))  # [B, T, J] by stream
-        self.inv_rms_buffer[slot] = _streams(key_scale, self.key_streams, 2)
-        return stored
-
-    def _traced_commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
-        """`_commit` in a forward traced by `torch.compile`: both buffers written by `index_put_`, which inductor
-        lowers to a write of the slot alone. A copy into the slot's view becomes a `select_scatter`, which inductor
-        lowers to a pass that reads and writes the whole buffer: S_max entries moved twice per commit (at 8B, a
-        4096-token prefill's nine 134 MB slots, 21.7 GB per forward; README, Overhead)."""
-        index = (torch.tensor([slot], device=entry.device),)
-        self.history_buffer.index_put_(index, entry.to(self.history_buffer.dtype).unsqueeze(0))
-        stored = self.history_buffer[slot]
-        key_scale = self._key_scale(stored.to(self.inv_rms_buffer.dtype))  # [B, T, J] by stream
-        self.inv_rms_buffer.index_put_(index, _streams(key_scale, self.key_streams, 2).unsqueeze(0))
+        _store_slot(self.history_buffer, slot, entry)  # in the history's dtype
+        key_scale = self._key_scale(stored.to(self.inv_rms_buffer.dtype))  # [B, T, J]; of the stored value
+        _store_slot(self.inv_rms_buffer, slot, _streams(key_scale, self.key_streams, 2))
         return stored
 
     def _constants(self, residual, num_sources: int) -> _InferenceConstants:
