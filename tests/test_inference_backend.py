@@ -16,6 +16,7 @@ runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager m
 """
 
 import contextlib
+import operator
 
 import pytest
 import torch
@@ -255,3 +256,91 @@ def test_a_compiled_commit_writes_its_slot_alone(monkeypatch, broken):
     with failure:
         assert sum("index_put" in target for target in targets) == 2 * commits
         assert not any("select_scatter" in target for target in targets)
+
+
+@pytest.mark.parametrize(("block_size", "routing", "streams", "write_mode", "include_partial"), GRID)
+def test_derived_constants_of_stacked_parameters_equal_each_residuals_own(
+    block_size, routing, streams, write_mode, include_partial
+):
+    """`_derive` takes the constants of reads and writes from all the residuals' parameters stacked (what a compiled
+    forward derives at every call, `start`): per residual, bit for bit the modules' own folded query (times
+    sqrt(D)), its routed form (`routed_queries`, transposed), the read gate's stream weights times the read and
+    count scaling of the residual's number of sources, and the write gates."""
+    from dar_transformers.depth_backends import routed_queries
+
+    model = perturbed_dar(torch.float32, "fast", block_size, routing, streams, write_mode, include_partial)
+    inner = model.model
+    residuals = [r for layer in inner.layers for r in (layer.attn_residual, layer.mlp_residual)] + [inner.final_readout]
+    num_sources = list(range(2, 2 + len(residuals)))
+    backend = InferenceDepthBackend(model.config)
+    backend.inv_rms_buffer = torch.empty(0)
+    derived, _, _ = backend._derive(residuals, num_sources)
+    assert len(derived) == len(residuals)
+    for residual, sources, (routed_t, query, gate, beta, rho) in zip(residuals, num_sources, derived):
+        attention, read_gate = residual.depth_attention, residual.read_gate
+        write_gate = getattr(residual, "write_gate", None)
+        expected_query = attention.scoring_query() * attention.pseudo_query.shape[-1] ** 0.5
+        assert torch.equal(query, expected_query)
+        assert torch.equal(routed_t, routed_queries(expected_query, attention.key_streams).T)
+        assert torch.equal(gate, read_gate.stream_weights() * (read_gate.read_scale * attention.count_scale(sources)))
+        two_streams = write_gate is not None and streams == 2
+        assert (beta is None) == (not two_streams) and (rho is None) == (not hasattr(write_gate, "transport_logit"))
+        if two_streams:
+            assert torch.equal(beta, write_gate.beta())
+        if rho is not None:
+            assert torch.equal(rho, write_gate.rho())
+
+
+def _weight_only_operations(model, input_ids) -> int:
+    """The operations of `model`'s compiled no-grad graph (dynamo's, before AOTAutograd) that depend on parameters
+    alone: what a compiled forward recomputes from the weights at every call."""
+    counts = []
+
+    def count(graph_module, example_inputs):
+        weight_only = set()  # parameters and what is computed from them and from constants alone
+        for node in graph_module.graph.nodes:
+            if node.op == "placeholder" and "_parameters_" in node.name:
+                weight_only.add(node)
+            elif node.op in ("call_function", "call_method"):
+                if all(source in weight_only for source in node.all_input_nodes):
+                    weight_only.add(node)
+        computing = [  # not views and attribute reads
+            node for node in weight_only
+            if node.op != "placeholder" and node.all_input_nodes
+            and node.target not in (operator.getitem, getattr, "flatten", "view", "unsqueeze")
+        ]
+        counts.append(len(computing))
+        return graph_module
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = model(input_ids).logits
+        logits = torch.compile(model, backend=count, fullgraph=True)(input_ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    (operations,) = counts
+    return operations
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["stacked", "negative_control"])
+def test_a_compiled_forward_derives_the_constants_in_a_fixed_number_of_operations(monkeypatch, broken):
+    """A compiled graph holds no memo, so it derives the residuals' constants (folded queries, gates) at every call;
+    `start` derives them for the whole model from the stacked parameters (`_derive`), so their operations do not
+    grow with depth: 2 and 4 decoder layers give graphs with the same number (and the eager logits). Negative control:
+    each residual deriving its own (`derived` and `stacks` kept empty) grows with the layers."""
+    if broken:
+        monkeypatch.setattr(  # each residual's constants as an eager forward without the model's memo derives them
+            InferenceDepthBackend, "derived", property(lambda self: {}, lambda self, value: None), raising=False
+        )
+        monkeypatch.setattr(
+            InferenceDepthBackend, "stacks", property(lambda self: None, lambda self, value: None), raising=False
+        )
+    input_ids = random_input_ids()
+    operations = []
+    for layers in (2, 4):
+        llama = tiny_llama(num_hidden_layers=layers)
+        dar = upcycled_dar(llama, dar_implementation="fast", dar_block_size=2)
+        perturb_dar_parameters(dar, scale=0.5, seed=1)
+        operations.append(_weight_only_operations(dar, input_ids))
+    failure = pytest.raises(AssertionError) if broken else contextlib.nullcontext()
+    with failure:
+        assert operations[0] == operations[1], operations

@@ -192,6 +192,13 @@ def routed_queries(query: torch.Tensor, key_streams: tuple[int, ...]) -> torch.T
     return routed.reshape(streams * hidden, streams)
 
 
+def routed_queries_wide(query: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
+    """query [..., J, D] -> [..., J, J_key * D], contiguous: `routed_queries` transposed (row j holds target j's
+    query in the columns of its key stream kappa(j), zeros elsewhere), for any leading dimensions."""
+    selector = stream_selector(key_streams, query)  # [J_key, J]
+    return (query.unsqueeze(-2) * selector.T.unsqueeze(-1)).flatten(-2)  # [..., J, J_key, D] -> [..., J, J_key * D]
+
+
 def unrouted_queries(routed: torch.Tensor, selector: torch.Tensor) -> torch.Tensor:
     """[J_key * D, J] -> [J, D]: the rows `routed_queries` placed (selector [J_key, J], `stream_selector` of the key
     streams); applied to the routed query's gradient, the query's gradient (the placement's adjoint)."""
@@ -1095,7 +1102,9 @@ class InferenceDepthBackend:
       per-token key scale 1 / sqrt(sum h^2 + D eps) of its key stream, computed once at its commit (a traced commit
       writes its slot with `index_put_`, `_store_slot`, which inductor does not turn into a pass over the buffer);
     - per residual, the folded queries (times sqrt(D)), the read gate with its count scaling and the write gates are
-      derived once per parameter version (`_InferenceConstants`, `_derived`) and looked up once per forward;
+      derived once per parameter version (`_InferenceConstants`, `_derived`) and looked up once per forward; a
+      compiled graph, which holds no memo, derives them at every call, for all the model's residuals at once from
+      their stacked parameters (`_derive`);
     - phase 1 runs once per block for the block's reads that are still ahead (`_reads_ahead`; once per decoder layer
       where the model's later parameters are not at hand): one product for the scores, a softmax that yields its
       log-sum-exp, one batched value sum, and the read gate folded in, so a read that does not see the partial costs
@@ -1117,6 +1126,8 @@ class InferenceDepthBackend:
         self.keep_weights = True
         self.history_buffer = self.inv_rms_buffer = None
         self.constants: dict[torch.nn.Module, _InferenceConstants] = {}  # this forward's, by residual
+        self.derived: dict = {}  # a compiled forward's (sources, `_derive`) of all the model's residuals, by residual
+        self.stacks = None  # and the routed queries and gates of them all, stacked, with each residual's index
         self.model_memo: dict | None = None  # the residuals' constants across forwards (`_model_memo`), by residual
         self.planned: dict[torch.nn.Module, _PlannedRead] = {}  # phase 1 of reads ahead in the open block
         self.block_size = config.dar_block_size
@@ -1137,6 +1148,13 @@ class InferenceDepthBackend:
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1], dtype=compute_dtype)
         if self.residuals and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self.model_memo = _model_memo(self.residuals, self.inv_rms_buffer)
+        elif self.residuals and torch.compiler.is_compiling() and not any(
+            residual.depth_attention.pseudo_query.is_meta for residual in self.residuals
+        ):  # branch m reads B_0, the blocks finished before its own, and the partial where it reads one
+            sources = [1 + index // self.block_size + int(r.reads_partial) for index, r in enumerate(self.residuals)]
+            derived, routed_t, gate = self._derive(self.residuals, sources)
+            self.derived = dict(zip(self.residuals, zip(sources, derived)))
+            self.stacks = (routed_t, gate, {residual: index for index, residual in enumerate(self.residuals)})
         return DepthState(self, None, (self._commit(entry, 0),))
 
     def plan(self, state: DepthState, *residuals) -> tuple[_PlannedRead | None, ...]:
@@ -1206,30 +1224,55 @@ class InferenceDepthBackend:
         constants = self.constants.get(residual)
         if constants is None:
             key = (residual, num_sources)
-            if self.model_memo is not None and key in self.model_memo:
+            sources, derived = self.derived.get(residual, (None, None))
+            if sources == num_sources:
+                constants = derived
+            elif self.model_memo is not None and key in self.model_memo:
                 constants = self.model_memo[key]
             elif self.model_memo is not None and residual in self.residuals:
                 with _onloaded(residual):
-                    constants = self.model_memo[key] = self._derive_constants(residual, num_sources)
+                    constants = self.model_memo[key] = self._derive([residual], [num_sources])[0][0]
             else:
                 constants = _derived(residual, f"inference_{num_sources}", self.inv_rms_buffer,
-                                     lambda: self._derive_constants(residual, num_sources))
+                                     lambda: self._derive([residual], [num_sources])[0][0])
             self.constants[residual] = constants
         return constants
 
-    def _derive_constants(self, residual, num_sources: int) -> _InferenceConstants:
-        attention, read_gate = residual.depth_attention, residual.read_gate
-        write_gate = getattr(residual, "write_gate", None)  # the final readout has none
-        like = self.inv_rms_buffer
-        scale = math.sqrt(attention.pseudo_query.shape[-1])
-        query = attention.scoring_query().to(like) * scale  # [J, D]
-        routed_t = routed_queries(query, attention.key_streams).T.contiguous()  # [J, J * D]
-        gate = read_gate.stream_weights().to(like) * (read_gate.read_scale * attention.count_scale(num_sources))
-        beta = rho = None
-        if write_gate is not None and write_gate.num_streams == 2:
-            beta = write_gate.beta().to(like)
-            rho = write_gate.rho().to(like) if hasattr(write_gate, "transport_logit") else None
-        return _InferenceConstants(routed_t, query, gate, beta, rho)
+    def _derive(self, residuals, num_sources: list[int]) -> tuple[list[_InferenceConstants], torch.Tensor, ...]:
+        """The constants of `residuals`, each for a read of its `num_sources` sources, in the compute dtype, derived
+        from the residuals' parameters stacked, and the stacks of their routed queries [R, J, J * D] and gates [R, J]:
+        a compiled forward, which holds no memo (`_derived`) and so derives every residual's at every call, does it
+        for the whole model in a few operations (`start`), not a few per residual (README, Overhead)."""
+        like = dict(dtype=self.inv_rms_buffer.dtype, device=self.inv_rms_buffer.device)
+        attentions = [residual.depth_attention for residual in residuals]
+        scale = math.sqrt(attentions[0].pseudo_query.shape[-1])
+        query = attentions[0].fold_key_norm(
+            torch.stack([a.pseudo_query for a in attentions]), torch.stack([a.key_norm.weight for a in attentions])
+        ).to(**like) * scale  # [R, J, D]
+        routed_t = routed_queries_wide(query, self.key_streams)  # [R, J, J * D]
+        read_gates = [residual.read_gate for residual in residuals]
+        scales = torch.tensor(  # [R, 1]: read and count scaling
+            [[g.read_scale * a.count_scale(n)] for g, a, n in zip(read_gates, attentions, num_sources)], **like
+        )
+        if hasattr(read_gates[0], "logit"):
+            gate = read_gates[0].stream_weights_of(torch.stack([g.logit for g in read_gates])).to(**like) * scales
+        else:  # one stream
+            gate = scales  # [R, 1]
+        write_gates = [getattr(residual, "write_gate", None) for residual in residuals]  # the readout has none
+        writes = [g for g in write_gates if g is not None and g.num_streams == 2]
+        transports = [g for g in writes if hasattr(g, "transport_logit")]
+        betas = iter(writes[0].beta_of(torch.stack([g.logit for g in writes]), writes[0].write_scale).to(**like)
+                     if writes else ())  # [R_w, J, D]
+        rhos = iter(transports[0].rho_of(torch.stack([g.transport_logit for g in transports])).to(**like)
+                    if transports else ())  # [R_t, 1]
+        constants = [
+            _InferenceConstants(
+                routed_t[index], query[index], gate[index],
+                next(betas) if write in writes else None, next(rhos) if write in transports else None,
+            )
+            for index, write in enumerate(write_gates)
+        ]
+        return constants, routed_t, gate
 
     def _phase_one(self, state: DepthState, residuals) -> list[_PlannedRead]:
         """Phase 1 of the reads of `residuals` (all see the state's committed entries) in one pass over the buffer."""
@@ -1240,7 +1283,7 @@ class InferenceDepthBackend:
             return self._phase_one_kernel(sources, constants, sees_partial)
         history = self.history_buffer[:sources].to(self.inv_rms_buffer.dtype)  # [S, B, T, J, D], no copy in float32
         _, batch, tokens, streams, hidden = history.shape
-        routed_t = constants[0].routed_t if len(constants) == 1 else torch.cat([c.routed_t for c in constants])
+        routed_t, gates = self._stacked(residuals, constants)  # [R * J, J * D], [R, J]
         reads = len(constants)
         key_dots = wide_product(history.view(-1, streams * hidden), routed_t)
         key_dots = key_dots.view(sources, batch, tokens, reads, streams)
@@ -1252,13 +1295,28 @@ class InferenceDepthBackend:
         weights.div_(total)
         log_sum_exp = total.log_().add_(top)  # [B, T, R, J]
         means = _value_sums(weights, history, self.value_streams)  # [B, T, J, R, D]
-        gates = constants[0].gate.unsqueeze(0) if reads == 1 else torch.stack([c.gate for c in constants])  # [R, J]
         # sum_j gate_j Obar^j [B, T, R, D], one stream at a time: a sum over the strided stream axis of `means`
         # costs ten times the whole value sum on CPU
         gated = means[:, :, 0] * gates[:, :1]
         for stream in range(1, streams):
             gated.addcmul_(means[:, :, stream], gates[:, stream : stream + 1])
         return list(map(_PlannedRead, gated.unbind(2), means.unbind(3), log_sum_exp.unbind(2), weights.unbind(3)))
+
+    def _stacked(self, residuals, constants: list[_InferenceConstants]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed queries [R * J, J * D] and gates [R, J] of the reads of `residuals` side by side: in a compiled
+        forward, views of `start`'s stacks where the reads are consecutive there and use its constants (no copy per
+        block); else stacked here."""
+        if self.stacks is not None:
+            routed_t, gate, index = self.stacks
+            first = index.get(residuals[0])
+            if first is not None and all(
+                index.get(residual) == first + offset and own is self.derived[residual][1]
+                for offset, (residual, own) in enumerate(zip(residuals, constants))
+            ):
+                return routed_t[first : first + len(residuals)].flatten(0, 1), gate[first : first + len(residuals)]
+        if len(constants) == 1:
+            return constants[0].routed_t, constants[0].gate.unsqueeze(0)
+        return torch.cat([c.routed_t for c in constants]), torch.stack([c.gate for c in constants])
 
     def _phase_one_kernel(self, sources: int, constants, sees_partial: list[bool]) -> list[_PlannedRead]:
         """A read that sees the partial gets Obar and L (its kernel read forms the gated sum from Obar), any other
@@ -1300,8 +1358,11 @@ class InferenceDepthBackend:
             )  # [B, T, D] in `dtype`: rounded as `.to(dtype)` would round it
             return branch_input, None
         batch, tokens, streams, hidden = partial.shape
-        partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
-        partial_dots = partial_dots.view(batch, tokens, streams)
+        if torch.compiler.is_compiling():  # a reduction inductor fuses with the key scale's, not a BLAS call per read
+            partial_dots = torch.linalg.vecdot(_streams(partial, self.key_streams, 2), constants.query)  # [B, T, J]
+        else:
+            partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
+            partial_dots = partial_dots.view(batch, tokens, streams)
         score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
         values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}

@@ -191,7 +191,12 @@ class DARDepthAttention(nn.Module):
 
     def scoring_query(self) -> torch.Tensor:
         """w * gamma [J, D]: s^j_r = (w^j * gamma^j) . k / rms(k), the key norm's weight folded into the query."""
-        return self.pseudo_query * self.key_norm.weight
+        return self.fold_key_norm(self.pseudo_query, self.key_norm.weight)
+
+    @staticmethod
+    def fold_key_norm(pseudo_query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
+        """`scoring_query` of any number of residuals' parameters stacked alike ([..., J, D])."""
+        return pseudo_query * key_norm_weight
 
     def forward(self, sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """sources [N, B, T, J, D] (compute dtype) -> (extraction x [B, T, J, D], depth weights a [N, B, T, J])."""
@@ -220,8 +225,13 @@ class DARReadGate(nn.Module):
         """(alpha, 1 - alpha) [2], or (1,) for one stream: each stream's extraction's weight in u / eta."""
         if not hasattr(self, "logit"):
             return torch.ones(1)
-        alpha = torch.sigmoid(self.logit)  # (1,)
-        return torch.cat([alpha, 1.0 - alpha])
+        return self.stream_weights_of(self.logit)
+
+    @staticmethod
+    def stream_weights_of(logit: torch.Tensor) -> torch.Tensor:
+        """`stream_weights` of two-stream gates' logits stacked alike: [..., 1] -> [..., 2]."""
+        alpha = torch.sigmoid(logit)
+        return torch.cat([alpha, 1.0 - alpha], dim=-1)
 
     def forward(self, extraction: torch.Tensor) -> torch.Tensor:
         """x [B, T, J, D] -> u [B, T, D], in x's dtype."""
@@ -253,11 +263,21 @@ class DARWriteGate(nn.Module):
 
     def beta(self) -> torch.Tensor:
         """(7) beta [J, D] = c * sigmoid(b)."""
-        return self.write_scale * torch.sigmoid(self.logit)
+        return self.beta_of(self.logit, self.write_scale)
+
+    @staticmethod
+    def beta_of(logit: torch.Tensor, write_scale: float) -> torch.Tensor:
+        """`beta` of write gates' logits stacked alike ([..., J, D])."""
+        return write_scale * torch.sigmoid(logit)
 
     def rho(self) -> torch.Tensor:
         """(7) rho (1,) = sigmoid(r)."""
-        return torch.sigmoid(self.transport_logit)
+        return self.rho_of(self.transport_logit)
+
+    @staticmethod
+    def rho_of(transport_logit: torch.Tensor) -> torch.Tensor:
+        """`rho` of transport logits stacked alike."""
+        return torch.sigmoid(transport_logit)
 
     def forward(self, branch_output: torch.Tensor, partial: torch.Tensor | None) -> torch.Tensor:
         """y [B, T, D] and the partial P [B, T, J, D] (None when y opens a block), compute dtype -> new P [B, T, J, D]."""
