@@ -6,6 +6,8 @@ runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager m
   compiled static-cache decoding, `torch.export`), and not for "reference"; a compiled no-grad forward is one
   graph (fullgraph) with the eager values; with inductor's freezing too. Its commits write the slot alone (`index_put`,
   no `select_scatter`, which inductor lowers to a pass over the whole history; negative control: the eager copy).
+  It derives the residuals' constants from their stacked parameters (`_derive`: bit for bit each module's own), so
+  the graph's weight-only operations do not grow with depth (negative control: per-residual derivation).
 - Float64 logits and depth weights equal the reference backend's to 1e-12 relative for every block size (1, 2, 3,
   about 8 blocks, one block), routing, stream count, write mode and `dar_include_partial`, with random DAR
   parameters; in float32 it is no further from float64 than a small multiple of the reference's own error
