@@ -208,6 +208,30 @@ def test_compiled_training_keeps_the_reads_inputs_only(monkeypatch, compiled_rea
         assert depth_state_tensors_saved_by_compiled_training(model) > kept
 
 
+@pytest.mark.parametrize("block_size,blocks", [(1, 4), (2, 2), (4, 1)])
+def test_compiled_training_scores_each_block_once(monkeypatch, block_size, blocks):
+    """A traced training forward computes phase 1's scores once per block for all of the block's reads, and once for
+    the final readout, with the eager gradients (M = 4 branches). Negative control: scoring per read (the reads'
+    planning cut to one residual each) makes one call per read, which the count catches."""
+    calls = []
+    scores = depth_backends.depth_scores_by_entry
+
+    def counted(routed, entries, *args):
+        calls.append((len(entries), routed.shape[1] // 2))  # (entries, reads)
+        return scores(routed, entries, *args)
+
+    monkeypatch.setattr(depth_backends, "depth_scores_by_entry", counted)
+    compiled_matches_eager(tiny(dar_block_size=block_size), steps=1)
+    per_block = [(1 + block, block_size) for block in range(blocks)]
+    assert calls == [*per_block, (1 + blocks, 1)]
+
+    calls.clear()
+    monkeypatch.setattr(depth_backends, "reads_ahead", lambda residuals, first, *args: [first])
+    monkeypatch.setattr(depth_backends, "reads_planned_together", lambda residuals: [residuals[0]])
+    compiled_matches_eager(tiny(dar_block_size=block_size), steps=1)
+    assert len(calls) == 4 + 1 and (block_size == 1 or calls != [*per_block, (1 + blocks, 1)])
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["dar", "moe"])
 def test_the_operator_read_compiles_to_the_eager_gradients_float64(kind, block_size):

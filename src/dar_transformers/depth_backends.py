@@ -40,10 +40,12 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     autograd with the branch output y kept in the model dtype. Phase 1 is per decoder layer rather than per block
     of K branches so that a layer reads no other layer's parameters: layer-streamed verification, offloading and
     regional compilation see self-contained layers.
-    Traced for training by `torch.compile`, each read is plain differentiable code over the entries one by one,
-    phase 1 and the key statistics included (`_recomputed_read`), inside an activation checkpoint: backward keeps
-    the read's inputs (entries and partial, alive anyway) and recomputes the rest, and autograd derives the
-    gradient, which inductor fuses. A read's source count is static, so every block compiles kernels of its own.
+    Traced for training by `torch.compile`, everything is plain differentiable code over the entries one by one,
+    and autograd derives the gradient, which inductor fuses. An entry's inverse RMS is computed once, at its commit;
+    phase 1's scores (softmax weights and L) once per block, for all of the block's reads (`depth_scores_by_entry`);
+    each read's value sum and phase 2 inside an activation checkpoint (`_recomputed_read`), so that backward keeps
+    the read's inputs (entries and partial, alive anyway, and per-token scores) and recomputes the value sum. A
+    read's source count is static, so every block compiles kernels of its own.
     With `config.dar_compiled_read = "operator"` each read, its phase 1 and the entries' statistics included, is
     instead one custom operator (`traced_two_phase_read`) whose gradient is another (`read_gradients` behind it):
     opaque to the compiler, so inductor calls the same precompiled code for every read of every block and the first
@@ -235,11 +237,12 @@ def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) ->
 class PhaseOne:
     """Phase 1 of one read, against the committed entries only (DESIGN.md section 7), without autograd history:
     softmax weights [S, B, T, J], the log-sum-exp L of the scores [B, T, J] and the softmax-weighted value sum Obar
-    [B, T, J, D] (values of stream nu(j))."""
+    [B, T, J, D] (values of stream nu(j)). Traced training plans the differentiable scores alone (`mean` None): each
+    read forms its value sum itself (`_recomputed_read`)."""
 
     weights: torch.Tensor
     log_sum_exp: torch.Tensor
-    mean: torch.Tensor
+    mean: torch.Tensor | None
 
 
 def phase_one(
@@ -254,25 +257,29 @@ def phase_one(
     return _by_read(weights, log_sum_exp, _value_sums(weights, history, value_streams))
 
 
-def phase_one_by_entry(
-    routed: torch.Tensor, entries: tuple[torch.Tensor, ...], history_inv_rms: torch.Tensor, key_streams, value_streams
-) -> list[PhaseOne]:
-    """`phase_one` over the entries one by one, differentiable (inside `_recomputed_read`): no stacked copy of the
-    history, and inductor fuses the sums over the entries into one kernel. Against `phase_one` on a stack inside the
-    same checkpoint: the same compiled step and compile time, 2% fewer bytes kept (12 layers of SmolLM2's width)."""
+def depth_scores_by_entry(
+    routed: torch.Tensor, entries: tuple[torch.Tensor, ...], history_inv_rms: torch.Tensor, key_streams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1's scores of R reads over the entries one by one, differentiable (traced training, once per block):
+    routed [J * D, R * J], entries [B, T, J, D] each, their inverse RMS [S, B, T, J] -> softmax weights
+    [S, B, T, R, J] and log-sum-exp L [B, T, R, J]. No stacked copy of the history; what autograd keeps besides the
+    entries is per-token ([.., R, J]), and the product's gradient is wide too (`key_dots_of`)."""
     batch, tokens, streams, hidden = entries[0].shape
     reads = routed.shape[1] // streams
-    routed_t = routed.T.contiguous()  # [R * J, J * D]: each entry's key dots a wide product (`key_dots_of`)
-    rows = [entry.to(routed.dtype).reshape(-1, streams * hidden) for entry in entries]
-    key_dots = torch.stack([wide_product(entry_rows, routed_t) for entry_rows in rows])
-    key_dots = key_dots.view(len(entries), batch, tokens, reads, streams)
-    weights, log_sum_exp = _depth_softmax(key_dots, history_inv_rms, key_streams)
-    means = sum(  # [B, T, J, R, D]: Obar^j_r = sum_s weights[s, .., r, j] B_s^{nu(j)}
-        weights[source].transpose(-1, -2).unsqueeze(-1)
-        * _streams(entry.to(routed.dtype), value_streams, 2).unsqueeze(-2)
+    routed_t = routed.T.contiguous()  # [R * J, J * D]: each entry's key dots a wide product
+    key_dots = torch.stack(
+        [wide_product(entry.to(routed.dtype).reshape(-1, streams * hidden), routed_t) for entry in entries]
+    )
+    return _depth_softmax(key_dots.view(len(entries), batch, tokens, reads, streams), history_inv_rms, key_streams)
+
+
+def value_sum_by_entry(weights: torch.Tensor, entries: tuple[torch.Tensor, ...], value_streams, dtype) -> torch.Tensor:
+    """Obar^j = sum_s weights[s, .., j] B_s^{nu(j)} of one read over the entries one by one: weights [S, B, T, J] ->
+    [B, T, J, D] in `dtype`; inductor fuses the sum over the entries into one kernel."""
+    return sum(
+        weights[source].unsqueeze(-1) * _streams(entry.to(dtype), value_streams, 2)
         for source, entry in enumerate(entries)
     )
-    return _by_read(weights, log_sum_exp, means)
 
 
 def _depth_softmax(key_dots, history_inv_rms, key_streams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -493,17 +500,18 @@ def _traced_training() -> bool:
     return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
-def _recomputed_read(routed, gate, partial, routing, eps, *entries):
-    """One read in plain differentiable operations, its phase 1 and the entries' key statistics included: what a
-    training forward traced by `torch.compile` runs, inside an activation checkpoint, so that backward keeps the
-    read's inputs only (the entries, alive as the history, the partial, the query and gate) and recomputes the rest;
-    autograd derives the gradient, which inductor then fuses (the hand-written `_TwoPhaseRead.backward` compiles to
-    kernels that recompute per-token coefficients for every element)."""
-    dtype = routed.dtype
-    history_inv_rms = torch.stack([inverse_rms(entry.to(dtype), eps) for entry in entries])  # [S, B, T, J]
-    phase = phase_one_by_entry(routed, entries, history_inv_rms, *routing)[0]
+def _recomputed_read(weights, log_sum_exp, routed, gate, partial, routing, eps, *entries):
+    """Phase 2 of one read in plain differentiable operations, the value sum of phase 1 included: what a training
+    forward traced by `torch.compile` runs, inside an activation checkpoint, after its block's scores
+    (`depth_scores_by_entry`, once per block): backward keeps the read's inputs only (the entries, alive as the
+    history, the partial, the block's per-token weights, the query and gate) and recomputes the value sum
+    [B, T, J, D] instead of keeping it per read; autograd derives the gradient, which inductor then fuses (the
+    hand-written `_TwoPhaseRead.backward` compiles to kernels that recompute per-token coefficients for every
+    element)."""
+    key_streams, value_streams = routing
+    phase = PhaseOne(weights, log_sum_exp, value_sum_by_entry(weights, entries, value_streams, routed.dtype))
     partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
-    return phase_two(phase, routed, gate, partial, partial_inv_rms, *routing)
+    return phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams)
 
 
 # `dar_compiled_read = "operator"`: the traced training read and its gradient as two custom operators, opaque to the
@@ -912,6 +920,23 @@ def reads_planned_together(residuals) -> list:
     return planned
 
 
+def reads_ahead(residuals: tuple, first, block_size: int, limit: int) -> list:
+    """The reads from `first` to the end of its block, at most `limit` (they see the same committed entries), when
+    `residuals` are the model's branch residuals in order and their parameters are here: plain tensors, not on the
+    meta device of a layer-streamed or offloaded model nor shards of FSDP2 (a DTensor outside its layer's forward);
+    else none."""
+    index = getattr(first, "branch_index", None)
+    if index is None or index >= len(residuals) or residuals[index] is not first:
+        return []
+    block_end = min((index // block_size + 1) * block_size, len(residuals))
+    group = list(residuals[index : min(block_end, index + limit)])
+    for residual in group:
+        query = residual.depth_attention.pseudo_query
+        if query.is_meta or type(query) not in (torch.nn.Parameter, torch.Tensor):
+            return []
+    return group
+
+
 def _without_autocast(device_type: str):
     """The precision policy also under autocast: autocast off around depth mixing (a no-op context when it is off)."""
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
@@ -925,6 +950,13 @@ class TwoPhaseDepthBackend:
         self.compiled_read = config.dar_compiled_read
         self.training_kernel = config.dar_training_kernel
         self.lean: _LeanPartials | None = None
+        self.block_size = config.dar_block_size
+        self.residuals: tuple = ()  # the model's branch residuals in order (`start`), for a traced block's scores
+        self.scored: dict = {}  # traced training: the scores of reads ahead in the open block, by residual
+
+    def _traced_inlined(self) -> bool:
+        """A forward traced for training whose reads are plain code (`_recomputed_read`), not custom operators."""
+        return _traced_training() and self.compiled_read != "operator"
 
     def _traced_kernels(self) -> bool:
         """A forward traced for training whose reads and two-stream writes are the source operators (which run the
@@ -941,9 +973,16 @@ class TwoPhaseDepthBackend:
         return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
-        with torch.no_grad():  # statistics in the compute dtype, whatever the history's dtype
+        self.residuals = tuple(residuals)
+        with self._statistics():  # in the compute dtype, whatever the history's dtype
             entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
         return DepthState(self, None, (entry,), entry_inv_rms)
+
+    def _statistics(self):
+        """Where an entry's inverse RMS is computed at its commit: without autograd eagerly (`_TwoPhaseRead` derives
+        its gradient), differentiably in a traced training forward, whose reads take the key-norm gradient through
+        it (computed once per entry instead of once per read)."""
+        return nullcontext() if self._traced_inlined() else torch.no_grad()
 
     def _routed(self, residual, like: torch.Tensor) -> torch.Tensor:
         attention = residual.depth_attention
@@ -955,8 +994,10 @@ class TwoPhaseDepthBackend:
     def plan(self, state: DepthState, *residuals) -> tuple[PhaseOne | None, ...]:
         """Phase 1 of the leading residuals whose reads see the state's committed entries (up to and including the
         first that commits); None for the rest, which plan their own read."""
+        if self._traced_inlined():
+            return self._traced_plan(state, residuals)
         if _traced_training():
-            return (None,) * len(residuals)  # traced training: each read computes its phase 1 in its own region
+            return (None,) * len(residuals)  # the operators: each read computes its phase 1 in its own call
         planned = reads_planned_together(residuals)
         like = state.history_inv_rms
         with torch.autocast(like.device.type, enabled=False):  # outside no_grad: the memo is for inference only
@@ -969,11 +1010,39 @@ class TwoPhaseDepthBackend:
             )
         return (*phases, *(None for _ in residuals[len(planned):]))
 
+    def _traced_plan(self, state: DepthState, residuals) -> tuple[PhaseOne | None, ...]:
+        """Traced training: phase 1's scores (softmax weights and L, no value sums) of the reads from `residuals[0]`
+        to the end of its block in one differentiable pass over the entries (`depth_scores_by_entry`); each read
+        forms its value sum in its own checkpoint (`_recomputed_read`). What autograd keeps of a block's scores is
+        per-token ([S, B, T, R, J] float32, a few of them), where keeping the block's value sums would cost D times
+        that."""
+        first = residuals[0]
+        if first in self.scored:
+            return tuple(self.scored.pop(residual, None) for residual in residuals)
+        group = reads_ahead(self.residuals, first, self.block_size, len(self.residuals))
+        group = group or reads_planned_together(residuals)
+        like = state.history_inv_rms
+        with torch.autocast(like.device.type, enabled=False):
+            routed = torch.cat([self._routed(residual, like) for residual in group], dim=1)  # [J * D, R * J]
+            weights, log_sum_exp = depth_scores_by_entry(
+                routed, state.history, like, group[0].depth_attention.key_streams
+            )
+        scored = {
+            residual: PhaseOne(weights[:, :, :, read], log_sum_exp[:, :, read], None)
+            for read, residual in enumerate(group)
+        }
+        planned = tuple(scored.pop(residual, None) for residual in residuals)
+        # Reads of later layers, kept for them: only where the model gave its residuals, i.e. no layer is
+        # checkpointed (work of a checkpointed layer must not leave it: dynamo loses gradients through the dict).
+        if scored:
+            self.scored.update(scored)
+        return planned
+
     def read(self, residual, state: DepthState, read_partial: bool, planned: PhaseOne | None = None, dtype=None):
         attention, read_gate = residual.depth_attention, residual.read_gate
         like, num_sources = state.history_inv_rms, len(state.history) + int(read_partial)
         traced = _traced_training()
-        if planned is None and not traced:
+        if planned is None and (not traced or self._traced_inlined()):
             planned = self.plan(state, residual)[0]
         with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
             scale = read_gate.read_scale * attention.count_scale(num_sources)
@@ -995,8 +1064,9 @@ class TwoPhaseDepthBackend:
                 )
             if traced:
                 return checkpoint(
-                    _recomputed_read, routed, gate, state.partial if read_partial else None,
-                    (attention.key_streams, attention.value_streams), self.eps, *state.history, use_reentrant=False,
+                    _recomputed_read, planned.weights, planned.log_sum_exp, routed, gate,
+                    state.partial if read_partial else None, (attention.key_streams, attention.value_streams),
+                    self.eps, *state.history, use_reentrant=False,
                 )
             return two_phase_read(
                 routed, gate, state, state.partial if read_partial else None, planned, attention.key_streams,
@@ -1025,9 +1095,9 @@ class TwoPhaseDepthBackend:
             entry = partial.to(state.history[0].dtype)  # stored in the history's dtype (`dar_history_dtype`)
             if lean and state.partial is None:  # a block of one write: the entry is beta * y
                 self.lean.record_entry(entry, beta, branch_output)
-            if _traced_training():  # a traced read computes its entries' statistics: none kept in the state
+            if _traced_training() and not self._traced_inlined():  # an operator computes its entries' statistics
                 return DepthState(self, None, (*state.history, entry), like)
-            with torch.no_grad():  # of the stored entry, so that every later read sees the same key
+            with self._statistics():  # of the stored entry, so that every later read sees the same key
                 entry_inv_rms = inverse_rms(entry.to(like.dtype), self.eps).unsqueeze(0)  # [1, B, T, J]
             history_inv_rms = torch.cat([state.history_inv_rms, entry_inv_rms])
             return DepthState(self, None, (*state.history, entry), history_inv_rms)
@@ -1191,14 +1261,7 @@ class InferenceDepthBackend:
         return group
 
     def _find_reads_ahead(self, first) -> list:
-        index = getattr(first, "branch_index", None)
-        if index is None or index >= len(self.residuals) or self.residuals[index] is not first:
-            return []
-        block_end = min((index // self.block_size + 1) * self.block_size, len(self.residuals))
-        group = list(self.residuals[index : min(block_end, index + max(2, self.num_slots))])
-        if any(residual.depth_attention.pseudo_query.is_meta for residual in group):
-            return []
-        return group
+        return reads_ahead(self.residuals, first, self.block_size, max(2, self.num_slots))
 
     def keeping_partials_lean(self):
         return nullcontext()

@@ -339,6 +339,13 @@ class DARReadout(nn.Module):
         return state.backend.read(self, state, False)
 
 
+def self_contained(layer: nn.Module) -> bool:
+    """Whether a training forward may compute this decoder layer's reads before the layer runs: not when its
+    forward is checkpointed (HF's gradient checkpointing, or a wrapper such as torch's `checkpoint_wrapper`), whose
+    recompute in backward would not see work done outside it."""
+    return isinstance(layer, GradientCheckpointingLayer) and not (layer.gradient_checkpointing and layer.training)
+
+
 class DARDecoderLayer(GradientCheckpointingLayer):
     """`LlamaDecoderLayer` with its two residual adds replaced by DAR reads and writes.
 
@@ -476,10 +483,10 @@ class DARModel(DARPreTrainedModel):
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
-        residuals = [  # islice: slicing a ModuleList builds a new one, registering every layer again
-            residual for layer in islice(self.layers, config.num_hidden_layers)
-            for residual in (layer.attn_residual, layer.mlp_residual)
-        ]
+        layers = list(islice(self.layers, config.num_hidden_layers))  # islice: a ModuleList slice registers them again
+        residuals = [residual for layer in layers for residual in (layer.attn_residual, layer.mlp_residual)]
+        if torch.is_grad_enabled() and not all(self_contained(layer) for layer in layers):
+            residuals = []  # a backend given them may compute a layer's reads in an earlier layer (a block's phase 1)
         return depth_backend(config).start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
 
     @merge_with_config_defaults
