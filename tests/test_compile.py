@@ -232,6 +232,39 @@ def test_compiled_training_scores_each_block_once(monkeypatch, block_size, block
     assert len(calls) == 4 + 1 and (block_size == 1 or calls != [*per_block, (1 + blocks, 1)])
 
 
+def test_a_block_is_scored_ahead_only_over_self_contained_layers(monkeypatch):
+    """A block's reads are scored together (in the first of its layers) only when the model hands the backend its
+    residuals: not in a training forward where a decoder layer is checkpointed (its recompute would not see work
+    done for it elsewhere: the compiled checkpointing test above then loses gradients), nor when the later reads'
+    parameters are not here (meta, or FSDP2 shards)."""
+    from dar_transformers.modeling_dar import self_contained
+
+    model = tiny(dar_block_size=4)  # one block: every read is ahead of the first
+    residuals = [r for layer in model.model.layers for r in (layer.attn_residual, layer.mlp_residual)]
+    first = residuals[0]
+    assert depth_backends.reads_ahead(residuals, first, 4, 99) == residuals
+    assert depth_backends.reads_ahead(residuals, residuals[1], 4, 2) == residuals[1:3]
+    assert all(self_contained(layer) for layer in model.model.layers)
+    given = []
+    start = depth_backends.TwoPhaseDepthBackend.start
+    monkeypatch.setattr(depth_backends.TwoPhaseDepthBackend, "start",
+                        lambda self, entry, keep_weights=True, residuals=(): given.append(len(residuals)) or start(
+                            self, entry, keep_weights, residuals))
+    model.config.dar_implementation = "two_phase"
+    model(input_ids=token_batch())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert not any(self_contained(layer) for layer in model.model.layers)
+    model(input_ids=token_batch())
+    assert given == [4, 0]
+
+    monkeypatch.setattr(depth_backends, "DTensor", torch.nn.Parameter)  # every parameter "a shard"
+    assert depth_backends.reads_ahead(residuals, first, 4, 99) == []
+    monkeypatch.undo()
+    with torch.device("meta"):
+        residuals[2].depth_attention.pseudo_query = torch.nn.Parameter(torch.empty(2, 8))
+    assert depth_backends.reads_ahead(residuals, first, 4, 99) == []
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["dar", "moe"])
 def test_the_operator_read_compiles_to_the_eager_gradients_float64(kind, block_size):

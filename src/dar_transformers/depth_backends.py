@@ -80,6 +80,11 @@ from transformers.utils.generic import GeneralInterface
 from .configuration_dar import dar_routing
 from .cpu_kernels import cpu_kernels
 
+try:  # FSDP2's sharded parameters; a torch built without distributed support has none (isinstance(x, ()) is False)
+    from torch.distributed.tensor import DTensor
+except ImportError:
+    DTensor = ()
+
 
 def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the DAR state and depth mixing: float32, or wider if the model is wider."""
@@ -932,7 +937,7 @@ def reads_ahead(residuals: tuple, first, block_size: int, limit: int) -> list:
     group = list(residuals[index : min(block_end, index + limit)])
     for residual in group:
         query = residual.depth_attention.pseudo_query
-        if query.is_meta or type(query) not in (torch.nn.Parameter, torch.Tensor):
+        if query.is_meta or isinstance(query, DTensor):
             return []
     return group
 
