@@ -15,7 +15,10 @@ float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machin
   - saved activations in bf16 and fp32 (issue #11's measure): SmolLM2's dimensions with a vocabulary of 8192, one
     sequence of 512 tokens, weights in bf16 with DAR parameters in float32 (as `from_pretrained(dtype=bfloat16)`
     loads them), and the same in float32.
-Medians and ratios to Llama are printed as a table and written to a JSON file.
+Medians and ratios to Llama are printed as a table and written to a JSON file, with the paired ratios of the timed
+metrics: each repeat's DAR time over the Llama time measured just before it, median and quartiles over the repeats
+(the machine's drift between repeats cancels in each pair). `--metrics prefill,decode` times only those (no training
+step, which also skips its compile: a run of many repeats for the inference ratios alone).
 
 With `--compile` every model is compiled the same way (`torch.compile(model)`, inductor, the whole model, as
 `Trainer(torch_compile=True)` does) and measured interleaved as above; decoding goes through HF's compiled static-
@@ -27,6 +30,7 @@ first call of each mode (compile time included) is reported separately as `*_fir
     python benchmarks/overhead.py --compile       # compiled Llama vs compiled Block DAR (about 11 minutes here)
     python benchmarks/overhead.py --compile --shape small --models llama,dar-block,dar-full
     python benchmarks/overhead.py --first-steps --models llama,dar-block,dar-block+operator+cpp   # compile time
+    python benchmarks/overhead.py --compile --metrics prefill,decode --repeats 30   # inference ratios, paired
 
 On a machine with a GPU the same command runs there (`--device cuda`, the default when CUDA is available): timings
 synchronise the device, and peak memory is the CUDA allocator's high-water mark of one step.
@@ -287,6 +291,30 @@ def first_steps(args, names: list[str]) -> None:
     print(f"wrote {args.output}")
 
 
+TIMED_METRICS = {  # `--metrics` name -> the samples it records
+    "train": ("train_step_s", "train_step_sys_s", "train_step_page_faults"),
+    "prefill": ("prefill_s",),
+    "decode": ("decode_token_s",),
+}
+
+
+def paired_ratios(samples: dict, metrics: list[str]) -> dict:
+    """Per model other than Llama and per metric: each repeat's time over Llama's of the same repeat (measured just
+    before it), as median and quartiles {"median", "q1", "q3"}; empty without Llama or with fewer than 2 repeats."""
+    if "llama" not in samples:
+        return {}
+    paired = {}
+    for name, by_metric in samples.items():
+        if name == "llama":
+            continue
+        for metric in metrics:
+            ratios = [ours / base for ours, base in zip(by_metric[metric], samples["llama"][metric]) if base]
+            if len(ratios) >= 2:
+                q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+                paired.setdefault(name, {})[metric] = {"median": median, "q1": q1, "q3": q3}
+    return paired
+
+
 def peak_cuda_mib(step) -> float:
     """The CUDA allocator's high-water mark (MiB) during `step`, over what was allocated before it."""
     torch.cuda.empty_cache()
@@ -321,6 +349,9 @@ def main() -> None:
                         help="only the first compiled training step (compile included) of each model, each in a fresh "
                         "process, in the order given (implies --compile; time it with --clock wall: inductor compiles "
                         "in worker processes, which a process clock does not count)")
+    parser.add_argument("--metrics", default="train,prefill,decode",
+                        help="comma-separated, the timed measurements to run: train, prefill, decode (default all; the "
+                        "saved activations need train)")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results (default: results/overhead.json, or overhead_compile.json with --compile)")
     args = parser.parse_args()
@@ -334,6 +365,9 @@ def main() -> None:
     if args.models is None:
         args.models = "llama,dar-block" if args.compile or args.first_steps else "llama,dar-block,dar-full"
     names = args.models.split(",")
+    timed = args.metrics.split(",")
+    if not timed or set(timed) - set(TIMED_METRICS):
+        parser.error(f"--metrics takes a comma-separated subset of {', '.join(TIMED_METRICS)}, got {args.metrics!r}")
     if args.first_steps:
         return first_steps(args, names)
     device = torch.device(args.device)
@@ -355,34 +389,38 @@ def main() -> None:
           f"threads {torch.get_num_threads()}")
     print(f"block sizes (branches): {block_sizes}")
 
-    samples = {
-        name: {"train_step_s": [], "train_step_sys_s": [], "train_step_page_faults": [], "prefill_s": [],
-               "decode_token_s": []}
-        for name in names
-    }
+    keys = [key for metric in timed for key in TIMED_METRICS[metric]]
+    samples = {name: {key: [] for key in keys} for name in names}
     decode = time_compiled_decode if args.compile else time_decode
     first = {}
     for name in names:  # warm-up: first calls allocate, pick kernels and (with --compile) compile
-        models[name].train()
-        first[name] = {"train_step_first_s": time_train_step(runners[name], optimizers[name], batch)}
+        first[name] = {}
+        if "train" in timed:
+            models[name].train()
+            first[name]["train_step_first_s"] = time_train_step(runners[name], optimizers[name], batch)
         models[name].eval()
-        first[name]["prefill_first_s"] = time_prefill(runners[name], prompt)
-        start = clock()
-        decode(models[name], prompt, 2)
-        first[name]["decode_first_s"] = clock() - start
+        if "prefill" in timed:
+            first[name]["prefill_first_s"] = time_prefill(runners[name], prompt)
+        if "decode" in timed:
+            start = clock()
+            decode(models[name], prompt, 2)
+            first[name]["decode_first_s"] = clock() - start
         print(f"warm-up {name}: " + ", ".join(f"{key} {value:.1f} s" for key, value in first[name].items()), flush=True)
     for _ in range(args.repeats):
         for name in names:
             model = models[name]
-            model.train()
-            system_before, faults_before = kernel_work()
-            samples[name]["train_step_s"].append(time_train_step(runners[name], optimizers[name], batch))
-            system_after, faults_after = kernel_work()
-            samples[name]["train_step_sys_s"].append(system_after - system_before)
-            samples[name]["train_step_page_faults"].append(faults_after - faults_before)
+            if "train" in timed:
+                model.train()
+                system_before, faults_before = kernel_work()
+                samples[name]["train_step_s"].append(time_train_step(runners[name], optimizers[name], batch))
+                system_after, faults_after = kernel_work()
+                samples[name]["train_step_sys_s"].append(system_after - system_before)
+                samples[name]["train_step_page_faults"].append(faults_after - faults_before)
             model.eval()
-            samples[name]["prefill_s"].append(time_prefill(runners[name], prompt))
-            samples[name]["decode_token_s"].append(decode(model, prompt, args.decode_tokens))
+            if "prefill" in timed:
+                samples[name]["prefill_s"].append(time_prefill(runners[name], prompt))
+            if "decode" in timed:
+                samples[name]["decode_token_s"].append(decode(model, prompt, args.decode_tokens))
 
     results = {}
     for name in names:
@@ -390,17 +428,18 @@ def main() -> None:
         model.train()
         results[name] = {key: statistics.median(values) for key, values in samples[name].items()}
         results[name].update(first[name] if args.compile else {})
-        results[name]["saved_activation_mib"] = saved_activation_bytes(model, batch) / 2**20
+        if "train" in timed:
+            results[name]["saved_activation_mib"] = saved_activation_bytes(model, batch) / 2**20
         if device.type == "cuda":
             train_step = lambda: time_train_step(model, optimizers[name], batch)  # noqa: E731
             results[name]["peak_cuda_train_mib"] = peak_cuda_mib(train_step)
             model.eval()
             results[name]["peak_cuda_prefill_mib"] = peak_cuda_mib(lambda: time_prefill(model, prompt))
-        elif not args.no_rss:
+        elif not args.no_rss and "train" in timed:
             results[name]["peak_rss_train_mib"] = peak_rss_subprocess(name, args.shape, "train", args.batch, args.seq)
             results[name]["peak_rss_prefill_mib"] = peak_rss_subprocess(name, args.shape, "prefill", 1, args.seq)
         results[name]["parameters"] = sum(p.numel() for p in model.parameters())
-    if not args.no_dtype_activations and device.type == "cpu":
+    if not args.no_dtype_activations and device.type == "cpu" and "train" in timed:
         for name, figures in saved_activations_by_dtype(shape, names).items():
             results[name].update(figures)
 
@@ -420,6 +459,12 @@ def main() -> None:
                 for name in names if name != "llama"
             )
         print(row)
+    paired = paired_ratios(samples, [key for key in keys if key.endswith("_s") and not key.endswith("sys_s")])
+    if paired:
+        print(f"paired ratios to llama over {args.repeats} repeats: median [quartiles]")
+        for name, by_metric in paired.items():
+            for metric, figures in by_metric.items():
+                print(f"  {name:<22}{metric:<18}{figures['median']:.3f}x [{figures['q1']:.3f}x, {figures['q3']:.3f}x]")
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -428,7 +473,7 @@ def main() -> None:
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "block_sizes": block_sizes, "results": results, "samples": samples,
+        "block_sizes": block_sizes, "results": results, "samples": samples, "paired_ratios": paired,
     }
     args.output.write_text(json.dumps(record, indent=2))
     print(f"wrote {args.output}")
