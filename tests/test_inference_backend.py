@@ -207,6 +207,39 @@ def test_a_compiled_inference_forward_is_one_graph_with_the_eager_values(block_s
     assert counter.frame_count == 1
 
 
+_FUSED_VALUE_SUMS = depth_backends._fused_value_sums
+
+
+def _value_sums_without_the_last_entry(weights, history, value_streams):
+    """A value sum that leaves out the last committed entry where there are several (negative control of the next
+    test; the final readout always sees several)."""
+    kept = max(1, len(history) - 1)
+    return _FUSED_VALUE_SUMS(weights[:kept], history[:kept], value_streams)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["traced", "negative_control"])
+@pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID)
+def test_a_compiled_inference_forward_matches_the_reference_in_float64(
+    monkeypatch, block_size, routing, streams, write_mode, include_partial, broken
+):
+    """A traced forward with gradients off runs its own phase-1 value sums (`_fused_value_sums`, a sum that inductor
+    fuses, where eager runs a batched product): compiled logits equal the reference backend's to 1e-12 relative over
+    the grid. Negative control: a value sum that leaves out the last entry is caught."""
+    if broken:
+        monkeypatch.setattr(depth_backends, "_fused_value_sums", _value_sums_without_the_last_entry)
+    fields = (block_size, routing, streams, write_mode, include_partial)
+    reference = perturbed_dar(torch.float64, "reference", *fields)
+    model = perturbed_dar(torch.float64, "fast", *fields)
+    input_ids = random_input_ids()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        logits = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids).logits
+    failure = pytest.raises(AssertionError) if broken else contextlib.nullcontext()
+    with failure:
+        assert max_relative_diff(logits, expected) <= 1e-12
+
+
 def test_a_compiled_forward_under_inductor_freezing_gives_the_eager_values():
     """Inductor's freezing (`torch._inductor.config.freezing`; vLLM's CPU backend sets it with max_autotune) compiles
     a forward with gradients off with the weights as constants, so what depends on them alone (DAR's folded
