@@ -4,7 +4,9 @@ runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager m
 
 - It is the backend of exactly the forwards with gradients off, eager and compiled (vLLM's compiled mode, HF's
   compiled static-cache decoding, `torch.export`), and not for "reference"; a compiled no-grad forward is one
-  graph (fullgraph) with the eager values; with inductor's freezing too. Its commits write the slot alone (`index_put`,
+  graph (fullgraph) with the eager values; with inductor's freezing too; its phase-1 value sums, a fused sum when
+  traced (`_fused_value_sums`), give the reference's float64 logits over the grid (negative control: a sum without the
+  last entry). Its commits write the slot alone (`index_put`,
   no `select_scatter`, which inductor lowers to a pass over the whole history; negative control: the eager copy).
   It derives the residuals' constants from their stacked parameters (`_derive`: bit for bit each module's own), so
   the graph's weight-only operations do not grow with depth (negative control: per-residual derivation).

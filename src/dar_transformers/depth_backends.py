@@ -1191,8 +1191,8 @@ class InferenceDepthBackend:
       their stacked parameters (`_derive`);
     - phase 1 runs once per block for the block's reads that are still ahead (`_reads_ahead`; once per decoder layer
       where the model's later parameters are not at hand): one product for the scores, a softmax that yields its
-      log-sum-exp, one batched value sum, and the read gate folded in, so a read that does not see the partial costs
-      nothing more;
+      log-sum-exp, one batched value sum (traced: a sum over the entries, `_fused_value_sums`, which inductor fuses),
+      and the read gate folded in, so a read that does not see the partial costs nothing more;
     - a read of the partial adds its score and the log-sum-exp merge,
       u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
     - the depth weights are formed only when a caller records them (`keep_weights`);
