@@ -13,7 +13,7 @@ import overhead  # noqa: E402
 
 def test_paired_ratios_cancel_the_machines_drift_between_repeats():
     """Each DAR repeat is divided by the Llama repeat measured just before it: a machine whose speed drifts by 2x
-    between repeats gives the true 1.05x in every pair, where the ratio of the two medians does not."""
+    between repeats gives the true 1.05x in every pair, so the quartiles close on it."""
     drift = [1.0, 2.0, 1.0, 2.0, 2.0]
     samples = {
         "llama": {"prefill_s": [0.4 * d for d in drift], "decode_token_s": [0.1] * 5},
