@@ -16,7 +16,7 @@ float32. Measurements are interleaved (Llama, Block, Full, Llama, ...) so machin
     sequence of 512 tokens, weights in bf16 with DAR parameters in float32 (as `from_pretrained(dtype=bfloat16)`
     loads them), and the same in float32.
 Medians and ratios to Llama are printed as a table and written to a JSON file, with the paired ratios of the timed
-metrics: each repeat's DAR time over the Llama time measured just before it, median and quartiles over the repeats
+metrics: each repeat's DAR time over the Llama time of the same repeat, median and quartiles over the repeats
 (the machine's drift between repeats cancels in each pair). `--metrics prefill,decode` times only those (no training
 step, which also skips its compile: a run of many repeats for the inference ratios alone).
 
@@ -299,8 +299,9 @@ TIMED_METRICS = {  # `--metrics` name -> the samples it records
 
 
 def paired_ratios(samples: dict, metrics: list[str]) -> dict:
-    """Per model other than Llama and per metric: each repeat's time over Llama's of the same repeat (measured just
-    before it), as median and quartiles {"median", "q1", "q3"}; empty without Llama or with fewer than 2 repeats."""
+    """Per model other than Llama and per metric: each repeat's time over Llama's of the same repeat (the models run
+    one after the other, seconds apart), as median and quartiles {"median", "q1", "q3"}; empty without Llama or with
+    fewer than 2 repeats."""
     if "llama" not in samples:
         return {}
     paired = {}

@@ -12,7 +12,7 @@ import overhead  # noqa: E402
 
 
 def test_paired_ratios_cancel_the_machines_drift_between_repeats():
-    """Each DAR repeat is divided by the Llama repeat measured just before it: a machine whose speed drifts by 2x
+    """Each DAR repeat is divided by the Llama time of the same repeat: a machine whose speed drifts by 2x
     between repeats gives the true 1.05x in every pair, so the quartiles close on it."""
     drift = [1.0, 2.0, 1.0, 2.0, 2.0]
     samples = {
