@@ -432,13 +432,18 @@ def main() -> None:
         if "train" in timed:
             results[name]["saved_activation_mib"] = saved_activation_bytes(model, batch) / 2**20
         if device.type == "cuda":
-            train_step = lambda: time_train_step(model, optimizers[name], batch)  # noqa: E731
-            results[name]["peak_cuda_train_mib"] = peak_cuda_mib(train_step)
+            if "train" in timed:
+                train_step = lambda: time_train_step(model, optimizers[name], batch)  # noqa: E731
+                results[name]["peak_cuda_train_mib"] = peak_cuda_mib(train_step)
             model.eval()
-            results[name]["peak_cuda_prefill_mib"] = peak_cuda_mib(lambda: time_prefill(model, prompt))
-        elif not args.no_rss and "train" in timed:
-            results[name]["peak_rss_train_mib"] = peak_rss_subprocess(name, args.shape, "train", args.batch, args.seq)
-            results[name]["peak_rss_prefill_mib"] = peak_rss_subprocess(name, args.shape, "prefill", 1, args.seq)
+            if "prefill" in timed:
+                results[name]["peak_cuda_prefill_mib"] = peak_cuda_mib(lambda: time_prefill(model, prompt))
+        elif not args.no_rss:
+            if "train" in timed:
+                results[name]["peak_rss_train_mib"] = peak_rss_subprocess(name, args.shape, "train", args.batch,
+                                                                          args.seq)
+            if "prefill" in timed:
+                results[name]["peak_rss_prefill_mib"] = peak_rss_subprocess(name, args.shape, "prefill", 1, args.seq)
         results[name]["parameters"] = sum(p.numel() for p in model.parameters())
     if not args.no_dtype_activations and device.type == "cpu" and "train" in timed:
         for name, figures in saved_activations_by_dtype(shape, names).items():
