@@ -38,9 +38,9 @@ if step 2; then
 echo "== 2. overhead, eager and compiled"
 timeout 200 $PY benchmarks/overhead.py --device cuda --batch 8 --seq 512 --repeats 5 \
     --models llama,dar-block,dar-block@two_phase,dar-full \
-    --output benchmarks/results/gpu_eager.json | tail -16
+    --output benchmarks/results/gpu_eager.json | tail -26
 timeout 300 $PY benchmarks/overhead.py --device cuda --batch 8 --seq 512 --repeats 5 --compile \
-    --output benchmarks/results/gpu_compile.json | tail -14
+    --output benchmarks/results/gpu_compile.json | tail -18
 fi
 
 if step 3; then
