@@ -280,7 +280,8 @@ def depth_scores_by_entry(
 
 def value_sum_by_entry(weights: torch.Tensor, entries: tuple[torch.Tensor, ...], value_streams, dtype) -> torch.Tensor:
     """Obar^j = sum_s weights[s, .., j] B_s^{nu(j)} of one read over the entries one by one: weights [S, B, T, J] ->
-    [B, T, J, D] in `dtype`; inductor fuses the sum over the entries into one kernel."""
+    [B, T, J, D] in `dtype` (of R reads: weights [S, R, B, T, J] -> [R, B, T, J, D]); inductor fuses the sum over the
+    entries into one kernel."""
     return sum(
         weights[source].unsqueeze(-1) * _streams(entry.to(dtype), value_streams, 2)
         for source, entry in enumerate(entries)
@@ -327,9 +328,8 @@ def _fused_value_sums(weights: torch.Tensor, history: torch.Tensor, value_stream
     """`_value_sums` as a sum over the S entries (a traced forward with gradients off): inductor fuses it with the
     softmax's normalisation and the gated sum into one pass, where the batched product costs 50-120 us per block at
     decoding sizes (S columns per token; README, Overhead)."""
-    values = _streams(history, value_streams, 3).unsqueeze(3)  # [S, B, T, 1, J, D]: B_s^{nu(j)}
-    by_read = weights.unsqueeze(-1)  # [S, B, T, R, J, 1]
-    return sum(by_read[source] * values[source] for source in range(len(history))).transpose(2, 3)
+    by_read = weights.permute(0, 3, 1, 2, 4)  # [S, R, B, T, J]
+    return value_sum_by_entry(by_read, history.unbind(0), value_streams, history.dtype).permute(1, 2, 3, 0, 4)
 
 
 def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_streams, value_streams):
