@@ -245,7 +245,7 @@ def test_a_compiled_inference_forward_matches_the_reference_in_float64(
 def test_a_compiled_forward_under_inductor_freezing_gives_the_eager_values():
     """Inductor's freezing (`torch._inductor.config.freezing`; vLLM's CPU backend sets it with max_autotune) compiles
     a forward with gradients off with the weights as constants, so what depends on them alone (DAR's folded
-    queries, read gates and write gates, which an unfrozen graph computes at every call; README, Overhead) is
+    queries, read gates and write gates, which an unfrozen graph computes at every call; docs/overhead-log.md) is
     computed at compile time. The logits stay the eager ones."""
     model = perturbed_dar(torch.float32, "fast", 2, "dar", 2, "duplicate", True)
     input_ids = random_input_ids()

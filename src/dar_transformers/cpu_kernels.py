@@ -5,7 +5,7 @@ off) and `config.dar_training_kernel = "cpp"` (eager training with the fused "fa
 
 Eager decoding runs every branch on a few tokens, where the DAR path costs the operations it dispatches (a dozen
 PyTorch calls per branch, each starting with cold caches after the branch's own matrix products have streamed its
-weights; README, Overhead), not the bytes it moves; prefill runs it on many tokens, where the PyTorch operations
+weights; docs/overhead-log.md), not the bytes it moves; prefill runs it on many tokens, where the PyTorch operations
 pass over the same [B, T, J, D] operands several times and a kernel, row by row, once. These kernels compute the
 same equations as `InferenceDepthBackend` (DESIGN.md section 7) in one call each:
 

@@ -22,7 +22,7 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     one shared buffer (`DepthGradients`) that each entry's commit hands to autograd (`_Commit`). That sharing
     between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
     configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
-    than issue 16 item 5's 5% (README, Overhead); its hand-written backwards refuse double backward.
+    than issue 16 item 5's 5% (docs/overhead-log.md); its hand-written backwards refuse double backward.
   - A forward with gradients off, eager or compiled, runs `InferenceDepthBackend` for "fast" and "two_phase"
     (`depth_backend`): two-phase reads without autograd, phase 1 once per block, in few operations per branch
     (eager decoding is bound by them; a compiled graph reads the history once per block). With
@@ -327,7 +327,7 @@ def _value_sums(weights: torch.Tensor, history: torch.Tensor, value_streams: tup
 def _fused_value_sums(weights: torch.Tensor, history: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
     """`_value_sums` as a sum over the S entries (a traced forward with gradients off): inductor fuses it with the
     softmax's normalisation and the gated sum into one pass, where the batched product costs 50-120 us per block at
-    decoding sizes (S columns per token; README, Overhead)."""
+    decoding sizes (S columns per token; docs/overhead-log.md)."""
     by_read = weights.permute(0, 3, 1, 2, 4)  # [S, R, B, T, J]
     return value_sum_by_entry(by_read, history.unbind(0), value_streams, history.dtype).permute(1, 2, 3, 0, 4)
 
@@ -1143,7 +1143,7 @@ def _store_slot(buffer: torch.Tensor, slot: int, value: torch.Tensor) -> None:
     """buffer[slot] = value, cast to the buffer's dtype. In a forward traced by `torch.compile`, by `index_put_`, which
     inductor lowers to a write of the slot alone: a copy into the slot's view becomes a `select_scatter`, which
     inductor lowers to a pass that reads and writes the whole buffer (the history: S_max entries twice per commit; at
-    8B, a 4096-token prefill's nine 134 MB slots, 21.7 GB per forward; README, Overhead)."""
+    8B, a 4096-token prefill's nine 134 MB slots, 21.7 GB per forward; docs/overhead-log.md)."""
     if torch.compiler.is_compiling():
         buffer.index_put_((torch.tensor([slot], device=buffer.device),), value.to(buffer.dtype).unsqueeze(0))
     else:
@@ -1255,7 +1255,7 @@ class InferenceDepthBackend:
         return tuple(map(planned.pop, residuals, (None,) * len(residuals)))  # dict.pop(residual, None), from C
 
     # The hot methods below branch on `self.autocast` instead of entering a no-op context when it is off: two Python
-    # calls fewer per read and write, which a decoding step pays 120 times with cold caches (README, Overhead).
+    # calls fewer per read and write, which a decoding step pays 120 times with cold caches (docs/overhead-log.md).
     def _autocast_off(self):
         """The precision policy also under autocast (`_without_autocast`), as of the forward's start."""
         return torch.autocast(self.history_buffer.device.type, enabled=False)
@@ -1319,7 +1319,7 @@ class InferenceDepthBackend:
         """The constants of `residuals`, each for a read of its `num_sources` sources, in the compute dtype, derived
         from the residuals' parameters stacked, and the stacks of their routed queries [R, J, J * D] and gates [R, J]:
         a compiled forward, which holds no memo (`_derived`) and so derives every residual's at every call, does it
-        for the whole model in a few operations (`start`), not a few per residual (README, Overhead)."""
+        for the whole model in a few operations (`start`), not a few per residual (docs/overhead-log.md)."""
         like = dict(dtype=self.inv_rms_buffer.dtype, device=self.inv_rms_buffer.device)
         attentions = [residual.depth_attention for residual in residuals]
         scale = math.sqrt(attentions[0].pseudo_query.shape[-1])
