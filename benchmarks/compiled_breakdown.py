@@ -33,7 +33,7 @@ import torch
 import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import SHAPES, build_model  # noqa: E402
+from overhead import SHAPES, as_loaded_in, build_model  # noqa: E402
 
 BLAS_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 CATEGORIES = ("BLAS products", "generated kernels", "generated wrapper (self)", "dynamo guards", "other ATen", "other")
@@ -73,15 +73,6 @@ def breakdown(events, calls: int) -> tuple[dict, dict]:
             kernels[kernel_group(event.key)][0] += event.self_cpu_time_total / calls / 1e3
             kernels[kernel_group(event.key)][1] += event.count / calls
     return by_category, dict(kernels)
-
-
-def build(name: str, shape: dict, dtype: torch.dtype) -> torch.nn.Module:
-    model = build_model(name, shape).eval().to(dtype)
-    keep_in_fp32 = tuple(model._keep_in_fp32_modules_strict or ())  # as a bf16 `from_pretrained` loads them
-    for module_name, module in model.named_modules():
-        if keep_in_fp32 and module_name.endswith(keep_in_fp32):
-            module.float()
-    return model
 
 
 def profile_compiled_forward(model, input_ids, repeats: int, profiled_calls: int) -> dict:
@@ -143,8 +134,8 @@ def main() -> None:
     input_ids = torch.randint(0, shape["vocab_size"], (1, args.tokens), generator=torch.Generator().manual_seed(0))
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "models": {}}
     for name in args.models.split(","):
-        results["models"][name] = profile_compiled_forward(build(name, shape, dtype), input_ids, args.repeats,
-                                                           args.profiled)
+        model = as_loaded_in(build_model(name, shape), dtype).eval()
+        results["models"][name] = profile_compiled_forward(model, input_ids, args.repeats, args.profiled)
     names = list(results["models"])
     print(f"compiled forward, {args.shape}, 1 x {args.tokens} tokens, {args.dtype}, {args.threads} thread(s)")
     print(f"{'':<28}" + "".join(f"{name:>22}" for name in names))
@@ -162,7 +153,8 @@ def main() -> None:
         results["bandwidth"] = bandwidth([float(size) for size in args.bandwidth_mib.split(",")])
         print("one-thread bandwidth, float32 (GB/s):  size MiB      add     copy      sum")
         for row in results["bandwidth"]:
-            print(f"{'':<38}{row['size_mib']:>9.1f} {row['add_gbs']:>8.1f} {row['copy_gbs']:>8.1f} {row['sum_gbs']:>8.1f}")
+            speeds = "".join(f"{row[f'{measure}_gbs']:>9.1f}" for measure in ("add", "copy", "sum"))
+            print(f"{'':<38}{row['size_mib']:>9.1f}{speeds}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -210,6 +210,17 @@ def time_compiled_decode(model, prompt, new_tokens: int) -> float:
     return statistics.median(gaps)
 
 
+def as_loaded_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model in `dtype` with DAR's parameters float32 (`_keep_in_fp32_modules_strict`), as a
+    `from_pretrained(dtype=...)` loads them."""
+    model = model.to(dtype)
+    keep_in_fp32 = tuple(model._keep_in_fp32_modules_strict or ())
+    for module_name, module in model.named_modules():
+        if keep_in_fp32 and module_name.endswith(keep_in_fp32):
+            module.float()
+    return model
+
+
 def saved_activations_by_dtype(shape: dict, names: list[str], seq: int = 512, vocab: int = 8192) -> dict:
     """Saved activations (MiB) of one training forward in bf16 (DAR parameters float32) and in float32."""
     shape = {**shape, "vocab_size": vocab}
@@ -217,11 +228,7 @@ def saved_activations_by_dtype(shape: dict, names: list[str], seq: int = 512, vo
     result = {}
     for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for name in names:
-            model = build_model(name, shape).to(dtype)
-            keep_in_fp32 = tuple(model._keep_in_fp32_modules_strict or ())  # as a bf16 `from_pretrained` loads them
-            for module_name, module in model.named_modules():
-                if keep_in_fp32 and module_name.endswith(keep_in_fp32):
-                    module.float()
+            model = as_loaded_in(build_model(name, shape), dtype)
             model.train()
             result.setdefault(name, {})[f"saved_activation_{dtype_name}_mib"] = saved_activation_bytes(model, batch) / 2**20
             del model

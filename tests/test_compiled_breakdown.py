@@ -70,3 +70,14 @@ def test_a_small_run_profiles_both_models_and_finds_dars_kernels(tmp_path, monke
     assert llama["by_category"]["BLAS products"][0] > 0 and dar["by_category"]["BLAS products"][0] > 0
     assert dar["by_category"]["generated kernels"][1] > llama["by_category"]["generated kernels"][1]
     assert results["bandwidth"][0]["size_mib"] == 0.01
+
+
+def test_models_are_measured_as_a_bf16_checkpoint_loads():
+    """bf16 branches with DAR's parameters float32 (`_keep_in_fp32_modules_strict`), as `from_pretrained` gives."""
+    import torch
+
+    built = compiled_breakdown.build_model("dar-block", compiled_breakdown.SHAPES["small"])
+    model = compiled_breakdown.as_loaded_in(built, torch.bfloat16)
+    dar = {name for name, _ in model.named_parameters() if "_residual" in name or "final_readout" in name}
+    assert dar and {model.get_parameter(name).dtype for name in dar} == {torch.float32}
+    assert {p.dtype for name, p in model.named_parameters() if name not in dar} == {torch.bfloat16}
