@@ -5,7 +5,7 @@
 decoding, a vLLM step) is spent, and how far it is from the bytes limit:
   1. each model is compiled (`torch.compile`, inductor) and its forward timed (median of `--repeats`), then run
      under `torch.profiler` with inductor's kernel profile, and the profile is grouped by who spends the time:
-     the BLAS products (the branches' matrix products; equal in both models when DAR adds none), the kernels
+     the BLAS products (the branches' matrix products, and DAR's nine phase-1 key-dot products), the kernels
      inductor generated (per group of kernels of the same name), the generated wrapper's own Python (buffer
      allocations, input size checks, kernel calls), dynamo's guards, other ATen operations;
   2. the machine's one-thread bandwidth is measured on arrays of several sizes (an out-of-place add, a copy, a sum),
