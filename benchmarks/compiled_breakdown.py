@@ -67,12 +67,22 @@ def breakdown(events, calls: int) -> tuple[dict, dict]:
     kernels = collections.defaultdict(lambda: [0.0, 0.0])
     for event in events:
         name = category(event.key)
-        by_category[name][0] += event.self_cpu_time_total / calls / 1e3
-        by_category[name][1] += event.count / calls
-        if name == "generated kernels":
-            kernels[kernel_group(event.key)][0] += event.self_cpu_time_total / calls / 1e3
-            kernels[kernel_group(event.key)][1] += event.count / calls
+        ms, count = event.self_cpu_time_total / calls / 1e3, event.count / calls
+        totals = [by_category[name]] + ([kernels[kernel_group(event.key)]] if name == "generated kernels" else [])
+        for total in totals:
+            total[0] += ms
+            total[1] += count
     return by_category, dict(kernels)
+
+
+def median_seconds(run, repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of `run`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def profile_compiled_forward(model, input_ids, repeats: int, profiled_calls: int) -> dict:
@@ -81,16 +91,12 @@ def profile_compiled_forward(model, input_ids, repeats: int, profiled_calls: int
     with torch.no_grad():
         for _ in range(3):  # compile, then warm
             compiled(input_ids=input_ids, use_cache=False)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            compiled(input_ids=input_ids, use_cache=False)
-            times.append(time.perf_counter() - start)
+        seconds = median_seconds(lambda: compiled(input_ids=input_ids, use_cache=False), repeats)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             for _ in range(profiled_calls):
                 compiled(input_ids=input_ids, use_cache=False)
     by_category, kernels = breakdown(profile.key_averages(), profiled_calls)
-    return {"forward_ms": 1e3 * statistics.median(times), "by_category": by_category, "kernels": kernels}
+    return {"forward_ms": 1e3 * seconds, "by_category": by_category, "kernels": kernels}
 
 
 def bandwidth(sizes_mib, repeats: int = 30) -> list[dict]:
@@ -103,13 +109,8 @@ def bandwidth(sizes_mib, repeats: int = 30) -> list[dict]:
                     "sum": (lambda: a.sum(), 1)}
         row = {"size_mib": size}
         for measure, (run, arrays) in measures.items():
-            run()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            row[f"{measure}_gbs"] = arrays * size * 2**20 / statistics.median(times) / 1e9
+            run()  # warm
+            row[f"{measure}_gbs"] = arrays * size * 2**20 / median_seconds(run, repeats) / 1e9
         rows.append(row)
     return rows
 
