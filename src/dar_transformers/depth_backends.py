@@ -1371,14 +1371,32 @@ class InferenceDepthBackend:
         total = weights.sum(0)
         weights.div_(total)
         log_sum_exp = total.log_().add_(top)  # [B, T, R, J]
-        sums = _fused_value_sums if torch.compiler.is_compiling() else _value_sums
-        means = sums(weights, history, self.value_streams)  # [B, T, J, R, D]
+        if torch.compiler.is_compiling():
+            means = _fused_value_sums(weights, history, self.value_streams)  # [B, T, J, R, D]
+            return self._traced_plans(means, log_sum_exp, weights, gates, sees_partial)
+        means = _value_sums(weights, history, self.value_streams)  # [B, T, J, R, D]
         # sum_j gate_j Obar^j [B, T, R, D], one stream at a time: a sum over the strided stream axis of `means`
         # costs ten times the whole value sum on CPU
         gated = means[:, :, 0] * gates[:, :1]
         for stream in range(1, streams):
             gated.addcmul_(means[:, :, stream], gates[:, stream : stream + 1])
         return list(map(_PlannedRead, gated.unbind(2), means.unbind(3), log_sum_exp.unbind(2), weights.unbind(3)))
+
+    @staticmethod
+    def _traced_plans(means, log_sum_exp, weights, gates, sees_partial: list[bool]) -> list[_PlannedRead]:
+        """Phase 1's plans in a traced forward: the gated sum only for a read that does not see the partial (the
+        branch input); a read of the partial forms its own from Obar (`_traced_read_with_partial`). Inductor writes
+        a gated sum it is given to memory and reads it back at the read: that is 2 x 4 D bytes per token and read
+        more, and measured 7 ms of a compiled 1 x 128 fp32 prefill at the SmolLM2 shape (docs/overhead-log.md)."""
+        plans = []
+        for read, (partial, mean) in enumerate(zip(sees_partial, means.unbind(3))):  # Obar [B, T, J, D]
+            gated = None
+            if not partial:
+                gated = mean[:, :, 0] * gates[read, 0]
+                for stream in range(1, mean.shape[2]):
+                    gated = gated + mean[:, :, stream] * gates[read, stream]
+            plans.append(_PlannedRead(gated, mean, log_sum_exp[:, :, read], weights[:, :, :, read]))
+        return plans
 
     def _stacked(self, residuals, constants: list[_InferenceConstants]) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed queries [R * J, J * D] and gates [R, J] of the reads of `residuals` side by side: in a compiled
@@ -1435,12 +1453,10 @@ class InferenceDepthBackend:
                 self.key_streams, self.value_streams, self.eps, like,
             )  # [B, T, D] in `dtype`: rounded as `.to(dtype)` would round it
             return branch_input, None
+        if torch.compiler.is_compiling():
+            return self._traced_read_with_partial(constants, partial, planned)
         batch, tokens, streams, hidden = partial.shape
-        if torch.compiler.is_compiling():  # a reduction inductor fuses with the key scale's, not a BLAS call per read
-            partial_dots = torch.linalg.vecdot(_streams(partial, self.key_streams, 2), constants.query)  # [B, T, J]
-        else:
-            partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
-            partial_dots = partial_dots.view(batch, tokens, streams)
+        partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t).view(batch, tokens, streams)
         score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
         values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
@@ -1451,6 +1467,28 @@ class InferenceDepthBackend:
         branch_input = torch.addcmul(planned.gated, differences[:, :, 0], coefficients[:, :, 0])
         for stream in range(1, streams):
             branch_input.addcmul_(differences[:, :, stream], coefficients[:, :, stream])
+        weights = None
+        if self.keep_weights:
+            weights = torch.cat([planned.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
+        return branch_input, weights
+
+    def _traced_read_with_partial(self, constants: _InferenceConstants, partial, planned: _PlannedRead):
+        """`_read_with_partial` in a traced forward, from Obar and P alone (no gated sum: `_traced_plans`):
+        u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)}, c_j = gate_j sigmoid(z_j - L_j); the partial's dots as a
+        reduction inductor fuses with its key scale's, not a BLAS call per read."""
+        partial_dots = torch.linalg.vecdot(_streams(partial, self.key_streams, 2), constants.query)  # [B, T, J]
+        score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
+        share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
+        values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
+        partial_weight = share * constants.gate  # c [B, T, J]
+        mean_weight = (constants.gate - partial_weight).unsqueeze(-1)  # [B, T, J, 1]
+        partial_weight = partial_weight.unsqueeze(-1)
+        branch_input = planned.mean[:, :, 0] * mean_weight[:, :, 0] + values[:, :, 0] * partial_weight[:, :, 0]
+        for stream in range(1, partial.shape[2]):
+            branch_input = (
+                branch_input + planned.mean[:, :, stream] * mean_weight[:, :, stream]
+                + values[:, :, stream] * partial_weight[:, :, stream]
+            )
         weights = None
         if self.keep_weights:
             weights = torch.cat([planned.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
