@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Families, key maps and targets (CPU): unsupported families and sliding-window layers are refused by name,
-keys that have no place stop the conversion, per-expert MoE tensors fuse into HF's layout, and each target's config
-validation names the field."""
+keys that have no place stop the conversion, per-expert MoE tensors fuse into HF's layout (two source tensors for one
+parameter are refused), and each target's config validation names the field."""
 
 import re
 
@@ -22,7 +22,13 @@ from transformers import (
 
 from dar_transformers import DARForCausalLM
 from dar_transformers.configuration_dar import DAR_BRANCH_FAMILIES
-from dar_transformers.conversion import DAR_NEW_PARAMETERS, UnsupportedArchitectureError, convert_to_dar_moe, upcycle
+from dar_transformers.conversion import (
+    DAR_NEW_PARAMETERS,
+    UnsupportedArchitectureError,
+    convert_to_dar_moe,
+    upcycle,
+    upcycle_to_dar_moe,
+)
 from dar_transformers.conversion.families import MOE_SOURCE_FAMILIES, SOURCE_FAMILIES
 from dar_transformers.conversion.keymaps import check_keys, fuse_expert_weights
 from dar_transformers.conversion.targets import dar_moe_config_from_source
@@ -125,6 +131,38 @@ def test_per_expert_checkpoint_tensors_are_fused(tmp_path):
     del qwen_style["model.layers.0.mlp.experts.1.up_proj.weight"]
     with pytest.raises(ValueError, match="incomplete"):
         fuse_expert_weights(qwen_style)
+
+
+@pytest.mark.parametrize("added, copy_of, named", [  # named: the two tensors the refusal names (regexes)
+    ("mlp.gate.weight", "block_sparse_moe.gate.weight",  # a legacy and a current router
+     (r"block_sparse_moe\.gate\.weight", r"mlp\.gate\.weight")),
+    ("mlp.experts.0.gate_proj.weight", "block_sparse_moe.experts.0.w1.weight",  # one expert's part, two names
+     (r"block_sparse_moe\.experts\.0\.w1\.weight", r"mlp\.experts\.0\.gate_proj\.weight")),
+    ("mlp.experts.gate_up_proj", None,  # fused experts (and down_proj) beside per-expert ones
+     (r"block_sparse_moe\.experts\.0\.w[12]\.weight", r"mlp\.experts\.(gate_up|down)_proj")),
+])
+def test_two_source_tensors_that_become_one_moe_tensor_are_refused_naming_both(tmp_path, added, copy_of, named):
+    """A Mixtral folder with a second tensor for one of its model's tensors: the plan kept one and dropped the other,
+    and the conversion said PASSED (transformers' loader keeps the other one). Refused naming both, by the plan and by
+    the fusion; nothing written."""
+    torch.manual_seed(0)
+    fields = {**TINY_LLAMA_FIELDS, "vocab_size": VOCAB}
+    mixtral = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **fields))
+    mixtral.save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    state = load_file(tmp_path / "source" / "model.safetensors")
+    if copy_of is None:  # the fused experts, as the model holds them
+        state.update({name: tensor for name, tensor in mixtral.state_dict().items() if ".experts." in name})
+    else:  # another value under the second name
+        state[f"model.layers.0.{added}"] = -state[f"model.layers.0.{copy_of}"]
+    save_file(state, tmp_path / "source" / "model.safetensors", metadata={"format": "pt"})
+    both = "".join(rf"(?=.*'model\.layers\.0\.{pattern}')" for pattern in named)
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=both + r".*one tensor per parameter"):
+        upcycle_to_dar_moe(tmp_path / "source", tmp_path / "out", **FAST)
+    assert_nothing_written(tmp_path, before)
+    with pytest.raises(ValueError, match=both):
+        fuse_expert_weights(state)
 
 
 def test_conversion_rejects_bad_inputs():

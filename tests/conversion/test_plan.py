@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Planning (CPU): the new parameters get exactly the values of the model's own `_init_weights`, and options are
-validated before any work."""
+"""Planning (CPU): the new parameters get exactly the values of the model's own `_init_weights`, no source tensor is
+left out, and options are validated before any work."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from dar_transformers import DARConfig, DARForCausalLM
 from dar_transformers.conversion import DAR_NEW_PARAMETERS, new_parameter_values, upcycle
+from dar_transformers.conversion.keymaps import TensorInfo
+from dar_transformers.conversion.plan import plan_conversion
+from dar_transformers.conversion.targets import DAR_TARGET, plan_dar_tensors
 
-from conftest import SHAPE, VOCAB
+from conftest import SHAPE, VOCAB, make_source
 
 
 @pytest.mark.parametrize("fields", [dict(dar_block_size=2), dict(dar_block_size=1, dar_num_streams=1),
@@ -39,3 +44,25 @@ def test_prompts_that_are_not_a_list_of_texts_are_refused_before_any_work(tmp_pa
     with pytest.raises(ValueError, match=r"^prompts must be a list of texts \(str\), got "):
         upcycle(tmp_path / "does-not-exist", tmp_path / "out", prompts=prompts)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_source_tensor_that_no_planned_tensor_is_made_from_is_refused_naming_it():
+    """The plan's general guard: a target kind whose plan leaves a source tensor out (here `model.norm.weight`, which
+    the kind says is new, so no target key is missing) is refused, naming it, not dropped silently. Ignored keys (old
+    checkpoints' rotary `inv_freq`) and a tied head (`check_tied_output_head` compared it) are the only exceptions."""
+    source = make_source("llama", tied=True)
+    infos = {name: TensorInfo(tuple(tensor.shape), tensor.dtype) for name, tensor in source.state_dict().items()}
+    infos["model.layers.0.self_attn.rotary_emb.inv_freq"] = TensorInfo((4,), torch.float32)
+    assert "lm_head.weight" in infos  # tied: the state dict holds the head, the plan the embedding only
+    config = DAR_TARGET.build_config(source.config, "llama", torch.float32, {})
+    plans, _ = plan_conversion(DAR_TARGET, config, infos, torch.float32)
+    assert "model.norm.weight" in plans
+    dropping_norm = dataclasses.replace(
+        DAR_TARGET,
+        plan_tensors=lambda infos, config: {name: plan for name, plan in plan_dar_tensors(infos, config).items()
+                                            if name != "model.norm.weight"},
+        new_parameters=(*DAR_NEW_PARAMETERS, r"model\.norm\.weight"),
+    )
+    with pytest.raises(ValueError, match=r"^the source: 1 tensor\(s\) that no converted tensor is made from: "
+                                         r"\['model\.norm\.weight'\]"):
+        plan_conversion(dropping_norm, config, infos, torch.float32)

@@ -103,8 +103,17 @@ def check_keys(missing: Sequence[str], unexpected: Sequence[str], new_parameters
         )
 
 
+def _one_source(first: str, second: str, target: str) -> ValueError:
+    return ValueError(
+        f"source tensors {first!r} and {second!r} both become {target}; a checkpoint holds one tensor per parameter "
+        "(Mixtral's `block_sparse_moe.` names or the `mlp.` ones, per-expert or fused experts, not both). Remove the "
+        "one the model does not use."
+    )
+
+
 def per_expert_groups(names: Iterable[str]) -> tuple[dict[str, dict[str, dict[int, str]]], list[str]]:
-    """Per-expert checkpoint names grouped as {prefix: {"gate"|"up"|"down": {expert: name}}}, and the other names."""
+    """Per-expert checkpoint names grouped as {prefix: {"gate"|"up"|"down": {expert: name}}}, and the other names.
+    Raises, naming both, on two names for one expert's part (`w1` and `gate_proj`)."""
     groups: dict[str, dict[str, dict[int, str]]] = {}
     others = []
     for name in names:
@@ -112,13 +121,34 @@ def per_expert_groups(names: Iterable[str]) -> tuple[dict[str, dict[str, dict[in
         if match is None:
             others.append(name)
             continue
-        parts = groups.setdefault(match["prefix"], {"gate": {}, "up": {}, "down": {}})
-        parts[PER_EXPERT_PARTS[match["name"]]][int(match["expert"])] = name
+        part, expert = PER_EXPERT_PARTS[match["name"]], int(match["expert"])
+        experts = groups.setdefault(match["prefix"], {"gate": {}, "up": {}, "down": {}})[part]
+        if expert in experts:
+            raise _one_source(experts[expert], name, f"{match['prefix']}mlp.experts (expert {expert}, {part})")
+        experts[expert] = name
     for prefix, parts in groups.items():
         indices = sorted(parts["down"])
         if not (indices == list(range(len(indices))) and sorted(parts["gate"]) == indices == sorted(parts["up"])):
             raise ValueError(f"Per-expert tensors under {prefix!r} are incomplete: experts {indices}.")
     return groups, others
+
+
+def moe_layout(names: Iterable[str]) -> tuple[dict[str, str], dict[str, dict[str, dict[int, str]]]]:
+    """An MoE checkpoint's names in its model's layout: {model name: source name} of the tensors kept whole (Mixtral's
+    `block_sparse_moe.` read as `mlp.`), and the per-expert groups (`per_expert_groups`), each fused into
+    `{prefix}mlp.experts.gate_up_proj` and `down_proj`. Raises, naming both, when two source tensors become one model
+    tensor: transformers' loader keeps one of them, so keeping either would drop the other silently."""
+    groups, others = per_expert_groups(names)
+    fused = {f"{prefix}mlp.experts.{target}": parts[part][0] for prefix, parts in groups.items()
+             for target, part in (("gate_up_proj", "gate"), ("down_proj", "down"))}  # named by expert 0's tensor
+    kept: dict[str, str] = {}
+    for name in others:
+        target = name.replace(".block_sparse_moe.", ".mlp.")
+        first = kept.get(target) or fused.get(target)
+        if first is not None:
+            raise _one_source(first, name, target)
+        kept[target] = name
+    return kept, groups
 
 
 def fuse_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -128,8 +158,8 @@ def fuse_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
     `...experts.N.{w2,down_proj}` -> `...mlp.experts.down_proj [E, D, I]`;
     Mixtral's `block_sparse_moe.gate` -> `mlp.gate`.
     """
-    groups, others = per_expert_groups(state_dict)
-    fused = {key.replace(".block_sparse_moe.", ".mlp."): state_dict[key] for key in others}
+    kept, groups = moe_layout(state_dict)
+    fused = {target: state_dict[name] for target, name in kept.items()}
     for prefix, parts in groups.items():
         indices = sorted(parts["down"])
         fused[f"{prefix}mlp.experts.gate_up_proj"] = torch.stack(
@@ -158,6 +188,7 @@ __all__ = [
     "fuse_expert_weights",
     "is_ignored_source_key",
     "map_keys",
+    "moe_layout",
     "per_expert_groups",
     "to_model_layout",
 ]

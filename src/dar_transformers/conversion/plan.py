@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, require_finite_cast
 from .families import source_family
-from .keymaps import TensorInfo, TensorPlan, check_keys
+from .keymaps import TensorInfo, TensorPlan, check_keys, is_ignored_source_key
 from .sources import check_has_layers
 from .targets import TargetKind, target_kind
 
@@ -76,17 +76,25 @@ def plan_conversion(
     """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`), the new
     ones with their `_init_weights` values (float32; float64 in a float64 model). Returns (plans, new names).
 
-    Raises, naming `description` and `config_name` (what its config was read from), when a target parameter is
-    neither planned nor new, when a planned tensor has no place in the target, or when a shape differs from the
-    target config's."""
+    Raises, naming `description` and `config_name` (what its config was read from), when a source tensor is in no
+    planned tensor (other than an ignored key, or a tied head: `check_tied_output_head` compared it with the
+    embedding), when a target parameter is neither planned nor new, when a planned tensor has no place in the
+    target, or when a shape differs from the target config's."""
     try:
         shared = target.plan_tensors(source_infos, config)
     except ValueError as error:
         raise ValueError(f"{description}: {error}") from error
     expected = meta_model(target.model_class, config).state_dict()
     if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        shared.pop("lm_head.weight", None)  # tied: as `save_pretrained`, the checkpoint holds the embedding only
+        expected.pop(HEAD, None)
+        shared.pop(HEAD, None)  # tied: as `save_pretrained`, the checkpoint holds the embedding only
+    used = {part for plan in shared.values() for part in plan.parts}
+    unused = [name for name in source_infos if name not in used and not is_ignored_source_key(name)
+              and not (name == HEAD and config.tie_word_embeddings)]
+    if unused:
+        raise ValueError(f"{description}: {len(unused)} tensor(s) that no converted tensor is made from: {unused[:8]}. "
+                         "Every source tensor converts (only old checkpoints' rotary inv_freq and a tied "
+                         f"{HEAD} equal to the embedding are left out); converting without them would drop them.")
     missing = [name for name in expected if name not in shared]
     unexpected = [name for name in shared if name not in expected]
     try:

@@ -45,7 +45,7 @@ from .keymaps import (
     TensorPlan,
     is_ignored_source_key,
     map_keys,
-    per_expert_groups,
+    moe_layout,
 )
 
 logger = logging.get_logger(__name__)
@@ -264,13 +264,12 @@ def plan_dar_moe_tensors(
     """
     check_expert_noise(expert_noise)
     names = [name for name in source_infos if not is_ignored_source_key(name)]
-    groups, others = per_expert_groups(names)
+    kept, groups = moe_layout(names)
     moe_source = bool(groups) or any(".experts." in name or ".block_sparse_moe." in name for name in names)
     if moe_source and expert_noise:
         raise ValueError("expert_noise applies to sparse upcycling of a dense model only, not to an MoE source.")
     plans = {
-        name.replace(".block_sparse_moe.", ".mlp."): TensorPlan(source_infos[name].shape, source_infos[name].dtype, (name,))
-        for name in others
+        target: TensorPlan(source_infos[name].shape, source_infos[name].dtype, (name,)) for target, name in kept.items()
     }
     for prefix, parts in groups.items():
         indices = sorted(parts["down"])
