@@ -11,15 +11,25 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.modeling_gguf_pytorch_utils import Qwen2MoeTensorProcessor, get_gguf_hf_weights_map
 
-from dar_transformers.conversion import VerificationError, api, checkpoints, plan, upcycle
+from dar_transformers.conversion import VerificationError, api, checkpoints, plan, upcycle, upcycle_to_dar_moe
 from dar_transformers.conversion.checkpoints import GGUFCheckpoint, SafetensorsCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.checkpoints import StateDictCheckpoint
 from dar_transformers.conversion.sources import exact_storage_dtype, load_source_config, plain_config, rounded_tensors
 
-from conftest import assert_nothing_written, make_source, make_tokenizer, save_source, write_tiny_gguf
+from conftest import (
+    SHAPE,
+    VOCAB,
+    assert_nothing_written,
+    make_source,
+    make_tokenizer,
+    save_source,
+    spread_weights,
+    write_tiny_gguf,
+)
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt", "incomplete"])
@@ -125,6 +135,68 @@ def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp
               for layer in range(2) for name, rows in (("q", 32), ("k", 16))}
     assert_gguf_refused(tmp_path, r"holds 4 tensor\(s\) that LlamaForCausalLM of its config has no parameter for: "
                                   r"\['blk\.0\.attn_q\.bias', 'blk\.0\.attn_k\.bias'", extra_tensors=biases)
+
+
+def write_tiny_moe_gguf(path, extra_tensors=None):
+    """A float32 Qwen3-MoE GGUF without a tokenizer (pass one), its tensors named by the inverse of transformers' own
+    key map, the experts as llama.cpp stores them (`blk.N.ffn_{gate,up,down}_exps.weight`, gate and up apart);
+    `extra_tensors` ({GGUF name: array}) after them. Its metadata carries no expert width: 768, the config default."""
+    config = Qwen3MoeConfig(**SHAPE, vocab_size=VOCAB, head_dim=16, num_experts=2, num_experts_per_tok=2,
+                            tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = spread_weights(Qwen3MoeForCausalLM(config))
+    writer = gguf_py.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_vocab_size(config.vocab_size)
+    gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, Qwen2MoeTensorProcessor()).items()}
+    for name, tensor in model.state_dict().items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, D]: gate rows, then up rows
+            gate, up = np.split(tensor.numpy(), 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+        else:  # the key map names an expert tensor without ".weight"
+            gguf_name = gguf_names[name]
+            writer.add_tensor(gguf_name if gguf_name.endswith((".weight", ".bias")) else f"{gguf_name}.weight",
+                              tensor.numpy())
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_moe_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp_path):
+    """As for a dense GGUF (above), for an MoE GGUF, which transformers' whole-file loader reads: a Qwen3-MoE file with
+    an attention bias (Qwen3 has none) converted without it, PASSED. Refused in the dense path's words, nothing
+    written; its expert tensors, which transformers' key map names without `.weight`, have their place: the file
+    without the bias converts exactly."""
+    (tmp_path / "gguf").mkdir()
+    biased = write_tiny_moe_gguf(tmp_path / "gguf" / "biased.gguf", {"blk.0.attn_q.bias": np.full(64, 0.5, np.float32)})
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"biased\.gguf: the file holds 1 tensor\(s\) that Qwen3MoeForCausalLM of its "
+                                         r"config has no parameter for: \['blk\.0\.attn_q\.bias'\]\. transformers' "
+                                         r"GGUF loader skips them .*nothing is converted\.$"):
+        upcycle_to_dar_moe(biased, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
+    assert_nothing_written(tmp_path, before)
+    result = upcycle_to_dar_moe(write_tiny_moe_gguf(tmp_path / "gguf" / "tiny.gguf"), tmp_path / "out",
+                                tokenizer=make_tokenizer(), tolerance=1e-5, full_greedy=False, prompts=["Hello"],
+                                progress=False)
+    assert result.report.passed
 
 
 def test_a_gguf_tensor_of_a_type_gguf_cannot_dequantise_is_refused_naming_it(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@
 
 import json
 import os
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from transformers.utils import logging
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
+    Qwen2MoeTensorProcessor,
     TensorProcessor,
     get_gguf_hf_weights_map,
     load_gguf_checkpoint,
@@ -315,6 +317,38 @@ class StateDictCheckpoint(Checkpoint):
         return tensor if rows is None else tensor[rows]
 
 
+def placed_gguf_tensors(path: Path, meta_model: torch.nn.Module) -> tuple[TensorProcessor, list[tuple[object, str]]]:
+    """The tensors of a GGUF file, each with the parameter of `meta_model` (a model of the file's config) that
+    transformers' `load_gguf_checkpoint` loads it into, and that loader's tensor processor: the one of the file's
+    `general.architecture`, whose key map (`get_gguf_hf_weights_map`) names the tensors. The Qwen2-MoE/Qwen3-MoE
+    processor looks an expert tensor `blk.N.ffn_{gate,up,down}_exps.weight` up without `.weight`.
+
+    Raises, naming them, if the file holds tensors the model has no parameter for: the loader skips them, as a
+    safetensors source's unplaceable tensors are refused (`keymaps.check_keys`)."""
+    parsed = load_gguf_checkpoint(str(path))  # metadata only
+    reader = gguf.GGUFReader(str(path))  # an np.memmap: only its header fields are touched here
+    architecture = reader.fields["general.architecture"].contents()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    key_map = get_gguf_hf_weights_map(meta_model, processor)
+    experts = processor.GGUF_MOE_WEIGHTS_PATTERN if isinstance(processor, Qwen2MoeTensorProcessor) else None
+    placed, unplaced = [], []
+    for tensor in reader.tensors:
+        expert = re.fullmatch(experts, tensor.name) if experts else None
+        hf_name = key_map.get(expert["name"] if expert else tensor.name)
+        if hf_name is None:
+            unplaced.append(tensor.name)
+        else:
+            placed.append((tensor, hf_name))
+    if unplaced:
+        raise ValueError(
+            f"the file holds {len(unplaced)} tensor(s) that {type(meta_model).__name__} of its config "
+            f"has no parameter for: {unplaced[:8]}{' ...' if len(unplaced) > 8 else ''}. transformers' GGUF "
+            "loader skips them (for example attention biases, or llama3 rope_freqs), so neither it nor a "
+            "conversion would compute what this file's model computes; nothing is converted."
+        )
+    return processor, placed
+
+
 class GGUFCheckpoint(Checkpoint):
     """A dense-family GGUF file, one tensor at a time: read at its offset, dequantised (float32), un-permuted by
     transformers' tensor processor and named through `get_gguf_hf_weights_map` of a meta model of `config`.
@@ -329,33 +363,15 @@ class GGUFCheckpoint(Checkpoint):
         self.path = Path(path)
         self.description = f"GGUF file {self.path}"
         self.config_name = "its GGUF metadata"
-        parsed = load_gguf_checkpoint(str(self.path))  # metadata only
-        architecture = parsed["config"].get("model_type")
-        self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-        key_map = get_gguf_hf_weights_map(meta_model, self.processor)
-        reader = gguf.GGUFReader(str(self.path))  # an np.memmap: only its header fields are touched here
+        self.processor, placed = placed_gguf_tensors(self.path, meta_model)
         self._fd = os.open(self.path, os.O_RDONLY)
         self._tensors = {}
         self._last: tuple[str, torch.Tensor] | None = None  # (name, the whole dequantised tensor)
         self.dequantised = 0  # tensors dequantised so far (each once per run of reads)
-        unplaced = []  # tensors the model of this config has no parameter for
-        for tensor in reader.tensors:
-            hf_name = key_map.get(tensor.name)
-            if hf_name is None:
-                unplaced.append(tensor.name)
-                continue
+        for tensor, hf_name in placed:
             info = TensorInfo(tuple(int(n) for n in reversed(tensor.shape.tolist())), torch.float32)
             self._tensors[hf_name] = (tensor.name, tensor.tensor_type, tensor.data.dtype, tensor.data.shape,
                                       int(tensor.data_offset), int(tensor.n_bytes), info)
-        del reader
-        if unplaced:  # refused as a safetensors source's unplaceable tensors are (`keymaps.check_keys`)
-            self.close()
-            raise ValueError(
-                f"the file holds {len(unplaced)} tensor(s) that {type(meta_model).__name__} of its config "
-                f"has no parameter for: {unplaced[:8]}{' ...' if len(unplaced) > 8 else ''}. transformers' GGUF "
-                "loader skips them (for example attention biases, or llama3 rope_freqs), so neither it nor a "
-                "conversion would compute what this file's model computes; nothing is converted."
-            )
 
     def infos(self) -> dict[str, TensorInfo]:
         return {name: entry[-1] for name, entry in self._tensors.items()}
@@ -392,4 +408,5 @@ class GGUFCheckpoint(Checkpoint):
             self._fd = None
 
 
-__all__ = ["Checkpoint", "FiniteCheckpoint", "GGUFCheckpoint", "SafetensorsCheckpoint", "StateDictCheckpoint", "require_finite"]
+__all__ = ["Checkpoint", "FiniteCheckpoint", "GGUFCheckpoint", "SafetensorsCheckpoint", "StateDictCheckpoint",
+           "placed_gguf_tensors", "require_finite"]

@@ -20,7 +20,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
-from .checkpoints import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint
+from .checkpoints import (
+    Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors,
+)
 from .families import ALL_SOURCE_FAMILIES, check_model_type, one_line, source_family
 
 logger = logging.get_logger(__name__)
@@ -341,6 +343,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
             meta = AutoModelForCausalLM.from_config(config)
         try:
             if config.model_type in MOE_GGUF_ARCHITECTURES:
+                placed_gguf_tensors(path, meta)  # refuses a tensor that the loader would skip
                 tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta)["tensors"]
                 checkpoint = StateDictCheckpoint(tensors, f"GGUF file {path}")
             else:
