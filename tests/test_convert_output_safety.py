@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import run_convert_in_process
+from dar_transformers.conversion import api as api_module
 from dar_transformers.conversion import output as output_module
 from dar_transformers.conversion.output import MANIFEST_NAME, STAGING_MARKER, check_output_folder, write_manifest
 
@@ -346,6 +348,50 @@ def test_signal_after_the_staging_folder_is_written_removes_it(tmp_path, tiny_so
     assert handlers_after == handlers  # the CLI's handlers are gone
 
 
+@pytest.mark.parametrize("moment, signum", [("in the clean-up after the swap", signal.SIGINT),
+                                            ("once the output is in place", signal.SIGTERM),
+                                            ("as the source is closed", signal.SIGHUP)])
+def test_a_signal_after_the_swap_says_the_output_was_written(tmp_path, tiny_source, monkeypatch, moment, signum):
+    """In-process: the signal arrives once the complete, verified output is in place, before `upcycle` returns. It
+    was reported as "nothing was written" (the clean-up re-raised a held signal outside the handler that says the
+    output is there, and `upcycle` had none); the CLI names the output it wrote, which is left as it is."""
+
+    def signal_once(*args):
+        os.kill(os.getpid(), signum)
+
+    if moment == "in the clean-up after the swap":  # the removal of a parent folder it made (not empty: kept)
+        make_parents = output_module._make_parents
+
+        class SignalledFolder:
+            def rmdir(self):
+                signal_once()
+                raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY))
+
+        monkeypatch.setattr(output_module, "_make_parents", lambda folder: [*make_parents(folder), SignalledFolder()])
+    elif moment == "once the output is in place":  # the first thing `upcycle` does after `write_repo_folder` returns
+        monkeypatch.setattr(api_module.logger, "info", signal_once)
+    else:
+        open_source = api_module.open_source
+
+        def opened(*args):
+            source = open_source(*args)
+            close = source.checkpoint.close
+            source.checkpoint.close = lambda: (close(), signal_once())
+            return source
+
+        monkeypatch.setattr(api_module, "open_source", opened)
+    inherited_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the test above
+    try:
+        code, stderr = run_convert_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, inherited_sigint)
+    assert code == 128 + signum
+    name = signal.Signals(signum).name
+    assert messages(stderr)[-1] == f"dar convert: interrupted by {name} after {tmp_path / 'out'} was written."
+    assert_complete_output(tmp_path / "out")
+    assert leftovers(tmp_path) == []
+
+
 def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp_path, tiny_source, caplog):
     source = tmp_path / "source"
     shutil.copytree(tiny_source, source)
@@ -384,6 +430,47 @@ def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tin
     code, stderr = run_convert_in_process(tiny_source, user, "--overwrite", cwd=tmp_path)
     assert code == 1 and "is not a previous conversion output" in stderr and len(stderr.strip().splitlines()) == 1
     assert (user / "notes.txt").read_text() == "user data"
+
+
+def test_the_output_is_on_disk_before_it_is_renamed_into_place_and_before_the_old_one_goes(tmp_path, tiny_source,
+                                                                                            monkeypatch):
+    """Nothing was flushed: a crash (power loss) soon after a conversion could leave empty or truncated shards under
+    the output's name, the replaced output already removed. Every file of the staging folder and the folder itself are
+    flushed (`os.fsync`) before the rename that makes it the output, and the parent folder after that rename, before
+    a replaced output is removed; recorded for a new output and for --overwrite."""
+    events = []  # ("fsync", path) / ("rename", source, target) / ("remove", folder), in order
+
+    def fsync(descriptor):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        real_fsync(descriptor)
+
+    def rename(source, target):
+        events.append(("rename", str(source), str(target)))
+        real_replace(source, target)
+
+    def remove(folder):
+        events.append(("remove", str(folder)))
+        real_remove(folder)
+
+    real_fsync, real_replace, real_remove = os.fsync, os.replace, output_module._remove_marked
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", rename)
+    monkeypatch.setattr(output_module, "_remove_marked", remove)
+    parent = tmp_path.resolve()
+    out = parent / "out"
+    for overwrite in ([], ["--overwrite"]):
+        events.clear()
+        assert run_convert_in_process(tiny_source, out, *overwrite, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+        (swap,) = [index for index, event in enumerate(events) if event[0] == "rename" and event[2] == str(out)]
+        staging = Path(events[swap][1])
+        flushed_before = {event[1] for event in events[:swap] if event[0] == "fsync"}
+        written = [str(staging / path) for path, status in output_module.walk_without_symlinks(out)
+                   if stat.S_ISREG(status.st_mode)]
+        assert len(written) > 10 and {*written, str(staging)} <= flushed_before, sorted(flushed_before)
+        parent_flushed = [index for index, event in enumerate(events[swap:], swap) if event == ("fsync", str(parent))]
+        removed = [index for index, event in enumerate(events) if event[0] == "remove"]
+        assert parent_flushed and len(removed) == len(overwrite) and all(parent_flushed[0] < i for i in removed)
+    assert_complete_output(out)
 
 
 def test_overwrite_never_replaces_a_dar_model_the_user_saved(tmp_path, tiny_source):

@@ -132,7 +132,7 @@ def run_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             **convert_fields(args),
         )
-    except KeyboardInterrupt as interrupt:  # the output is in place only if it came during the final swap
+    except KeyboardInterrupt as interrupt:  # `upcycle` says whether its output was in place; none before it opened one
         interrupt.output_written = getattr(interrupt, "output_written", False)
         raise
     except VerificationError as error:

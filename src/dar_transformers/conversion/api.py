@@ -6,6 +6,7 @@ downwards: read the source's config and check its family (`sources`, `families`)
 (`write`), verify what was written (`verify`), add the card (`card`) and move the folder into place (`output`).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -95,43 +96,48 @@ def upcycle(
     loaded = open_source(source, source_config, tokenizer)
     if in_memory:
         loaded.model = source
+    written = False  # True once the output is in place: an interrupt after that says so (`dar convert` does)
     try:
-        check_tied_output_head(loaded.checkpoint, source_config, loaded.checkpoint.description)
-        storage_dtype = options.storage_dtype or source_storage_dtype(loaded.checkpoint)
-        if options.storage_dtype is None:
-            warn_if_declared_dtype_differs(source_config, loaded.checkpoint, storage_dtype)
-        config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
-        plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
-                                           loaded.checkpoint.description, loaded.checkpoint.config_name)
-        # NaN/inf in the source: refused by the writer as it reads each tensor (its one read), in the staging folder.
-        check_dtype = options.verification_dtype(storage_dtype)
-        prompt_ids = build_prompts(loaded.tokenizer, source_config.vocab_size, options.prompts) if options.verify else []
-        outcome = {}
+        with contextlib.closing(loaded.checkpoint):
+            check_tied_output_head(loaded.checkpoint, source_config, loaded.checkpoint.description)
+            storage_dtype = options.storage_dtype or source_storage_dtype(loaded.checkpoint)
+            if options.storage_dtype is None:
+                warn_if_declared_dtype_differs(source_config, loaded.checkpoint, storage_dtype)
+            config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
+            plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
+                                               loaded.checkpoint.description, loaded.checkpoint.config_name)
+            # NaN/inf in the source: refused by the writer as it reads each tensor (its one read), when staging.
+            check_dtype = options.verification_dtype(storage_dtype)
+            prompt_ids = (build_prompts(loaded.tokenizer, source_config.vocab_size, options.prompts) if options.verify
+                          else [])
+            outcome = {}
 
-        def write(folder: Path) -> None:
-            write_converted_folder(folder, target, config, plans, new_names, loaded, options.max_shard_bytes,
-                                   options.progress)
-            if not options.verify:
-                return
-            report = verify_written(loaded, target, folder, prompt_ids, check_dtype, options)
-            outcome["report"] = report
-            raise_unless_passed(report, storage_dtype, loaded.checkpoint)
-            answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
-            card = render_model_card(config, report, loaded, base_model=options.base_model, kind=target.description,
-                                     answers=answers, exact=target.exact)
-            (folder / "README.md").write_text(card, encoding="utf-8")
+            def write(folder: Path) -> None:
+                write_converted_folder(folder, target, config, plans, new_names, loaded, options.max_shard_bytes,
+                                       options.progress)
+                if not options.verify:
+                    return
+                report = verify_written(loaded, target, folder, prompt_ids, check_dtype, options)
+                outcome["report"] = report
+                raise_unless_passed(report, storage_dtype, loaded.checkpoint)
+                answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
+                card = render_model_card(config, report, loaded, base_model=options.base_model,
+                                         kind=target.description, answers=answers, exact=target.exact)
+                (folder / "README.md").write_text(card, encoding="utf-8")
 
-        if output is not None:
-            write_repo_folder(output, write, options.overwrite, source)
-            logger.info(f"Wrote the converted model to {output}")
-        else:  # a check only: written to a temporary folder, verified, removed
-            with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:
-                write(Path(scratch))
-    finally:
-        loaded.checkpoint.close()
-    loaded.model = None
-    return ConversionResult(model=None, tokenizer=loaded.tokenizer, report=outcome.get("report"), source=loaded,
-                            output=output, config=config)
+            if output is not None:
+                write_repo_folder(output, write, options.overwrite, source)
+                written = True
+                logger.info(f"Wrote the converted model to {output}")
+            else:  # a check only: written to a temporary folder, verified, removed
+                with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:
+                    write(Path(scratch))
+        loaded.model = None
+        return ConversionResult(model=None, tokenizer=loaded.tokenizer, report=outcome.get("report"), source=loaded,
+                                output=output, config=config)
+    except KeyboardInterrupt as interrupt:  # one from `write_repo_folder` says itself whether it swapped
+        interrupt.output_written = getattr(interrupt, "output_written", written)
+        raise
 
 
 def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOptions) -> ConversionResult:

@@ -17,11 +17,12 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   version that wrote no manifest. Symlinks in the output are never followed.
 - The output may not be a mount point (or lie on another device than its parent): the swap renames folders in the
   parent, which cannot replace a mount point. Refused before any work.
-- The new folder is written and verified in a staging folder next to the output, and only then renamed into place;
-  a replaced output is moved aside first and removed last (kept, with a warning, if it was written to after its
-  last check). The new folder takes the replaced folder's permission bits (setgid included) and, as far as this
-  process may, its owner and group. Signals are held back while folders are swapped or cleaned up, and any error
-  (or interrupt) removes what this run created.
+- The new folder is written and verified in a staging folder next to the output, flushed to the disk (fsync), and
+  only then renamed into place; a replaced output is moved aside first and removed last, once the rename is on the
+  disk (kept, with a warning, if it was written to after its last check). The new folder takes the replaced
+  folder's permission bits (setgid included) and, as far as this process may, its owner and group. Signals are held
+  back while folders are swapped or cleaned up, and any error (or interrupt) removes what this run created; an
+  interrupt after the swap says that the output was written.
 - Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process, which the run holds
   locked (`flock`) while the folder is its own; a later run removes those of runs that are no longer alive (a SIGKILL
   leaves them behind) and never touches a folder without it, nor one whose marker is still locked (a run whose process
@@ -29,6 +30,7 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
 """
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -349,47 +351,68 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
     """Run `write(folder)` on a staging folder next to `output`, add the manifest of what it wrote, then move it into
     place (all or nothing).
 
-    The output is checked (`check_output_folder`) before anything is created and again just before the swap; an
-    existing output (empty, or a previous conversion with `overwrite`) is moved aside only once the new folder is
-    complete, then removed; the new folder takes its permission bits, owner and group (`_take_over_metadata`). On
-    any error or interrupt, the staging folder and the parent folders this call created are removed and the error
-    propagates; an OS error is re-raised as one `OSError` line that names the output."""
+    The output is checked (`check_output_folder`) before anything is created and again just before the swap; the
+    new folder's files are flushed to the disk before it (`_fsync`); an existing output (empty, or a previous
+    conversion with `overwrite`) is moved aside only once the new folder is complete, then removed; the new folder
+    takes its permission bits, owner and group (`_take_over_metadata`). On any error or interrupt, the staging folder
+    and the parent folders this call created are removed and the error propagates; an OS error is re-raised as one
+    `OSError` line that names the output, an interrupt with `output_written`: whether the new output is in place."""
     output = check_output_folder(output, overwrite, source)
     created: list[Path] = []
     staging = None
+    swapped = False
     try:
-        remove_stale_runs(output.parent)
-        with signals_held():
-            created = _make_parents(output.parent)
-            staging = _marked_folder(output, STAGING_SUFFIX)
-        write(staging)
-        _apply_umask(staging)
-        write_manifest(staging)  # last: what `overwrite` may replace later
-        check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
-        with signals_held():
-            _move_into_place(staging, output)
-            staging = None
-    except KeyboardInterrupt as interrupt:  # a signal held during the swap arrives after it: the output is complete
-        interrupt.output_written = staging is None
+        try:
+            remove_stale_runs(output.parent)
+            with signals_held():
+                created = _make_parents(output.parent)
+                staging = _marked_folder(output, STAGING_SUFFIX)
+            write(staging)
+            _apply_umask(staging)
+            write_manifest(staging)  # last: what `overwrite` may replace later
+            for path, status in walk_without_symlinks(staging):  # on the disk before the rename makes it the output
+                if stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
+                    _fsync(staging / path)
+            _fsync(staging)
+            check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
+            with signals_held():
+                _move_into_place(staging, output)
+                staging, swapped = None, True
+        except OSError as error:
+            if error.errno is None:  # one of this module's own refusals, already one line
+                raise
+            raise _write_error(output, error.errno, _describe(error)) from error
+        except Exception as error:  # Rust writers (tokenizers) report an OS error as a bare Exception "(os error N)"
+            os_error = re.search(r"\(os error (\d+)\)", str(error))
+            if os_error is None or type(error) is not Exception:
+                raise
+            raise _write_error(output, int(os_error.group(1)), str(error)) from error
+        finally:
+            with signals_held():
+                if staging is not None and os.path.lexists(staging):
+                    shutil.rmtree(staging, ignore_errors=True)
+                if staging is not None:
+                    _release_marker(staging)
+                for folder in reversed(created):
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()  # only if still empty
+    except KeyboardInterrupt as interrupt:  # one held during the swap or the clean-up is raised after them
+        interrupt.output_written = swapped
         raise
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (a rename in it), to the disk: else a crash (power loss) soon after
+    the swap could leave the output's files empty or truncated, the replaced output already removed. A folder on a
+    file system that cannot flush folders (EINVAL) is left as it is."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
     except OSError as error:
-        if error.errno is None:  # one of this module's own refusals, already one line
-            raise
-        raise _write_error(output, error.errno, _describe(error)) from error
-    except Exception as error:  # Rust writers (tokenizers) report an OS error as a bare Exception "... (os error N)"
-        os_error = re.search(r"\(os error (\d+)\)", str(error))
-        if os_error is None or type(error) is not Exception:
-            raise
-        raise _write_error(output, int(os_error.group(1)), str(error)) from error
+        if error.errno != errno.EINVAL or not path.is_dir():
+            raise OSError(error.errno, error.strerror, str(path)) from error
     finally:
-        with signals_held():
-            if staging is not None and os.path.lexists(staging):
-                shutil.rmtree(staging, ignore_errors=True)
-            if staging is not None:
-                _release_marker(staging)
-            for folder in reversed(created):
-                with contextlib.suppress(OSError):
-                    folder.rmdir()  # only if still empty
+        os.close(descriptor)
 
 
 def _write_error(output: Path, errno: int, description: str) -> OutputWriteError:
@@ -472,6 +495,11 @@ def _move_into_place(staging: Path, output: Path) -> None:
         existing = os.lstat(output)
     except FileNotFoundError:
         os.replace(staging, output)
+        try:
+            _fsync(output.parent)
+        except OSError as error:  # the output is in place: say what may not last rather than fail
+            logger.warning(f"Wrote {output}, but its folder {output.parent} could not be flushed to the disk "
+                           f"({_describe(error)}): a crash soon may undo the rename.")
         return
     _take_over_metadata(staging, existing)
     retired = _marked_folder(output, RETIRED_SUFFIX)
@@ -502,6 +530,7 @@ def _retire(staging: Path, output: Path, retired: Path) -> None:
                        f"it was kept, not removed: {retired / output.name}")
         return
     try:
+        _fsync(output.parent)  # the rename on the disk before the replaced output, its only other copy, goes
         _remove_marked(retired)
     except OSError as error:  # the new output is in place; say what is left rather than fail
         logger.warning(f"Wrote {output}, but the previous output moved to {retired} could not be removed "
