@@ -283,18 +283,8 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTo
     `extra_tensors` ({GGUF name: array}) are written after the model's, `extra_metadata` ({key: str, float or int})
     after its metadata."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf_writer(path, "llama", config)
     writer.add_name("tiny-llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_vocab_size(config.vocab_size)
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get) + [f"<unused{i}>" for i in range(config.vocab_size - len(vocab))]
@@ -324,13 +314,35 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTo
         elif module == "self_attn.k_proj":
             array = llama_cpp_permute(array, config.num_key_value_heads)
         writer.add_tensor(f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight", array)
+    finish_gguf(writer, extra_tensors)
+    return path
+
+
+def gguf_writer(path: Path, architecture: str, config) -> gguf.GGUFWriter:
+    """A GGUF writer holding the metadata llama.cpp writes for every decoder of `config` (its shape, rope base and
+    dimension, norm epsilon, vocabulary size); the caller adds its family's own, then the tensors."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    return writer
+
+
+def finish_gguf(writer: gguf.GGUFWriter, extra_tensors=None) -> None:
+    """`extra_tensors` ({GGUF name: array}) after the model's, then the file written and closed."""
     for name, array in (extra_tensors or {}).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def assert_nothing_written(parent: Path, before: set[str]) -> None:

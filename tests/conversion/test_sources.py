@@ -24,6 +24,8 @@ from conftest import (
     SHAPE,
     VOCAB,
     assert_nothing_written,
+    finish_gguf,
+    gguf_writer,
     make_source,
     make_tokenizer,
     save_source,
@@ -145,21 +147,11 @@ def write_tiny_moe_gguf(path, extra_tensors=None):
                             tie_word_embeddings=False)
     torch.manual_seed(0)
     model = spread_weights(Qwen3MoeForCausalLM(config))
-    writer = gguf_py.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer(path, "qwen3moe", config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_vocab_size(config.vocab_size)
     gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, Qwen2MoeTensorProcessor()).items()}
     for name, tensor in model.state_dict().items():
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -171,12 +163,7 @@ def write_tiny_moe_gguf(path, extra_tensors=None):
             gguf_name = gguf_names[name]
             writer.add_tensor(gguf_name if gguf_name.endswith((".weight", ".bias")) else f"{gguf_name}.weight",
                               tensor.numpy())
-    for name, array in (extra_tensors or {}).items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer, extra_tensors)
     return path
 
 
