@@ -1385,7 +1385,7 @@ class InferenceDepthBackend:
     @staticmethod
     def _traced_plans(means, log_sum_exp, weights, gates, sees_partial: list[bool]) -> list[_PlannedRead]:
         """Phase 1's plans in a traced forward: the gated sum only for a read that does not see the partial (the
-        branch input); a read of the partial forms its own from Obar (`_traced_read_with_partial`). Inductor writes
+        branch input); a read of the partial forms its own from Obar (`_regrouped_branch_input`). Inductor writes
         a gated sum it is given to memory and reads it back at the read: that is 2 x 4 D bytes per token and read
         more, and measured 7 ms of a compiled 1 x 128 fp32 prefill at the SmolLM2 shape (docs/overhead-log.md)."""
         plans = []
@@ -1453,46 +1453,46 @@ class InferenceDepthBackend:
                 self.key_streams, self.value_streams, self.eps, like,
             )  # [B, T, D] in `dtype`: rounded as `.to(dtype)` would round it
             return branch_input, None
-        if torch.compiler.is_compiling():
-            return self._traced_read_with_partial(constants, partial, planned)
+        traced = torch.compiler.is_compiling()
         batch, tokens, streams, hidden = partial.shape
-        partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t).view(batch, tokens, streams)
+        if traced:  # a reduction inductor fuses with the key scale's, not a BLAS call per read
+            partial_dots = torch.linalg.vecdot(_streams(partial, self.key_streams, 2), constants.query)  # [B, T, J]
+        else:
+            partial_dots = wide_product(partial.view(-1, streams * hidden), constants.routed_t)
+            partial_dots = partial_dots.view(batch, tokens, streams)
         score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
         values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
-        # u = sum_j gate_j Obar^j + sum_j gate_j share_j (P^{nu(j)} - Obar^j), one stream at a time (a batched
-        # product over the streams loops over tokens on CPU, and a sum over the strided stream axis is slower still)
-        coefficients = (share * constants.gate).unsqueeze(-1)  # [B, T, J, 1]
-        differences = values - planned.mean  # [B, T, J, D]
-        branch_input = torch.addcmul(planned.gated, differences[:, :, 0], coefficients[:, :, 0])
-        for stream in range(1, streams):
-            branch_input.addcmul_(differences[:, :, stream], coefficients[:, :, stream])
+        if traced:
+            branch_input = self._regrouped_branch_input(constants.gate, share, values, planned.mean)
+        else:
+            # u = sum_j gate_j Obar^j + sum_j gate_j share_j (P^{nu(j)} - Obar^j), one stream at a time (a batched
+            # product over the streams loops over tokens on CPU, and a sum over the strided stream axis is slower)
+            coefficients = (share * constants.gate).unsqueeze(-1)  # [B, T, J, 1]
+            differences = values - planned.mean  # [B, T, J, D]
+            branch_input = torch.addcmul(planned.gated, differences[:, :, 0], coefficients[:, :, 0])
+            for stream in range(1, streams):
+                branch_input.addcmul_(differences[:, :, stream], coefficients[:, :, stream])
         weights = None
         if self.keep_weights:
             weights = torch.cat([planned.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
         return branch_input, weights
 
-    def _traced_read_with_partial(self, constants: _InferenceConstants, partial, planned: _PlannedRead):
-        """`_read_with_partial` in a traced forward, from Obar and P alone (no gated sum: `_traced_plans`):
-        u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)}, c_j = gate_j sigmoid(z_j - L_j); the partial's dots as a
-        reduction inductor fuses with its key scale's, not a BLAS call per read."""
-        partial_dots = torch.linalg.vecdot(_streams(partial, self.key_streams, 2), constants.query)  # [B, T, J]
-        score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
-        share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
-        values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
-        partial_weight = share * constants.gate  # c [B, T, J]
-        mean_weight = (constants.gate - partial_weight).unsqueeze(-1)  # [B, T, J, 1]
+    @staticmethod
+    def _regrouped_branch_input(gate, share, values, mean) -> torch.Tensor:
+        """The branch input of a read of the partial in a traced forward, from Obar and P alone (phase 1 wrote no
+        gated sum for it: `_traced_plans`): u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)}, c_j = gate_j share_j.
+        gate [J], share [B, T, J], values P^{nu(j)} and mean Obar [B, T, J, D] -> u [B, T, D]."""
+        partial_weight = share * gate  # c [B, T, J]
+        mean_weight = (gate - partial_weight).unsqueeze(-1)  # [B, T, J, 1]
         partial_weight = partial_weight.unsqueeze(-1)
-        branch_input = planned.mean[:, :, 0] * mean_weight[:, :, 0] + values[:, :, 0] * partial_weight[:, :, 0]
-        for stream in range(1, partial.shape[2]):
+        branch_input = mean[:, :, 0] * mean_weight[:, :, 0] + values[:, :, 0] * partial_weight[:, :, 0]
+        for stream in range(1, values.shape[2]):
             branch_input = (
-                branch_input + planned.mean[:, :, stream] * mean_weight[:, :, stream]
+                branch_input + mean[:, :, stream] * mean_weight[:, :, stream]
                 + values[:, :, stream] * partial_weight[:, :, stream]
             )
-        weights = None
-        if self.keep_weights:
-            weights = torch.cat([planned.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
-        return branch_input, weights
+        return branch_input
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
         constants = self.constants.get(residual) or self._constants(
