@@ -139,12 +139,13 @@ def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp
                                   r"\['blk\.0\.attn_q\.bias', 'blk\.0\.attn_k\.bias'", extra_tensors=biases)
 
 
-def write_tiny_moe_gguf(path, extra_tensors=None):
+def write_tiny_moe_gguf(path, extra_tensors=None, moe_intermediate_size=768):
     """A float32 Qwen3-MoE GGUF without a tokenizer (pass one), its tensors named by the inverse of transformers' own
     key map, the experts as llama.cpp stores them (`blk.N.ffn_{gate,up,down}_exps.weight`, gate and up apart);
-    `extra_tensors` ({GGUF name: array}) after them. Its metadata carries no expert width: 768, the config default."""
+    `extra_tensors` ({GGUF name: array}) after them. Its metadata carries the expert width as llama.cpp writes it
+    (`expert_feed_forward_length`, which transformers' reader drops: 768, Qwen3MoeConfig's default, reads back)."""
     config = Qwen3MoeConfig(**SHAPE, vocab_size=VOCAB, head_dim=16, num_experts=2, num_experts_per_tok=2,
-                            tie_word_embeddings=False)
+                            moe_intermediate_size=moe_intermediate_size, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = spread_weights(Qwen3MoeForCausalLM(config))
     writer = gguf_writer(path, "qwen3moe", config)
@@ -152,6 +153,7 @@ def write_tiny_moe_gguf(path, extra_tensors=None):
     writer.add_value_length(config.head_dim)
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, Qwen2MoeTensorProcessor()).items()}
     for name, tensor in model.state_dict().items():
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -184,6 +186,29 @@ def test_a_moe_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped
                                 tokenizer=make_tokenizer(), tolerance=1e-5, full_greedy=False, prompts=["Hello"],
                                 progress=False)
     assert result.report.passed
+
+
+def test_a_moe_gguf_whose_expert_width_transformers_does_not_read_is_refused_naming_it(tmp_path):
+    """A Qwen3-MoE GGUF of experts 24 wide: transformers' GGUF reader drops `expert_feed_forward_length` and builds
+    experts 768 wide (Qwen3MoeConfig's default), and the conversion was refused by the plan saying the weights "do not
+    match its config.json" (a GGUF file has none), with no word of why. Refused when its metadata is read, naming the
+    key, its value and the config field transformers holds instead; nothing written."""
+    (tmp_path / "gguf").mkdir()
+    narrow = write_tiny_moe_gguf(tmp_path / "gguf" / "narrow.gguf", moe_intermediate_size=24)
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"narrow\.gguf: its metadata qwen3moe\.expert_feed_forward_length = 24, but "
+                                         r"transformers' GGUF reader drops it and builds the model with "
+                                         r"moe_intermediate_size = 768, .*nothing is converted\."):
+        upcycle_to_dar_moe(narrow, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
+    assert_nothing_written(tmp_path, before)
+
+
+def test_a_gguf_head_size_that_transformers_does_not_read_is_refused_naming_it(tmp_path):
+    """A Llama GGUF whose key length is not hidden size / heads: transformers' reader drops the key and computes the
+    head dimension from the shape. Refused naming the key and the head dimension transformers uses."""
+    assert_gguf_refused(tmp_path, r"tiny\.gguf: its metadata llama\.attention\.key_length = 16, but transformers' GGUF "
+                                  r"reader drops it and builds the model with head_dim = 8, ",
+                        extra_metadata={"llama.attention.key_length": 16})
 
 
 def test_a_gguf_tensor_of_a_type_gguf_cannot_dequantise_is_refused_naming_it(tmp_path, monkeypatch):

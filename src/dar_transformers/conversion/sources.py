@@ -52,8 +52,16 @@ GGUF_DROPPED_METADATA: dict[str, tuple] = {
     "attn_logit_softcapping": (0.0,),
     "final_logit_softcapping": (0.0,),
 }
-# Dropped metadata that must equal the config's head dimension (a partial rotary or a different head size otherwise).
-GGUF_HEAD_DIM_METADATA = ("rope.dimension_count", "attention.key_length", "attention.value_length")
+# Dropped metadata that must equal what transformers' config holds instead (its class default, or the head dimension
+# computed from the shape): a partial rotary or a different head size otherwise; for an MoE file, expert widths other
+# than Qwen2MoeConfig's or Qwen3MoeConfig's defaults (the file's tensors then do not fit the model transformers builds).
+GGUF_CONFIG_FIELD_METADATA: dict[str, str] = {
+    "rope.dimension_count": "head_dim",
+    "attention.key_length": "head_dim",
+    "attention.value_length": "head_dim",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
 
 
 @dataclasses.dataclass
@@ -184,8 +192,9 @@ def custom_code_entries(config: PreTrainedConfig) -> tuple[str, ...]:
 
 def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
     """Refuse a GGUF file of a family that converts whose `{architecture}.*` metadata changes the model's function
-    but is dropped by transformers' GGUF config reader (`GGUF_DROPPED_METADATA`, `GGUF_HEAD_DIM_METADATA`): as the
-    file's tensors that transformers skips are refused (`GGUFCheckpoint`), so are its settings, naming key and value."""
+    but is dropped by transformers' GGUF config reader (`GGUF_DROPPED_METADATA`): as the
+    file's tensors that transformers skips are refused (`GGUFCheckpoint`), so are its settings, naming key and value.
+    A setting that transformers' config holds under another name (`GGUF_CONFIG_FIELD_METADATA`) must equal it."""
     if config.model_type not in ALL_SOURCE_FAMILIES:
         return  # refused by family, naming the supported ones
     import gguf  # present: transformers just read the file's metadata with it
@@ -198,8 +207,21 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
         setting = key.removeprefix(f"{architecture}.")
         if setting == key or setting in carried:
             continue
-        neutral = (head_dim,) if setting in GGUF_HEAD_DIM_METADATA else GGUF_DROPPED_METADATA.get(setting)
         value = field.contents()
+        if setting in GGUF_CONFIG_FIELD_METADATA:
+            name = GGUF_CONFIG_FIELD_METADATA[setting]
+            if not hasattr(config, name):
+                continue  # a family without the field: its tensors or shapes are checked against the config
+            read = head_dim if name == "head_dim" else getattr(config, name)
+            if value != read:
+                raise ValueError(
+                    f"GGUF file {path}: its metadata {key} = {value!r}, but transformers' GGUF reader drops it and "
+                    f"builds the model with {name} = {read!r}, so the model transformers reads is not this file's "
+                    "model (a partial rotary, or tensors that do not fit); nothing is converted. Convert the model's "
+                    f"Hugging Face folder instead (its config.json carries {name})."
+                )
+            continue
+        neutral = GGUF_DROPPED_METADATA.get(setting)
         if neutral is not None and value not in neutral:
             raise ValueError(
                 f"GGUF file {path}: its metadata {key} = {value!r} changes what the model computes in llama.cpp, and "
@@ -346,6 +368,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                 placed_gguf_tensors(path, meta)  # refuses a tensor that the loader would skip
                 tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta)["tensors"]
                 checkpoint = StateDictCheckpoint(tensors, f"GGUF file {path}")
+                checkpoint.config_name = "its GGUF metadata"
             else:
                 checkpoint = GGUFCheckpoint(path, config, meta)
         except Exception as error:
