@@ -2,6 +2,7 @@
 """Verification (CPU, tiny models): what is verified is what is written, and verdicts fail when they must: a
 wrong DAR init, an inexact setting, greedy or top-1 disagreement, rounding beyond the bar (unless relaxed)."""
 
+import json
 import math
 import platform
 import subprocess
@@ -19,6 +20,7 @@ from dar_transformers.conversion import (
     plan as conversion_plan,
     upcycle,
     upcycle_model,
+    write as conversion_write,
 )
 from dar_transformers.conversion.checkpoints import SafetensorsCheckpoint
 from dar_transformers.conversion.plan import meta_model
@@ -232,3 +234,50 @@ def test_a_layer_streamed_pass_hands_each_layers_freed_heap_back(tmp_path, monke
     side = StreamedModel(meta_model(LlamaForCausalLM, AutoConfig.from_pretrained(source)), SafetensorsCheckpoint(source))
     streamed_hidden_states(side, [IDS[:1, :8]], torch.float32)
     assert len(calls) == side.model.config.num_hidden_layers
+
+
+def lowercase_everything(folder):  # a normalizer the source's tokenizer.json does not have
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def drop_the_chat_template(folder):
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    fields = json.loads((folder / "tokenizer_config.json").read_text())
+    fields.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(fields))
+
+
+def another_eos_token(folder):
+    fields = json.loads((folder / "tokenizer_config.json").read_text())
+    fields["eos_token"] = "<|im_end|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(fields))
+
+
+@pytest.mark.parametrize("tamper, named", [
+    (lowercase_everything, r"ids of 'Hello world': the source's \[\d+(, \d+)*\], the written one's \["),
+    (drop_the_chat_template, r"chat template: the source's \"\{% for m in messages.*, the written one's None"),
+    (another_eos_token, r"eos_token: the source's \('</s>', 2\), the written one's \('<\|im_end\|>', 4\)"),
+])
+def test_a_written_tokenizer_that_loads_back_differently_is_refused_and_nothing_is_written(tmp_path, monkeypatch,
+                                                                                          tamper, named):
+    """The logits check feeds both models ids that the source's tokenizer made, so a tokenizer that `save_pretrained`
+    wrote differently (another normalizer, no chat template, another end-of-sequence token: a user's generations
+    would differ) passed it. The written tokenizer is loaded back with AutoTokenizer and compared; a difference is
+    refused naming it, and nothing is written."""
+    source = save_source(tmp_path / "source")
+    write_tokenizer = conversion_write.write_tokenizer
+
+    def tampered(folder, tokenizer):
+        write_tokenizer(folder, tokenizer)
+        tamper(folder)
+
+    monkeypatch.setattr(conversion_write, "write_tokenizer", tampered)
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"The tokenizer written for the output, loaded back with AutoTokenizer, "
+                                         rf"differs from the source's: {named}.*nothing is written\.$"):
+        upcycle(source, tmp_path / "out", dar_block_size=2, progress=False)
+    assert_nothing_written(tmp_path, before)
+    monkeypatch.setattr(conversion_write, "write_tokenizer", write_tokenizer)  # the control: as written, it converts
+    assert upcycle(source, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False).report.passed

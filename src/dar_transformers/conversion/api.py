@@ -31,7 +31,14 @@ from .sources import (
     warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
-from .verify import build_prompts, raise_unless_passed, set_experts_for, verify_conversion, verify_written
+from .verify import (
+    build_prompts,
+    check_written_tokenizer,
+    raise_unless_passed,
+    set_experts_for,
+    verify_conversion,
+    verify_written,
+)
 from .write import write_converted_folder
 
 logger = logging.get_logger(__name__)
@@ -115,6 +122,7 @@ def upcycle(
             def write(folder: Path) -> None:
                 write_converted_folder(folder, target, config, plans, new_names, loaded, options.max_shard_bytes,
                                        options.progress)
+                check_written_tokenizer(folder, loaded.tokenizer, options.prompts)
                 if not options.verify:
                     return
                 report = verify_written(loaded, target, folder, prompt_ids, check_dtype, options)

@@ -5,7 +5,8 @@
 Per prompt: the max |logit difference| over every position, teacher-forced top-1 agreement wherever the source's
 top-1/top-2 margin exceeds twice the tolerance, and, when both models fit in memory, full greedy continuations.
 A written conversion is verified from the files written (`verify_written`, layer-streamed: `streamed.py`); an
-in-memory one with both models in memory (`verify_conversion`).
+in-memory one with both models in memory (`verify_conversion`). The written tokenizer is loaded back and compared
+with the source's (`check_written_tokenizer`).
 """
 
 import contextlib
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
@@ -74,6 +75,65 @@ GREEDY_SEARCH: dict[str, object] = dict(
     return_dict_in_generate=False, output_scores=False, output_logits=False, output_attentions=False,
     output_hidden_states=False,
 )
+
+
+# Texts the written tokenizer must encode and decode as the source's, besides the verification prompts: spaces and
+# tabs, new lines, accents, emoji and CJK (byte fallback), digits.
+TOKENIZER_PROBES: tuple[str, ...] = (
+    "Hello world", "  two leading spaces\n\tand a tab", "line one\n\nline three\r\n", "caf\u00e9 na\u00efve \u00dcber",
+    "\U0001f917 \u4e2d\u6587 \u0645\u0631\u062d\u0628\u0627", "3.14159 + 2,718 = 5.85987", "",
+)
+
+
+def check_written_tokenizer(folder: Path, tokenizer, texts: Sequence[str] | None = None) -> None:
+    """The tokenizer written to `folder`, loaded as a user loads it (`AutoTokenizer`, no remote code), against the
+    source's: vocabulary, special tokens and their ids, chat template, and the ids and decoded text of
+    `TOKENIZER_PROBES`, the verification texts (`DEFAULT_PROMPTS` unless `texts`) and the chat prompt. The logits
+    check reads token ids the source tokenizer made, so it cannot see a tokenizer that `save_pretrained` wrote
+    differently; this can. Raises ValueError naming the first three differences."""
+    if tokenizer is None:
+        return
+    try:
+        with logging_level_error():
+            written = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except Exception as error:  # the written files do not load at all
+        raise ValueError(f"The tokenizer written for the output does not load with AutoTokenizer: "
+                         f"{one_line(error)}") from error
+    differences = []
+
+    def compare(what: str, expected, found) -> None:
+        if expected != found and len(differences) < 3:
+            differences.append(f"{what}: the source's {short(expected)}, the written one's {short(found)}")
+
+    compare("vocabulary size (len)", len(tokenizer), len(written))
+    compare("vocabulary", tokenizer.get_vocab(), written.get_vocab())
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        compare(name, (getattr(tokenizer, name), getattr(tokenizer, f"{name}_id")),
+                (getattr(written, name), getattr(written, f"{name}_id")))
+    compare("special tokens", sorted(map(str, tokenizer.all_special_tokens)),
+            sorted(map(str, written.all_special_tokens)))
+    compare("chat template", tokenizer.chat_template, written.chat_template)
+    for text in (*TOKENIZER_PROBES, *(DEFAULT_PROMPTS if texts is None else texts)):
+        ids = tokenizer(text)["input_ids"]
+        compare(f"ids of {short(text)}", ids, written(text)["input_ids"])
+        compare(f"decoded ids of {short(text)}", tokenizer.decode(ids), written.decode(ids))
+    if tokenizer.chat_template is not None and written.chat_template == tokenizer.chat_template:
+        try:
+            compare("chat prompt ids", chat_input_ids(tokenizer, CHAT_PROMPT).tolist(),
+                    chat_input_ids(written, CHAT_PROMPT).tolist())
+        except Exception as error:  # a template that fails on one message: `build_prompts` already said so
+            if type(error).__module__.split(".")[0] != "jinja2":
+                raise
+    if differences:
+        raise ValueError("The tokenizer written for the output, loaded back with AutoTokenizer, differs from the "
+                         f"source's: {'; '.join(differences)}. Users of the output would tokenize differently from "
+                         "the verification; nothing is written.")
+
+
+def short(value, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def top1_agreement(source_logits: torch.Tensor, target_logits: torch.Tensor, tolerance: float) -> tuple[int, int]:
@@ -426,6 +486,7 @@ def raise_unless_passed(
 __all__ = [
     "DEFAULT_PROMPTS",
     "build_prompts",
+    "check_written_tokenizer",
     "chat_input_ids",
     "greedy_continuations",
     "norms_in_input_dtype",
