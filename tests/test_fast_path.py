@@ -17,6 +17,7 @@ from conftest import (
 )
 from dar_transformers.depth_backends import (
     DepthGradients,
+    add_entry_gradients,
     _depth_read_forward,
     _TransportWrite,
     commit_entry,
@@ -308,3 +309,34 @@ def test_model_training_refuses_double_backward():
             assert model.model.embed_tokens.weight.grad.abs().sum() > 0
         else:
             _refuses_a_second_derivative(grad)
+
+
+@pytest.mark.parametrize("key_streams", [(1, 0), (0, 1), (0, 0), (0,)])
+def test_a_blocks_deferred_entry_gradients_are_each_reads_terms_added(key_streams):
+    """`add_entry_gradients` (the fast path's reads' entry gradients, deferred and added per block in PyTorch) against
+    the equation written per read, entry, token and stream: c^v g_r + sum_{j: kappa(j) = v} gk^j q^j_r + k^v B^v_s,
+    in float64, for reads of different entry counts (a block's reads and the final readout, which sees one entry
+    more), every key routing and one stream. Entries no read saw, and the buffer's spare slot, keep what they held."""
+    generator = torch.Generator().manual_seed(0)
+    streams, (batch, tokens, hidden), slots = len(key_streams), (2, 3, 5), 4
+    history = torch.randn(slots, batch, tokens, streams, hidden, generator=generator, dtype=torch.float64)
+    held = torch.randn(history.shape, generator=generator, dtype=torch.float64)
+    counts = (2, 2, 3, 2)
+    grads_u = [torch.randn(batch, tokens, hidden, generator=generator, dtype=torch.float64) for _ in counts]
+    queries = [torch.randn(streams, hidden, generator=generator, dtype=torch.float64) for _ in counts]
+    coefficients = [torch.randn(count, batch, tokens, 3, streams, generator=generator, dtype=torch.float64)
+                    for count in counts]
+    expected = held.clone()
+    for count, grad_u, query, coefficient in zip(counts, grads_u, queries, coefficients):
+        for entry in range(count):
+            for stream in range(streams):
+                value, key, norm = (coefficient[entry, :, :, kind] for kind in range(3))
+                term = value[..., stream, None] * grad_u + norm[..., stream, None] * history[entry, :, :, stream]
+                for target, key_stream in enumerate(key_streams):
+                    if key_stream == stream:
+                        term = term + key[..., target, None] * query[target]
+                expected[entry, :, :, stream] += term
+    grad_entries = held.clone()
+    add_entry_gradients(history, grad_entries, grads_u, queries, coefficients, list(key_streams))
+    torch.testing.assert_close(grad_entries, expected, rtol=1e-13, atol=1e-13)
+    assert torch.equal(grad_entries[3], held[3])

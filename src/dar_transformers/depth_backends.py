@@ -18,8 +18,9 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     `DARReadGate`, `DARWriteGate`); every read stacks its sources and normalises every key again. The oracle.
   - "fast" (the default; eager only): the fused eager path. Keys are normalised once per committed entry; committed
     entries are copied into a depth-major buffer allocated once per forward, and each branch reads it with one fused
-    product (`_DepthRead`). Its backward keeps per-token scalars only and adds the entries' gradients in place into
-    one shared buffer (`DepthGradients`) that each entry's commit hands to autograd (`_Commit`). That sharing
+    product (`_DepthRead`). Its backward keeps per-token scalars only and leaves the entries' gradients as per-token
+    coefficients, added for a block's reads at once into one shared buffer (`DepthGradients`: each entry row read
+    and written once per block, not once per read) that each entry's commit hands to autograd (`_Commit`). That sharing
     between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
     configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
     than issue 16 item 5's 5% (docs/overhead-log.md); its hand-written backwards refuse double backward.
@@ -1574,17 +1575,17 @@ def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, val
 class DepthGradients:
     """The committed entries' gradient, shared by all reads of one forward: [S_max, B, T, J, D], like the history.
 
-    Every fused read's backward adds its contribution for the entries it read into their slots in place (the C++
-    reads defer theirs to the next `take`, a block's reads at once: `defer`), and each entry's commit hands its slot
-    to autograd once every read of that entry is done (autograd runs a node's
-    backward only after all its consumers'). So no read allocates an entry-sized gradient per source and autograd
-    sums no per-entry gradients; the buffer is allocated by the first backward that needs it and freed after
-    entry 0, the last to be handed over.
+    Every fused read's backward leaves its entries' gradients as per-token coefficients (`defer`), added with those
+    of the other reads deferred so far at the next `take`, and each entry's commit takes its slot once every read of
+    that entry is done (autograd runs a node's backward only after all its consumers'). So the reads of a block are
+    added together, each entry row read and written once per block instead of once per read, no read allocates an
+    entry-sized gradient per source and autograd sums no per-entry gradients; the buffer is allocated by the first
+    `take` and freed after entry 0, the last to be handed over.
     """
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
-        self.deferred: list[tuple] = []  # the C++ reads' entry gradients not added yet (`defer`)
+        self.deferred: list[tuple] = []  # the reads' entry gradients not added yet (`defer`)
 
     def slots(self, history_buffer: torch.Tensor, count: int) -> torch.Tensor:
         if self.buffer is None:
@@ -1592,9 +1593,9 @@ class DepthGradients:
         return self.buffer[:count]  # [count, B, T, J, D]
 
     def defer(self, kernels, history_buffer, key_streams, grad_input, query, entry_coefficients) -> None:
-        """A C++ read's entry gradients as per-token coefficients (`train_read_backward`), added with those of the
-        other reads deferred so far at the next `take`: autograd runs every read of an entry before the entry's
-        commit, so the reads of a block are added together, each entry row read and written once per block."""
+        """A read's entry gradients as per-token coefficients [n, B, T, 3, J] of its n entries (value, key and key
+        norm: `train_read_backward`'s, or `_DepthRead`'s in the same layout), its u gradient [B, T, D] and folded
+        query [J, D]; added at the next `take` by the C++ kernel (`kernels`) or `add_entry_gradients`."""
         self.deferred.append((grad_input, query, entry_coefficients))
         self.kernels, self.history_buffer, self.key_streams = kernels, history_buffer, key_streams
 
@@ -1604,9 +1605,8 @@ class DepthGradients:
             grads_input, queries, coefficients = map(list, zip(*self.deferred))
             self.deferred = []
             buffer = self.slots(self.history_buffer, self.history_buffer.shape[0])
-            self.kernels.train_read_entry_gradients(
-                self.history_buffer, buffer, grads_input, queries, coefficients, list(self.key_streams)
-            )
+            add = add_entry_gradients if self.kernels is None else self.kernels.train_read_entry_gradients
+            add(self.history_buffer, buffer, grads_input, queries, coefficients, list(self.key_streams))
         if self.buffer is None:
             return None
         gradient = self.buffer[slot].clone()
@@ -1615,6 +1615,37 @@ class DepthGradients:
         else:
             self.buffer[slot].zero_()
         return gradient
+
+
+def add_entry_gradients(history, grad_entries, grads_input, queries, coefficients, key_streams) -> None:
+    """`train_read_entry_gradients` in PyTorch operations: the entries' gradients of R reads (deferred by
+    `DepthGradients.defer`) added into grad_entries [S_max, B, T, J, D], history [S_max, B, T, J, D] the committed
+    entries. Read r of n_r entries, coefficients [n_r, B, T, 3, J], adds to entry s < n_r, stream v:
+      c^v_rs g_r + sum_{j: kappa(j) = v} gk^j_rs q^j_r + k^v_rs B^v_s.
+    The reads of one entry count are added together: per group, one batched product for the value terms (each
+    token's gradients of u), one product for the key terms (the queries) and one pass for the key norm's, each over
+    the group's entries once, not once per read."""
+    hidden = history.shape[-1]
+    streams = history.shape[3]
+    selector = stream_selector(tuple(key_streams), history)  # [J_key, J]
+    groups: dict[int, list[int]] = {}
+    for read, coefficient in enumerate(coefficients):
+        groups.setdefault(coefficient.shape[0], []).append(read)
+    for count, reads in groups.items():
+        grads = grad_entries[:count]  # [n, B, T, J, D]
+        stacked = torch.stack([coefficients[read] for read in reads], -1)  # [n, B, T, 3, J, R]
+        value, key, norm = stacked.unbind(3)  # [n, B, T, J, R] each
+        # value terms: per token, [n * J, R] coefficients times the R gradients of u [R, D]
+        rows = value.permute(1, 2, 0, 3, 4).reshape(-1, count * streams, len(reads))  # [B T, n J, R]
+        grads_u = torch.stack([grads_input[read] for read in reads], 2).reshape(-1, len(reads), hidden)  # [BT, R, D]
+        terms = torch.bmm(rows, grads_u).view(grads.shape[1], grads.shape[2], count, streams, hidden)
+        grads.add_(terms.permute(2, 0, 1, 3, 4))
+        # key terms: rows (entry, token, key stream) times the R reads' queries of every target [R * J, D]
+        by_key_stream = key.unsqueeze(3) * selector.unsqueeze(-1)  # [n, B, T, J_key, J, R]
+        read_queries = torch.stack([queries[read] for read in reads])  # [R, J, D]
+        grads.view(-1, hidden).addmm_(by_key_stream.transpose(-1, -2).reshape(-1, len(reads) * streams),
+                                      read_queries.reshape(-1, hidden))
+        grads.addcmul_(history[:count], norm.sum(-1).unsqueeze(-1))
 
 
 def _write_slot(history_buffer, inv_rms_buffer, slot: int, entry: torch.Tensor, eps: float) -> torch.Tensor:
@@ -1671,10 +1702,11 @@ class _DepthRead(torch.autograd.Function):
     """One branch's depth read and read gate (eq. 2-5), fused; returns u and the (non-differentiable) weights.
 
     The committed entries are read from the preallocated depth-major buffer; they are inputs only so that autograd
-    runs this backward before their commits' (`_Commit`), which hand on what this backward adds into their slots of
-    the shared `DepthGradients`. The partial block state is an ordinary input. Backward keeps only per-token scalars
-    (softmax weights and key dots, N per token and stream) and the partial (which the write keeps anyway), and
-    rebuilds every gradient from the buffer, including the key normalisation's, d rms^-1 / d h = -rms^-3 h / D.
+    runs this backward before their commits' (`_Commit`), which take what this backward defers to the shared
+    `DepthGradients` (the entries' gradients as per-token coefficients, added with the block's other reads'). The
+    partial block state is an ordinary input. Backward keeps only per-token scalars (softmax weights and key dots, N
+    per token and stream) and the partial (which the write keeps anyway), and rebuilds every gradient from the
+    buffer, including the key normalisation's, d rms^-1 / d h = -rms^-3 h / D.
     Neither the per-stream extractions nor normalised keys are stored.
     """
 
@@ -1713,13 +1745,11 @@ class _DepthRead(torch.autograd.Function):
         queries = unrouted_queries(routed, selector)  # [J, D]
         coefficients = _by_value_stream(weights * gate, value_streams)  # [N, B, T, J_val]
 
-        # Committed entries: values, keys and key norm, added in place into their slots of the shared gradient.
-        grad_entries = ctx.gradients.slots(ctx.history_buffer, sources)  # [S, B, T, J, D]
-        grad_entries.addcmul_(coefficients[:sources].unsqueeze(-1), grad_input.unsqueeze(0).unsqueeze(3))
-        grad_dots = grad_keyed[:sources].unsqueeze(3) * selector  # [S, B, T, J_key, J]: at each target's key stream
-        grad_entries.view(-1, hidden).addmm_(grad_dots.reshape(-1, streams), queries)
-        norm_coefficient = grad_inv_rms[:sources] * history_inv_rms.pow(3) / -hidden  # [S, B, T, J]
-        grad_entries.addcmul_(history, norm_coefficient.unsqueeze(-1))
+        # Committed entries: values, keys and key norm as per-token coefficients, added with the other reads of the
+        # block into their slots of the shared gradient (`DepthGradients.take`).
+        norm_coefficient = grad_inv_rms[:sources] * history_inv_rms.pow(3) / -hidden  # [S, B, T, J_key]
+        entry_coefficients = torch.stack([coefficients[:sources], grad_keyed[:sources], norm_coefficient], 3)
+        ctx.gradients.defer(None, ctx.history_buffer, key_streams, grad_input, queries, entry_coefficients)
 
         grad_partial = None
         if partial is not None:
