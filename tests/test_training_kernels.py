@@ -21,6 +21,7 @@
 - Negative control: a backward that drops the key-norm term is caught by the float64 comparison.
 """
 
+import contextlib
 import logging
 
 import pytest
@@ -35,7 +36,7 @@ from conftest import (
 )
 from test_inference_backend import GRID, perturbed_dar
 
-from dar_transformers import DARConfig, cpu_kernels
+from dar_transformers import DARConfig, cpu_kernels, depth_backends
 
 
 @pytest.fixture
@@ -80,9 +81,13 @@ def test_training_with_the_kernels_matches_the_reference_in_float64(counted_kern
     assert counted_kernels.calls["train_read"] == counted_kernels.calls["train_read_backward"] == reads
     blocks = -(-config.dar_num_branches // config.dar_block_size)
     assert 0 < counted_kernels.calls["train_read_entry_gradients"] <= blocks + 1  # a block's reads at once
-    if streams == 2:
-        assert counted_kernels.calls["write_first"] == blocks
-        assert counted_kernels.calls.get("write_partial", 0) == config.dar_num_branches - blocks
+    if streams == 2:  # the forward's writes, and backward's replay of each block's partials (the lean hooks)
+        sizes = [min(config.dar_block_size, config.dar_num_branches - start)
+                 for start in range(0, config.dar_num_branches, config.dar_block_size)]
+        replayed = [size - 1 for size in sizes if size > 1]  # the writes before a block's commit
+        assert counted_kernels.calls["write_first"] == blocks + len(replayed)
+        assert counted_kernels.calls.get("write_partial", 0) == (config.dar_num_branches - blocks
+                                                                 + sum(writes - 1 for writes in replayed))
         assert counted_kernels.calls["write_backward"] == config.dar_num_branches
     else:  # one stream writes y unchanged: no write kernel
         assert "write_backward" not in counted_kernels.calls
@@ -286,3 +291,23 @@ def test_the_option_round_trips_and_a_bad_value_names_the_field(tmp_path):
     assert DARConfig.from_pretrained(tmp_path).dar_training_kernel == "cpp"
     with pytest.raises(Exception, match=r"dar_training_kernel must be one of \['torch', 'cpp'\], got 'cuda'"):
         tiny_dar_config(dar_training_kernel="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kernels_partials_rebuilt_in_backward_give_the_gradients_of_keeping_them(counted_kernels, dtype):
+    """With the kernels, the lean backward replays a block's writes with the kernels' own write (`write_first`,
+    `write_partial`), whose rounding differs from PyTorch's: gradients bit for bit those of keeping every partial."""
+    model = with_training_kernels(perturbed_dar(dtype, "fast", 3, "dar", 2, "duplicate", True)).train()
+    input_ids = random_input_ids()
+    _, lean = loss_and_gradients(model, input_ids)
+    replays = counted_kernels.calls["write_partial"]
+    backend = depth_backends.FastDepthBackend
+    original = backend.keeping_partials_lean
+    backend.keeping_partials_lean = lambda self: contextlib.nullcontext()
+    try:
+        _, kept = loss_and_gradients(model, input_ids)
+    finally:
+        backend.keeping_partials_lean = original
+    assert counted_kernels.calls["write_partial"] < 2 * replays  # the first run replayed writes in its backward
+    for name, gradient in kept.items():
+        assert torch.equal(lean[name], gradient), name

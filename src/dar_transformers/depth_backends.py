@@ -854,14 +854,17 @@ class _BlockPartials:
     `add` records one write (beta, rho, y); `rebuild(k)` replays the block's writes 0 .. k without autograd (the
     same ops in the same order, so the same values bit for bit) and keeps them until every kept reference to the
     block's partials has been unpacked once, so one backward replays the block once. `dtype`: that of a committed
-    entry rebuilt this way (a block of one write, `_LeanPartials.record_entry`), None for partials.
+    entry rebuilt this way (a block of one write, `_LeanPartials.record_entry`), None for partials. `write`: the
+    forward's own write, (P or None, rho, beta, y) -> P' (the two-phase backend's `gated_write`, the fast path's
+    `cast_gated_write` or its C++ kernels: each rounds in its own order).
     """
 
-    def __init__(self, dtype: torch.dtype | None = None):
+    def __init__(self, dtype: torch.dtype | None = None, write: Callable = gated_write):
         self.writes: list[tuple] = []
         self.rebuilt: list[torch.Tensor] | None = None
         self.pending = 0
         self.dtype = dtype
+        self.write = write
 
     def add(self, beta, rho, branch_output) -> int:
         self.writes.append((beta.detach(), None if rho is None else rho.detach(), branch_output.detach()))
@@ -872,7 +875,7 @@ class _BlockPartials:
             with torch.no_grad():
                 partial, self.rebuilt = None, []
                 for beta, rho, branch_output in self.writes:
-                    partial = gated_write(partial, rho, beta, branch_output)
+                    partial = self.write(partial, rho, beta, branch_output)
                     self.rebuilt.append(partial if self.dtype is None else partial.to(self.dtype))
         partial = self.rebuilt[index]
         self.pending -= 1
@@ -896,9 +899,9 @@ class _LeanPartials:
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
 
-    def record(self, partial, beta, rho, branch_output, opens_block: bool) -> None:
+    def record(self, partial, beta, rho, branch_output, opens_block: bool, write: Callable = gated_write) -> None:
         if opens_block or self.block is None:
-            self.block = _BlockPartials()
+            self.block = _BlockPartials(write=write)
         index = self.block.add(beta, rho, branch_output)
         self.partials[id(partial)] = (weakref.ref(partial), self.block, index)
 
@@ -1704,10 +1707,11 @@ class _DepthRead(torch.autograd.Function):
     The committed entries are read from the preallocated depth-major buffer; they are inputs only so that autograd
     runs this backward before their commits' (`_Commit`), which take what this backward defers to the shared
     `DepthGradients` (the entries' gradients as per-token coefficients, added with the block's other reads'). The
-    partial block state is an ordinary input. Backward keeps only per-token scalars (softmax weights and key dots, N
-    per token and stream) and the partial (which the write keeps anyway), and rebuilds every gradient from the
-    buffer, including the key normalisation's, d rms^-1 / d h = -rms^-3 h / D.
-    Neither the per-stream extractions nor normalised keys are stored.
+    partial block state is an ordinary input. Backward keeps only per-token scalars (the key dots, N per token and
+    stream, from which it recomputes the softmax weights) and the partial (rebuilt in backward under the lean hooks,
+    `FastDepthBackend.keeping_partials_lean`), and rebuilds every gradient from the buffer, including the key
+    normalisation's, d rms^-1 / d h = -rms^-3 h / D. Neither the per-stream extractions nor normalised keys are
+    stored.
     """
 
     @staticmethod
@@ -1715,7 +1719,8 @@ class _DepthRead(torch.autograd.Function):
         sources, sources_inv_rms, partial_inv_rms = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
         branch_input, weights, keyed_dots = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
         # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
-        ctx.save_for_backward(routed, gate, weights, keyed_dots, partial, partial_inv_rms)
+        # The softmax weights are not kept: backward recomputes them from the key dots (the same values).
+        ctx.save_for_backward(routed, gate, keyed_dots, partial, partial_inv_rms)
         ctx.history, ctx.history_inv_rms = history_buffer[: len(entries)], inv_rms_buffer[: len(entries)]
         ctx.history_buffer, ctx.routing, ctx.gradients = history_buffer, routing, gradients
         ctx.mark_non_differentiable(weights)
@@ -1724,7 +1729,7 @@ class _DepthRead(torch.autograd.Function):
     @staticmethod
     @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad_input, _grad_weights):
-        routed, gate, weights, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
+        routed, gate, keyed_dots, partial, partial_inv_rms = ctx.saved_tensors
         history, history_inv_rms, (key_streams, value_streams) = ctx.history, ctx.history_inv_rms, ctx.routing
         sources, batch, tokens, streams, hidden = history.shape
         grad_rows = grad_input.unsqueeze(2).expand(batch, tokens, streams, hidden).reshape(-1, 1, hidden)  # [BTJ, 1, D]
@@ -1735,6 +1740,7 @@ class _DepthRead(torch.autograd.Function):
         if partial is not None:
             value_dots = torch.cat([value_dots, (partial * grad_input.unsqueeze(2)).sum(-1).unsqueeze(0)])
             key_inv_rms = torch.cat([key_inv_rms, _streams(partial_inv_rms, key_streams, 2).unsqueeze(0)])
+        weights = (keyed_dots * key_inv_rms).softmax(dim=0)  # [N, B, T, J]: the forward's, recomputed
         target_value_dots = _streams(value_dots, value_streams, 3)  # [N, B, T, J]: g . V^{nu(j)}_n
         grad_gate = (weights * target_value_dots).sum((0, 1, 2)) if ctx.needs_input_grad[1] else None  # [J]
         grad_weights = gate * target_value_dots  # [N, B, T, J]
@@ -1935,6 +1941,7 @@ class FastDepthBackend:
         self.gradients = DepthGradients()
         self.wants_kernels = config.dar_training_kernel == "cpp"
         self.kernels = None  # the C++ kernels, where this forward runs them (`start`)
+        self.lean: _LeanPartials | None = None
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
         if self.wants_kernels:
@@ -1947,7 +1954,23 @@ class FastDepthBackend:
         return (None,) * len(residuals)  # every read is one fused product over the buffer: nothing to share
 
     def keeping_partials_lean(self):
-        return nullcontext()  # `_TransportWrite` keeps y in the model dtype and P, which the next read keeps anyway
+        """Context of a training forward, as `TwoPhaseDepthBackend.keeping_partials_lean`: autograd keeps no float32
+        partial state of a two-stream model (the reads and writes keep P), each block's partials rebuilt in backward
+        by replaying the block's writes from the y kept anyway, with this path's own write (`_replayed_write`), so
+        the values are those of the forward bit for bit. The committed entries live in the history buffer."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return nullcontext()
+        self.lean = _LeanPartials()
+        return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
+
+    def _replayed_write(self, partial, rho, beta, branch_output):
+        """The two-stream write of the forward (`_KernelTransportWrite` or `_TransportWrite`), without autograd."""
+        if self.kernels is not None:
+            branch_output = branch_output.contiguous()
+            if partial is None:
+                return self.kernels.write_first(beta, branch_output)
+            return self.kernels.write_partial(partial.contiguous(), rho, beta, branch_output)
+        return cast_gated_write(partial, rho, beta, branch_output)
 
     def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
         return commit_entry(entry, self.history_buffer, self.inv_rms_buffer, slot, self.eps, self.gradients)
@@ -1988,6 +2011,8 @@ class FastDepthBackend:
                 partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
             else:
                 partial = cast_gated_write(state.partial, rho, beta, branch_output)
+            if self.lean is not None and not commits and partial.requires_grad:
+                self.lean.record(partial, beta, rho, branch_output, state.partial is None, self._replayed_write)
         if commits:
             return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
         return DepthState(self, partial, state.history)
