@@ -20,7 +20,8 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     entries are copied into a depth-major buffer allocated once per forward, and each branch reads it with one fused
     product (`_DepthRead`). Its backward keeps per-token scalars only and leaves the entries' gradients as per-token
     coefficients, added for a block's reads at once into one shared buffer (`DepthGradients`: each entry row read
-    and written once per block, not once per read) that each entry's commit hands to autograd (`_Commit`). That sharing
+    and written once per block, not once per read) that each entry's commit hands to autograd (`_Commit`); its
+    partial states are rebuilt in backward as "two_phase" rebuilds them (`_LeanPartials`). That sharing
     between autograd nodes is invisible to a compiler, so a forward traced by `torch.compile` with "fast"
     configured runs "two_phase" (`depth_backend`). It stays beside "two_phase" because it is faster eagerly by more
     than issue 16 item 5's 5% (docs/overhead-log.md); its hand-written backwards refuse double backward.
