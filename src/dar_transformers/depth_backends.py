@@ -856,11 +856,11 @@ class _BlockPartials:
     same ops in the same order, so the same values bit for bit) and keeps them until every kept reference to the
     block's partials has been unpacked once, so one backward replays the block once. `dtype`: that of a committed
     entry rebuilt this way (a block of one write, `_LeanPartials.record_entry`), None for partials. `write`: the
-    forward's own write, (P or None, rho, beta, y) -> P' (the two-phase backend's `gated_write`, the fast path's
-    `cast_gated_write` or its C++ kernels: each rounds in its own order).
+    forward's own write, (P or None, rho, beta, y) -> P' (the fast path's `cast_gated_write` or its C++ kernels: each
+    rounds in its own order); None for the two-phase backend's `gated_write`.
     """
 
-    def __init__(self, dtype: torch.dtype | None = None, write: Callable = gated_write):
+    def __init__(self, dtype: torch.dtype | None = None, write: Callable | None = None):
         self.writes: list[tuple] = []
         self.rebuilt: list[torch.Tensor] | None = None
         self.pending = 0
@@ -875,8 +875,9 @@ class _BlockPartials:
         if self.rebuilt is None or len(self.rebuilt) <= index:
             with torch.no_grad():
                 partial, self.rebuilt = None, []
+                write = gated_write if self.write is None else self.write
                 for beta, rho, branch_output in self.writes:
-                    partial = self.write(partial, rho, beta, branch_output)
+                    partial = write(partial, rho, beta, branch_output)
                     self.rebuilt.append(partial if self.dtype is None else partial.to(self.dtype))
         partial = self.rebuilt[index]
         self.pending -= 1
@@ -900,7 +901,7 @@ class _LeanPartials:
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
 
-    def record(self, partial, beta, rho, branch_output, opens_block: bool, write: Callable = gated_write) -> None:
+    def record(self, partial, beta, rho, branch_output, opens_block: bool, write: Callable | None = None) -> None:
         if opens_block or self.block is None:
             self.block = _BlockPartials(write=write)
         index = self.block.add(beta, rho, branch_output)
