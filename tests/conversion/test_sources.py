@@ -174,15 +174,11 @@ def test_a_moe_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped
     an attention bias (Qwen3 has none) converted without it, PASSED. Refused in the dense path's words, nothing
     written; its expert tensors, which transformers' key map names without `.weight`, have their place: the file
     without the bias converts exactly."""
-    (tmp_path / "gguf").mkdir()
-    biased = write_tiny_moe_gguf(tmp_path / "gguf" / "biased.gguf", {"blk.0.attn_q.bias": np.full(64, 0.5, np.float32)})
-    before = {p.name for p in tmp_path.iterdir()}
-    with pytest.raises(ValueError, match=r"biased\.gguf: the file holds 1 tensor\(s\) that Qwen3MoeForCausalLM of its "
-                                         r"config has no parameter for: \['blk\.0\.attn_q\.bias'\]\. transformers' "
-                                         r"GGUF loader skips them .*nothing is converted\.$"):
-        upcycle_to_dar_moe(biased, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
-    assert_nothing_written(tmp_path, before)
-    result = upcycle_to_dar_moe(write_tiny_moe_gguf(tmp_path / "gguf" / "tiny.gguf"), tmp_path / "out",
+    assert_moe_gguf_refused(tmp_path, r"tiny\.gguf: the file holds 1 tensor\(s\) that Qwen3MoeForCausalLM of its "
+                                      r"config has no parameter for: \['blk\.0\.attn_q\.bias'\]\. transformers' "
+                                      r"GGUF loader skips them .*nothing is converted\.$",
+                            extra_tensors={"blk.0.attn_q.bias": np.full(64, 0.5, np.float32)})
+    result = upcycle_to_dar_moe(write_tiny_moe_gguf(tmp_path / "gguf" / "clean.gguf"), tmp_path / "out",
                                 tokenizer=make_tokenizer(), tolerance=1e-5, full_greedy=False, prompts=["Hello"],
                                 progress=False)
     assert result.report.passed
@@ -193,13 +189,19 @@ def test_a_moe_gguf_whose_expert_width_transformers_does_not_read_is_refused_nam
     experts 768 wide (Qwen3MoeConfig's default), and the conversion was refused by the plan saying the weights "do not
     match its config.json" (a GGUF file has none), with no word of why. Refused when its metadata is read, naming the
     key, its value and the config field transformers holds instead; nothing written."""
+    assert_moe_gguf_refused(tmp_path, r"tiny\.gguf: its metadata qwen3moe\.expert_feed_forward_length = 24, but "
+                                      r"transformers' GGUF reader drops it and builds the model with "
+                                      r"moe_intermediate_size = 768, .*nothing is converted\.", moe_intermediate_size=24)
+
+
+def assert_moe_gguf_refused(tmp_path, match: str, **gguf_fields) -> None:
+    """A tiny Qwen3-MoE GGUF written with `gguf_fields` (`write_tiny_moe_gguf`'s) is refused by `upcycle_to_dar_moe`
+    with an error matching `match`, and nothing is written."""
     (tmp_path / "gguf").mkdir()
-    narrow = write_tiny_moe_gguf(tmp_path / "gguf" / "narrow.gguf", moe_intermediate_size=24)
+    gguf_path = write_tiny_moe_gguf(tmp_path / "gguf" / "tiny.gguf", **gguf_fields)
     before = {p.name for p in tmp_path.iterdir()}
-    with pytest.raises(ValueError, match=r"narrow\.gguf: its metadata qwen3moe\.expert_feed_forward_length = 24, but "
-                                         r"transformers' GGUF reader drops it and builds the model with "
-                                         r"moe_intermediate_size = 768, .*nothing is converted\."):
-        upcycle_to_dar_moe(narrow, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
+    with pytest.raises(ValueError, match=match):
+        upcycle_to_dar_moe(gguf_path, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
     assert_nothing_written(tmp_path, before)
 
 
