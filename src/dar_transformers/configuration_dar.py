@@ -27,7 +27,8 @@
   `dar_implementation` "two_phase" or "reference" (the fused "fast" path keeps its buffers in float32).
 - `dar_implementation`: the depth backend (`depth_backends.ALL_DEPTH_BACKENDS`): "fast" (the fused eager path; a
   forward traced by `torch.compile` runs "two_phase" instead), "two_phase" (two-phase depth reads, DESIGN.md
-  section 7: leaner backward in bf16, compiles) or "reference" (the plain equations, the oracle).
+  section 7: compiles; keeps no committed entry of a block of one write, so Full DAR's backward is leaner) or
+  "reference" (the plain equations, the oracle).
 - `dar_compiled_read`: how a training forward traced by `torch.compile` reads the depth history (forwards with
   gradients off are unaffected): "inlined" (the default: each read is plain code that inductor fuses; every block
   compiles kernels of its own, so the first compiled step takes several times Llama's) or "operator" (each read and

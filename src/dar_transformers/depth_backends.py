@@ -30,9 +30,9 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     (eager decoding is bound by them; a compiled graph reads the history once per block). With
     `config.dar_inference_kernel = "cpp"` its eager CPU forwards of a few tokens run C++ kernels instead
     (`cpu_kernels.py`: phase 1, the read of the partial, the write and the commit, one call each).
-  - "two_phase" (opt-in eagerly, for its leaner backward; what compiled training forwards run): two-phase depth reads
-    (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is
-    computed once per stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
+  - "two_phase" (opt-in eagerly, for Full DAR's leaner backward; what compiled training forwards run): two-phase
+    depth reads (DESIGN.md section 7). At a commit the per-token inverse RMS of the new entry is computed once per
+    stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
     see the same committed entries (the attention and MLP branches inside a block): the folded queries w * gamma of
     both branches meet the stacked history in one product (scores, log-sum-exp L, softmax-weighted value sum Obar).
     Phase 2, per branch: the partial P joins by the log-sum-exp rule, x = N * lerp(Obar, P, sigmoid(z - L)), then
