@@ -973,6 +973,7 @@ class TwoPhaseDepthBackend:
         self.block_size = config.dar_block_size
         self.residuals: tuple = ()  # the model's branch residuals in order (`start`), for a traced block's scores
         self.scored: dict = {}  # traced training: the scores of reads ahead in the open block, by residual
+        self.layers_traced = False  # the decoder layers compiled on their own (`depth_backend`'s `traced`)
 
     def _traced_inlined(self) -> bool:
         """A forward traced for training whose reads are plain code (`_recomputed_read`), not custom operators."""
@@ -986,8 +987,9 @@ class TwoPhaseDepthBackend:
     def keeping_partials_lean(self):
         """Context of a training forward: autograd keeps no float32 partial state (only the committed entries, and
         not those of blocks of one write, which are beta * y); each block's partials are rebuilt in backward from the
-        branch outputs it keeps anyway. Eager only: a compiled graph plans its own saved tensors."""
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        branch outputs it keeps anyway. Eager only: a compiled graph plans its own saved tensors (so do decoder layers
+        compiled on their own, `layers_traced`)."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or self.layers_traced:
             return nullcontext()
         self.lean = _LeanPartials()
         return torch.autograd.graph.saved_tensors_hooks(self.lean.pack, self.lean.unpack)
@@ -1001,8 +1003,21 @@ class TwoPhaseDepthBackend:
     def _statistics(self):
         """Where an entry's inverse RMS is computed at its commit: without autograd eagerly (`_TwoPhaseRead` derives
         its gradient), differentiably in a traced training forward, whose reads take the key-norm gradient through
-        it (computed once per entry instead of once per read)."""
-        return nullcontext() if self._traced_inlined() else torch.no_grad()
+        it (computed once per entry instead of once per read); so is B_0's, computed eagerly, when the decoder layers
+        are compiled on their own (their reads are traced)."""
+        traced_reads = self._traced_inlined() or (
+            self.layers_traced and self.compiled_read != "operator" and torch.is_grad_enabled()
+        )
+        return nullcontext() if traced_reads else torch.no_grad()
+
+    def _with_statistics(self, state: DepthState) -> DepthState:
+        """The state with the inverse RMS of every committed entry: an eager read (the final readout of a model whose
+        decoder layers are compiled on their own) of entries that traced operator reads committed, which compute
+        their own statistics and leave the state's as they were."""
+        like, known = state.history_inv_rms, state.history_inv_rms.shape[0]
+        with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
+            missing = [inverse_rms(entry.to(like.dtype), self.eps) for entry in state.history[known:]]
+        return DepthState(self, state.partial, state.history, torch.cat([like, torch.stack(missing)]))
 
     def _routed(self, residual, like: torch.Tensor) -> torch.Tensor:
         attention = residual.depth_attention
@@ -1060,8 +1075,10 @@ class TwoPhaseDepthBackend:
 
     def read(self, residual, state: DepthState, read_partial: bool, planned: PhaseOne | None = None, dtype=None):
         attention, read_gate = residual.depth_attention, residual.read_gate
-        like, num_sources = state.history_inv_rms, len(state.history) + int(read_partial)
         traced = _traced_training()
+        if not traced and state.history_inv_rms.shape[0] < len(state.history):
+            state = self._with_statistics(state)
+        like, num_sources = state.history_inv_rms, len(state.history) + int(read_partial)
         if planned is None and (not traced or self._traced_inlined()):
             planned = self.plan(state, residual)[0]
         with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
@@ -2033,17 +2050,22 @@ class DARDepthBackendInterface(GeneralInterface):
 ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 
 
-def depth_backend(config):
+def depth_backend(config, traced: bool = False):
     """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
     shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
-    the two-phase read keeps no state outside its inputs and outputs. A forward with gradients off, eager or traced,
-    reads either as `InferenceDepthBackend`: the same two-phase equations without autograd, in fewer operations."""
+    the two-phase read keeps no state outside its inputs and outputs; so does an eager forward whose decoder layers
+    are compiled on their own (`traced`: regional compilation traces the reads and writes). A forward with gradients
+    off, eager or traced, reads either as `InferenceDepthBackend`: the same two-phase equations without autograd, in
+    fewer operations."""
     implementation = config.dar_implementation
     if implementation in ("fast", "two_phase") and not torch.is_grad_enabled():
         return InferenceDepthBackend(config)
-    if implementation == "fast" and torch.compiler.is_compiling():
+    if implementation == "fast" and (traced or torch.compiler.is_compiling()):
         implementation = "two_phase"
-    return ALL_DEPTH_BACKENDS[implementation](config)
+    backend = ALL_DEPTH_BACKENDS[implementation](config)
+    if traced and isinstance(backend, TwoPhaseDepthBackend):
+        backend.layers_traced = True
+    return backend
 
 
 __all__ = [

@@ -342,8 +342,16 @@ class DARReadout(nn.Module):
 def self_contained(layer: nn.Module) -> bool:
     """Whether a training forward may compute this decoder layer's reads before the layer runs: not when its
     forward is checkpointed (HF's gradient checkpointing, or a wrapper such as torch's `checkpoint_wrapper`), whose
-    recompute in backward would not see work done outside it."""
-    return isinstance(layer, GradientCheckpointingLayer) and not (layer.gradient_checkpointing and layer.training)
+    recompute in backward would not see work done outside it, nor when it is compiled on its own (`compiled_alone`),
+    whose graph would hand such work to a later layer's graph outside autograd."""
+    return (isinstance(layer, GradientCheckpointingLayer) and not (layer.gradient_checkpointing and layer.training)
+            and not compiled_alone(layer))
+
+
+def compiled_alone(layer: nn.Module) -> bool:
+    """Whether a decoder layer is compiled on its own while the model runs eagerly (regional compilation:
+    `layer.compile()`, as accelerate's `compile_regions` does, or the layer replaced by `torch.compile(layer)`)."""
+    return getattr(layer, "_compiled_call_impl", None) is not None or isinstance(layer, torch._dynamo.OptimizedModule)
 
 
 class DARDecoderLayer(GradientCheckpointingLayer):
@@ -487,7 +495,10 @@ class DARModel(DARPreTrainedModel):
         residuals = [residual for layer in layers for residual in (layer.attn_residual, layer.mlp_residual)]
         if torch.is_grad_enabled() and not all(self_contained(layer) for layer in layers):
             residuals = []  # a backend given them may compute a layer's reads in an earlier layer (a block's phase 1)
-        return depth_backend(config).start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
+        # Layers compiled on their own trace the backend's reads and writes: it must be one a compiler can trace.
+        traced = any(compiled_alone(layer) for layer in layers)
+        backend = depth_backend(config, traced=traced)
+        return backend.start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
 
     @merge_with_config_defaults
     @capture_outputs
