@@ -350,7 +350,7 @@ def self_contained(layer: nn.Module) -> bool:
 
 def compiled_alone(layer: nn.Module) -> bool:
     """Whether a decoder layer is compiled on its own while the model runs eagerly (regional compilation:
-    `layer.compile()`, as accelerate's `compile_regions` does, or the layer replaced by `torch.compile(layer)`)."""
+    `layer.compile()`, or the layer replaced by `torch.compile(layer)` as accelerate's `compile_regions` does)."""
     return getattr(layer, "_compiled_call_impl", None) is not None or isinstance(layer, torch._dynamo.OptimizedModule)
 
 
