@@ -341,10 +341,10 @@ def test_negative_control_a_compiled_path_that_differs_is_caught(monkeypatch):
     tracing) must fail it."""
     eager_backend = depth_backends.depth_backend
 
-    def differs_when_compiled(config):
+    def differs_when_compiled(config, traced=False):
         if torch.compiler.is_compiling():
             return _ReferenceWithoutCountScaling(config)
-        return eager_backend(config)
+        return eager_backend(config, traced=traced)
 
     monkeypatch.setattr("dar_transformers.modeling_dar.depth_backend", differs_when_compiled)
     with pytest.raises(AssertionError):
@@ -403,6 +403,8 @@ def test_a_traced_forward_takes_a_backend_that_compiles(monkeypatch, configured,
     "two_phase"; eagerly every configured backend runs as configured."""
     config = DARConfig(**TINY_LLAMA_FIELDS, dar_implementation=configured)
     assert type(depth_backends.depth_backend(config)) is depth_backends.ALL_DEPTH_BACKENDS[configured]
+    # an eager forward whose decoder layers are compiled on their own (regional compilation) traces them too
+    assert type(depth_backends.depth_backend(config, traced=True)) is depth_backends.ALL_DEPTH_BACKENDS[traced]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert type(depth_backends.depth_backend(config)) is depth_backends.ALL_DEPTH_BACKENDS[traced]
 
