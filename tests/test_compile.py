@@ -432,10 +432,11 @@ def test_regional_compilation_gives_the_eager_gradients(implementation, compiled
         from accelerate.utils import compile_regions
 
         twin = compile_regions(twin, backend="aot_eager")
-    for index, layer in enumerate(layers if how != "compile_regions" else []):
-        if how == "compile()":
+    elif how == "compile()":
+        for layer in layers:
             layer.compile(backend="aot_eager")
-        else:
+    else:
+        for index, layer in enumerate(layers):
             layers[index] = torch.compile(layer, backend="aot_eager")
     for step in range(2):
         input_ids = token_batch(seed=step)

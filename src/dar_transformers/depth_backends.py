@@ -1609,11 +1609,6 @@ class DepthGradients:
         self.buffer: torch.Tensor | None = None
         self.deferred: list[tuple] = []  # the reads' entry gradients not added yet (`defer`)
 
-    def slots(self, history_buffer: torch.Tensor, count: int) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.zeros_like(history_buffer)
-        return self.buffer[:count]  # [count, B, T, J, D]
-
     def defer(self, kernels, history_buffer, key_streams, grad_input, query, entry_coefficients) -> None:
         """A read's entry gradients as per-token coefficients [n, B, T, 3, J] of its n entries (value, key and key
         norm: `train_read_backward`'s, or `_DepthRead`'s in the same layout), its u gradient [B, T, D] and folded
@@ -1626,9 +1621,10 @@ class DepthGradients:
         if self.deferred:
             grads_input, queries, coefficients = map(list, zip(*self.deferred))
             self.deferred = []
-            buffer = self.slots(self.history_buffer, self.history_buffer.shape[0])
+            if self.buffer is None:
+                self.buffer = torch.zeros_like(self.history_buffer)  # [S_max, B, T, J, D]
             add = add_entry_gradients if self.kernels is None else self.kernels.train_read_entry_gradients
-            add(self.history_buffer, buffer, grads_input, queries, coefficients, list(self.key_streams))
+            add(self.history_buffer, self.buffer, grads_input, queries, coefficients, list(self.key_streams))
         if self.buffer is None:
             return None
         gradient = self.buffer[slot].clone()
