@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
 from transformers.modeling_gguf_pytorch_utils import Qwen2MoeTensorProcessor, get_gguf_hf_weights_map
 
 from dar_transformers.conversion import VerificationError, api, checkpoints, plan, upcycle, upcycle_to_dar_moe
@@ -192,6 +193,24 @@ def test_a_moe_gguf_whose_expert_width_transformers_does_not_read_is_refused_nam
     assert_moe_gguf_refused(tmp_path, r"tiny\.gguf: its metadata qwen3moe\.expert_feed_forward_length = 24, but "
                                       r"transformers' GGUF reader drops it and builds the model with "
                                       r"moe_intermediate_size = 768, .*nothing is converted\.", moe_intermediate_size=24)
+
+
+def test_a_moe_gguf_is_read_with_the_routing_llama_cpp_computes_for_its_architecture(tmp_path, monkeypatch):
+    """llama.cpp's qwen3moe graph renormalises the top-k expert weights whatever the file's metadata says; transformers'
+    GGUF reader builds the same only through its per-architecture defaults (Qwen3MoeConfig's own default is False).
+    The tiny file is read so; without that default (a transformers release that drops it), refused naming the field
+    and both values, nothing written. The tiny file's top 2 of 2 experts would convert PASSED either way (the
+    renormalisation divides by 1), so only this check catches it."""
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_moe_gguf(tmp_path / "gguf" / "tiny.gguf")
+    assert load_source_config(gguf_path).norm_topk_prob is True
+    monkeypatch.delitem(GGUF_CONFIG_DEFAULTS_MAPPING, "qwen3_moe")
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"tiny\.gguf: llama\.cpp's qwen3moe model computes norm_topk_prob = True "
+                                         r"whatever the file says, but transformers' GGUF reader builds the model "
+                                         r"with norm_topk_prob = False, .*nothing is converted\."):
+        upcycle_to_dar_moe(gguf_path, tmp_path / "out", tokenizer=make_tokenizer(), progress=False)
+    assert_nothing_written(tmp_path, before)
 
 
 def assert_moe_gguf_refused(tmp_path, match: str, **gguf_fields) -> None:

@@ -34,7 +34,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 LICENSE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "COPYING*", "USE_POLICY*")
 TOKENIZER_SIDE_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
 # MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
-MOE_GGUF_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+# (llama.cpp writes a Mixtral as architecture "llama"; transformers reads it as a Llama, and its expert tensors, which
+# a Llama has no parameter for, are refused by `GGUFCheckpoint`.)
+MOE_GGUF_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
+# The top-k routing llama.cpp computes for an MoE architecture, fixed by its graph whatever the file's metadata says
+# (its qwen2moe graph weights the experts by their softmax probabilities as they are, its qwen3moe graph renormalises
+# the top k): the config transformers' GGUF reader builds must say the same (Qwen3's comes from transformers'
+# `GGUF_CONFIG_DEFAULTS_MAPPING`, not from the file), or both it and a conversion verified against it route otherwise.
+GGUF_ARCHITECTURE_ROUTING: dict[str, dict[str, object]] = {
+    "qwen2_moe": {"norm_topk_prob": False},
+    "qwen3_moe": {"norm_topk_prob": True},
+}
 # `{architecture}.*` GGUF metadata that llama.cpp applies and transformers' GGUF config reader drops for the families
 # that convert (`GGUF_CONFIG_MAPPING` has no config field for it), with the values under which dropping it changes
 # nothing. Any other value means transformers' reading, and so a conversion verified against it, computes something
@@ -194,13 +204,22 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
     """Refuse a GGUF file of a family that converts whose `{architecture}.*` metadata changes the model's function
     but is dropped by transformers' GGUF config reader (`GGUF_DROPPED_METADATA`): as the
     file's tensors that transformers skips are refused (`GGUFCheckpoint`), so are its settings, naming key and value.
-    A setting that transformers' config holds under another name (`GGUF_CONFIG_FIELD_METADATA`) must equal it."""
+    A setting that transformers' config holds under another name (`GGUF_CONFIG_FIELD_METADATA`) must equal it, and an
+    MoE file's config must route as llama.cpp's graph for its architecture does (`GGUF_ARCHITECTURE_ROUTING`)."""
     if config.model_type not in ALL_SOURCE_FAMILIES:
         return  # refused by family, naming the supported ones
     import gguf  # present: transformers just read the file's metadata with it
 
     reader = gguf.GGUFReader(str(path))
     architecture = reader.fields["general.architecture"].contents()
+    for name, computed in GGUF_ARCHITECTURE_ROUTING.get(config.model_type, {}).items():
+        if getattr(config, name, None) != computed:
+            raise ValueError(
+                f"GGUF file {path}: llama.cpp's {architecture} model computes {name} = {computed!r} whatever the file "
+                f"says, but transformers' GGUF reader builds the model with {name} = {getattr(config, name, None)!r}, "
+                "so the model transformers reads routes tokens to its experts otherwise; nothing is converted. "
+                f"Convert the model's Hugging Face folder instead (its config.json carries {name})."
+            )
     carried = {key for key, field in GGUF_CONFIG_MAPPING.get(config.model_type, {}).items() if field is not None}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     for key, field in reader.fields.items():
