@@ -3,6 +3,7 @@
 file is read tensor by tensor exactly as transformers loads it."""
 
 import json
+import re
 import struct
 
 import gguf as gguf_py
@@ -32,6 +33,7 @@ from conftest import (
     save_source,
     spread_weights,
     write_tiny_gguf,
+    written_state,
 )
 
 
@@ -381,17 +383,52 @@ def test_a_gguf_file_with_an_upper_case_suffix_converts_as_transformers_reads_it
         upcycle(other, tmp_path / "out2", max_new_tokens=0)
 
 
+def mixed_precision_source(folder):
+    """A source of bf16 matrices with float32 norms whose values bf16 does not hold (1 + 3e-6 noise, as a checkpoint
+    saved with `_keep_in_fp32_modules` holds them), config.json saying bfloat16."""
+    source = save_source(folder)
+    generator = torch.Generator().manual_seed(0)
+    state = {name: (tensor + 3e-6 * torch.randn(tensor.shape, generator=generator)) if "norm" in name
+             else tensor.to(torch.bfloat16) for name, tensor in load_file(source / "model.safetensors").items()}
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return source, state
+
+
+def test_a_mixed_precision_source_keeps_every_tensor_as_stored_under_auto(tmp_path):
+    """bf16 matrices with float32 norms under the default dtype ("auto"): every tensor was cast to the dtype of most
+    bytes (bf16), rounding the norms, and the conversion still PASSED (within the bar) with a card saying "weights
+    dtype bfloat16" and nothing of the rounding. Now each source tensor is written as the source stores it, bit for
+    bit: the norms float32, the matrices bf16, the config bf16 (as the source's); the card and the check line say
+    both dtypes. An explicit --dtype bfloat16 still rounds them, as asked: the next test."""
+    source, state = mixed_precision_source(tmp_path / "source")
+    result = upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False)
+    assert result.report.passed and result.config.dtype == torch.bfloat16
+    written = written_state(tmp_path / "out")
+    norms = [name for name in state if "norm" in name]
+    assert len(norms) == 7  # 3 layers x 2, and the final norm
+    for name, tensor in state.items():
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
+    assert not any(torch.equal(state[name], state[name].to(torch.bfloat16).float()) for name in norms)  # bf16 rounds
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert re.search(r"\| weights dtype \| bfloat16; as the source stores them, 7 tensor\(s\) in float32 "
+                     r"\(model\.layers\.0\.input_layernorm\.weight, model\.layers\.0\.post_attention_layernorm"
+                     r"\.weight, \.\.\.\) \|", card)
+    assert "from bfloat16 and float32 weights" in result.report.table() + card
+
+
 def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dtype(tmp_path):
-    """bf16 matrices with float32 norms under the default dtype ("auto": the dtype of most bytes, bf16) round the norms,
-    which verification refuses; the refusal names the rounded tensors and --dtype float32, which converts exactly
-    (before, it suggested only a larger tolerance, which writes the rounded norms)."""
+    """The same source with --dtype bfloat16 rounds the norms, which verification refuses (noise 1e-5); the refusal
+    names the rounded tensors and --dtype float32, which converts exactly (before, it suggested only a larger
+    tolerance, which writes the rounded norms)."""
     source = save_source(tmp_path / "source")
     state = {name: tensor if "norm" in name else tensor.to(torch.bfloat16)
              for name, tensor in load_file(source / "model.safetensors").items()}
     save_file(state, source / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(VerificationError, match=r"source tensor\(s\) are stored in a dtype that bfloat16 rounds "
                                                 r"\(model\.layers\.0\.input_layernorm\.weight.*--dtype float32"):
-        upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False)
+        upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False, dtype=torch.bfloat16)
     assert not (tmp_path / "out").exists()
     upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False, dtype=torch.float32)
 

@@ -24,7 +24,10 @@ from .families import source_family
 from .options import ConversionOptions
 from .output import check_output_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
-from .plan import cast_model, check_finite, check_tied_output_head, logging_level_error, plan_conversion, upcycle_model
+from .plan import (
+    cast_model, check_finite, check_tied_output_head, kept_source_dtypes, logging_level_error, plan_conversion,
+    upcycle_model,
+)
 from .report import VerificationReport
 from .sources import (
     Source, check_has_layers, display_name, load_source_config, open_source, source_storage_dtype,
@@ -111,8 +114,15 @@ def upcycle(
             if options.storage_dtype is None:
                 warn_if_declared_dtype_differs(source_config, loaded.checkpoint, storage_dtype)
             config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
+            keep_source_dtypes = options.storage_dtype is None  # "auto": every tensor stored as the source stores it
             plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
-                                               loaded.checkpoint.description, loaded.checkpoint.config_name)
+                                               loaded.checkpoint.description, loaded.checkpoint.config_name,
+                                               keep_source_dtypes)
+            kept = kept_source_dtypes(plans, new_names, storage_dtype)
+            if kept:
+                logger.info(f"The source mixes dtypes: {describe_kept_dtypes(kept)} stay as it stores them beside "
+                            f"{str(storage_dtype).removeprefix('torch.')} (--dtype auto); --dtype "
+                            f"{str(storage_dtype).removeprefix('torch.')} would round them.")
             # NaN/inf in the source: refused by the writer as it reads each tensor (its one read), when staging.
             check_dtype = options.verification_dtype(storage_dtype)
             prompt_ids = (build_prompts(loaded.tokenizer, source_config.vocab_size, options.prompts) if options.verify
@@ -126,11 +136,15 @@ def upcycle(
                 if not options.verify:
                     return
                 report = verify_written(loaded, target, folder, prompt_ids, check_dtype, options)
+                if kept:
+                    report.storage_dtype = " and ".join(str(dtype).removeprefix("torch.")
+                                                        for dtype in (storage_dtype, *kept))
                 outcome["report"] = report
-                raise_unless_passed(report, storage_dtype, loaded.checkpoint)
+                raise_unless_passed(report, storage_dtype, None if keep_source_dtypes else loaded.checkpoint)
                 answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
                 card = render_model_card(config, report, loaded, base_model=options.base_model,
-                                         kind=target.description, answers=answers, exact=target.exact)
+                                         kind=target.description, answers=answers, exact=target.exact,
+                                         kept_dtypes=describe_kept_dtypes(kept))
                 (folder / "README.md").write_text(card, encoding="utf-8")
 
             if output is not None:
@@ -146,6 +160,15 @@ def upcycle(
     except KeyboardInterrupt as interrupt:  # one from `write_repo_folder` says itself whether it swapped
         interrupt.output_written = getattr(interrupt, "output_written", written)
         raise
+
+
+def describe_kept_dtypes(kept: Mapping[torch.dtype, list[str]]) -> str:
+    """"7 tensors in float32 (model.norm.weight, model.layers.0.input_layernorm.weight, ...)" of `kept_source_dtypes`;
+    empty when nothing was kept apart."""
+    return "; ".join(
+        f"{len(names)} tensor(s) in {str(dtype).removeprefix('torch.')} ({', '.join(names[:2])}"
+        f"{', ...' if len(names) > 2 else ''})" for dtype, names in kept.items()
+    )
 
 
 def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOptions) -> ConversionResult:

@@ -73,7 +73,7 @@ or from the command line: `dar generate <this folder> --prompt "What is the capi
 """
 
 
-def _settings_rows(config) -> list[tuple[str, str]]:
+def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
     num_branches = config.dar_num_branches
     num_blocks = math.ceil(num_branches / config.dar_block_size)
     variant = "Full DAR" if config.dar_block_size == 1 else f"Block DAR, {num_blocks} blocks"
@@ -86,7 +86,8 @@ def _settings_rows(config) -> list[tuple[str, str]]:
         ("initial transport rho", f"{config.dar_rho_init:g}"),
         ("partial block as a source / count scaling", f"{config.dar_include_partial} / {config.dar_count_scaling}"),
         ("branch family (HF attention / MLP modules)", config.dar_branch_family),
-        ("weights dtype", str(config.dtype).removeprefix("torch.")),
+        ("weights dtype", str(config.dtype).removeprefix("torch.") + (
+            f"; as the source stores them, {kept_dtypes}" if kept_dtypes else "")),
         ("tied input/output embeddings", str(config.tie_word_embeddings)),
     ]
     if hasattr(config, "num_experts"):  # DAR-MoE
@@ -157,12 +158,13 @@ def _function_sentence(exact: bool, report, source) -> str:
 
 def render_model_card(
     config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None,
-    exact: bool = True
+    exact: bool = True, kept_dtypes: str = ""
 ) -> str:
     """Markdown with YAML front matter; `base_model` (a Hub id) goes into the front matter when given.
 
     `answers`: (source, converted) greedy answers to the chat prompt, shown side by side when given. `exact`: False
     when the target deliberately differs from the source (`TargetKind.exact`), which the card then says.
+    `kept_dtypes`: the source tensors stored in another dtype than the config's, as the source stores them.
     """
     front_matter = ["library_name: transformers", "pipeline_tag: text-generation", *_license_front_matter(source)]
     if base_model:
@@ -193,7 +195,7 @@ def render_model_card(
         source_sentence=source_sentence,
         kind=kind,
         package_version=__version__,
-        settings="\n".join(f"| {name} | {value} |" for name, value in _settings_rows(config)),
+        settings="\n".join(f"| {name} | {value} |" for name, value in _settings_rows(config, kept_dtypes)),
         verification=verification,
         repo="<this repo or folder>",
         transformers_version=transformers.__version__,

@@ -72,9 +72,12 @@ def plan_conversion(
     dtype: torch.dtype,
     description: str = "the source",
     config_name: str = "its config.json",
+    keep_source_dtypes: bool = False,
 ) -> tuple[dict[str, TensorPlan], list[str]]:
-    """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`), the new
-    ones with their `_init_weights` values (float32; float64 in a float64 model). Returns (plans, new names).
+    """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`, or with
+    `keep_source_dtypes` ("auto") each in the floating dtype the source stores it in: a mixed-precision source's
+    float32 norms beside bf16 matrices stay float32), the new ones with their `_init_weights` values (float32; float64
+    in a float64 model). Returns (plans, new names).
 
     Raises, naming `description` and `config_name` (what its config was read from), when a source tensor is in no
     planned tensor (other than an ignored key, or a tied head: `check_tied_output_head` compared it with the
@@ -106,13 +109,23 @@ def plan_conversion(
     if mismatched:
         raise ValueError(f"The weights in {description} do not match {config_name}: shapes (found, expected) "
                          f"{dict(list(mismatched.items())[:8])}.")
-    plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
+    plans = {name: plan if keep_source_dtypes and plan.dtype.is_floating_point
+             else dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
     new_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # DESIGN.md section 4: DAR stays fp32
     for name, value in new_parameter_values(target.model_class, config, missing).items():
         plans[name] = TensorPlan(tuple(value.shape), new_dtype, value=value)
     ordered = {name: plans[name] for name in expected if name in plans}  # the model's own parameter order
     return ordered, sorted(missing)
 
+
+def kept_source_dtypes(plans: Mapping[str, TensorPlan], new_names, dtype: torch.dtype) -> dict[torch.dtype, list[str]]:
+    """The tensors planned from the source in a floating dtype other than the checkpoint's `dtype`, by dtype (what
+    `keep_source_dtypes` kept of a mixed-precision source; DAR's new parameters, float32 by design, are not counted)."""
+    kept: dict[torch.dtype, list[str]] = {}
+    for name, plan in plans.items():
+        if name not in new_names and plan.dtype.is_floating_point and plan.dtype != dtype:
+            kept.setdefault(plan.dtype, []).append(name)
+    return kept
 
 
 def row_chunks(info: TensorInfo) -> Iterator[tuple[int, slice | None]]:
@@ -232,5 +245,5 @@ def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
 
 
 
-__all__ = ["cast_model", "check_finite", "check_tied_output_head", "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
-           "upcycle_model"]
+__all__ = ["cast_model", "check_finite", "check_tied_output_head", "kept_source_dtypes", "logging_level_error",
+           "materialise", "meta_model", "new_parameter_values", "plan_conversion", "upcycle_model"]
