@@ -16,7 +16,11 @@ runs for "fast" and "two_phase" (generate, pipelines, evaluation, vLLM's eager m
   (DESIGN.md section 4). Not forming the depth weights changes no logit.
 - bf16 weights with float32 DAR parameters (as `from_pretrained(dtype=bfloat16)` loads them), both history dtypes:
   the logits of the training path (gradients on) within bf16 rounding.
-- Negative control: a read that leaves out the partial's merge is caught by the float64 comparison.
+- Forwards over many tokens (`BYTES_BOUND_ELEMENTS`: prefill) take the forms that move fewest bytes (a read of the
+  partial from Obar and P, the transport without a flipped copy, key scales from the norm); each exactness test runs
+  both ways (`many_tokens`), and a batch of 2048 tokens at the tiny width takes them unforced while its decoding
+  does not.
+- Negative control: a read that leaves out the partial's merge is caught by the float64 comparison, both ways.
 """
 
 import contextlib
@@ -43,6 +47,15 @@ GRID = [
     (2, "dar", 2, "split", False),
     (3, "crossv", 2, "duplicate", False),
 ]
+
+
+@pytest.fixture(params=[False, True], ids=["few_tokens", "many_tokens"])
+def many_tokens(request, monkeypatch) -> bool:
+    """The test's forwards as decoding runs them, or as a forward over many tokens does (`bytes_bound`: every forward
+    counts as one, whatever its size)."""
+    if request.param:
+        monkeypatch.setattr(depth_backends, "BYTES_BOUND_ELEMENTS", 1)
+    return request.param
 
 
 def perturbed_dar(dtype: torch.dtype, implementation: str, block_size, routing, streams, write_mode, include_partial):
@@ -82,6 +95,7 @@ def test_the_inference_backend_runs_exactly_when_gradients_are_off(monkeypatch, 
     assert type(depth_backend(config)) is traced  # a compiled training graph keeps the two-phase autograd function
 
 
+@pytest.mark.usefixtures("many_tokens")
 @pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID)
 def test_inference_matches_the_reference_in_float64(block_size, routing, streams, write_mode, include_partial):
     fields = (block_size, routing, streams, write_mode, include_partial)
@@ -102,6 +116,7 @@ def test_inference_matches_the_reference_in_float64(block_size, routing, streams
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-13)
 
 
+@pytest.mark.usefixtures("many_tokens")
 @pytest.mark.parametrize("block_size,routing,streams,write_mode,include_partial", GRID[:4])
 def test_inference_float32_error_is_within_the_references(block_size, routing, streams, write_mode, include_partial):
     fields = (block_size, routing, streams, write_mode, include_partial)
@@ -115,6 +130,7 @@ def test_inference_float32_error_is_within_the_references(block_size, routing, s
     assert max_relative_diff(inference, exact) <= 10 * reference_error + 1e-7
 
 
+@pytest.mark.usefixtures("many_tokens")
 @pytest.mark.parametrize("history_dtype", ["float32", "model"])
 def test_bf16_inference_gives_the_training_paths_logits(history_dtype):
     """bf16 weights, DAR parameters float32: the inference read against two-phase with gradients on (the same
@@ -161,12 +177,45 @@ def test_depth_mixing_runs_without_autocast_under_bf16_autocast(monkeypatch, bro
     assert not any(seen) if not broken else all(seen)
 
 
-def test_negative_control_a_read_without_the_partial_merge_is_caught(monkeypatch):
-    """The float64 comparison can fail: an inference read that ignores the partial block state."""
-    monkeypatch.setattr(InferenceDepthBackend, "_read_with_partial", lambda self, residual, state, planned, dtype: (
-        planned.gated, None))
+def test_negative_control_a_read_without_the_partial_merge_is_caught(monkeypatch, many_tokens):
+    """The float64 comparison can fail: an inference read that ignores the partial block state (over many tokens, its
+    branch input formed from Obar alone, with the gates as its weights)."""
+    if many_tokens:
+        monkeypatch.setattr(InferenceDepthBackend, "_regrouped_branch_input", staticmethod(
+            lambda gate, share, values, mean: (mean * gate.unsqueeze(-1)).sum(2)))
+    else:
+        monkeypatch.setattr(InferenceDepthBackend, "_read_with_partial", lambda self, residual, state, planned, dtype: (
+            planned.gated, None))
     with pytest.raises(AssertionError):
         test_inference_matches_the_reference_in_float64(2, "dar", 2, "duplicate", True)
+
+
+def test_a_prefill_over_many_tokens_takes_the_bytes_bound_forms_and_its_decoding_does_not(monkeypatch):
+    """2048 tokens at the tiny width (32) are 2^16 elements per [B, T, D] operand (the bar is 2^15): the prefill's
+    writes transport the partial without a flipped copy; a prefill of 44 x 48 tokens too, and its decoding steps (44
+    tokens) with one. Logits equal to the reference's in float64, and generation gives the reference's tokens."""
+    forms = []
+    transported = InferenceDepthBackend._transported
+
+    def recorded(self, partial, rho):
+        forms.append(self.bytes_bound)
+        return transported(self, partial, rho)
+
+    monkeypatch.setattr(InferenceDepthBackend, "_transported", recorded)
+    fields = (2, "dar", 2, "duplicate", True)
+    reference = perturbed_dar(torch.float64, "reference", *fields)
+    model = perturbed_dar(torch.float64, "fast", *fields)
+    input_ids = random_input_ids(batch=32, length=64)
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        transports = len(forms)  # per forward
+        assert transports > 0 and all(forms)
+        assert max_relative_diff(logits, reference(input_ids).logits) <= 1e-12
+        forms.clear()
+        prompts = random_input_ids(batch=44, length=48, seed=1)
+        generated = model.generate(prompts, max_new_tokens=3, do_sample=False)
+        assert forms == [True] * transports + [False] * 2 * transports  # the 2112-token prefill, two 44-token steps
+        assert torch.equal(generated, reference.generate(prompts, max_new_tokens=3, do_sample=False))
 
 
 def test_phase_one_reads_the_history_once_per_block(monkeypatch):

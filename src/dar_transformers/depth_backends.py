@@ -1173,6 +1173,14 @@ def _store_slot(buffer: torch.Tensor, slot: int, value: torch.Tensor) -> None:
         buffer[slot] = value
 
 
+# Where a gradient-free forward's depth path moves bytes rather than dispatching operations: from this many elements
+# per [B, T, D] operand (2^15: 57 tokens at the SmolLM2 width, 8 at Llama-3-8B's), the eager inference backend takes
+# the forms that pass over its operands and allocate fewest times, at a few more calls per read and write
+# (`InferenceDepthBackend.bytes_bound`); below it (decoding), the forms with the fewest calls. Measured at the SmolLM2
+# shape (docs/overhead-log.md): 64 tokens 6 ms faster per forward with them, 32 tokens 1 ms slower.
+BYTES_BOUND_ELEMENTS = 1 << 15
+
+
 class _InferenceConstants(NamedTuple):
     """What one read and write of a residual needs from its parameters, derived once per parameter version
     (`_derived`): the routed queries scaled by sqrt(D), transposed [J, J * D] (a score is then a dot times
@@ -1219,6 +1227,10 @@ class InferenceDepthBackend:
     - a read of the partial adds its score and the log-sum-exp merge,
       u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
     - the depth weights are formed only when a caller records them (`keep_weights`);
+    - an eager forward over many tokens (`bytes_bound`: prefill, where each pass over [B, T, D] operands costs its
+      bytes, and a fresh temporary its pages) forms a read of the partial as a traced forward does, from Obar and P
+      (phase 1 then sums gates only for the reads that do not see the partial), transports the partial without a
+      flipped copy, and takes key scales in one reduction; few tokens (decoding) take the forms with fewest calls;
     - with `config.dar_inference_kernel = "cpp"`, an eager forward on CPU that records no depth weights runs phase
       1, each read of the partial and each two-stream write as one C++ call each (`cpu_kernels.py`, same equations;
       decoding and prefill alike: over many tokens the rows are split over torch's threads).
@@ -1241,11 +1253,14 @@ class InferenceDepthBackend:
         self.residuals: tuple = ()
         self.autocast = False  # whether autocast is on for the history's device (`start`: read once per forward)
         self.dtype_likes: dict[torch.dtype, torch.Tensor] = {}  # empty tensors naming a branch dtype, for the kernels
+        self.bytes_bound = False  # an eager forward over many tokens (`BYTES_BOUND_ELEMENTS`; set by `start`)
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
         """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights;
         `residuals`: the model's branch residuals in order (empty: phase 1 per decoder layer only)."""
         self.keep_weights, self.residuals = keep_weights, tuple(residuals)
+        self.bytes_bound = (entry.numel() // entry.shape[-2] >= BYTES_BOUND_ELEMENTS  # B T D
+                            and not torch.compiler.is_compiling())
         if self.wants_kernels and not keep_weights:
             self.kernels = eager_cpu_kernels(entry)
         compute_dtype = dar_compute_dtype(entry.dtype)
@@ -1304,8 +1319,13 @@ class InferenceDepthBackend:
         return nullcontext()
 
     def _key_scale(self, entry: torch.Tensor) -> torch.Tensor:
-        """1 / sqrt(sum_d h^2 + D eps) [..., J] of entries [..., J, D]: the inverse RMS divided by sqrt(D)."""
-        return torch.linalg.vecdot(entry, entry).add_(entry.shape[-1] * self.eps).rsqrt_()
+        """1 / sqrt(sum_d h^2 + D eps) [..., J] of entries [..., J, D]: the inverse RMS divided by sqrt(D). Over many
+        tokens from the norm, one reduction (`vecdot` multiplies into a temporary the size of `entry`, then sums)."""
+        if self.bytes_bound and not torch.compiler.is_compiling():
+            squares = torch.linalg.vector_norm(entry, dim=-1).square_()
+        else:
+            squares = torch.linalg.vecdot(entry, entry)
+        return squares.add_(entry.shape[-1] * self.eps).rsqrt_()
 
     def _commit(self, entry: torch.Tensor, slot: int) -> torch.Tensor:
         """Store a committed entry and its key scale, by target stream: slot j holds the scale of j's key stream."""
@@ -1396,8 +1416,10 @@ class InferenceDepthBackend:
         log_sum_exp = total.log_().add_(top)  # [B, T, R, J]
         if torch.compiler.is_compiling():
             means = _fused_value_sums(weights, history, self.value_streams)  # [B, T, J, R, D]
-            return self._traced_plans(means, log_sum_exp, weights, gates, sees_partial)
+            return self._regrouped_plans(means, log_sum_exp, weights, gates, sees_partial)
         means = _value_sums(weights, history, self.value_streams)  # [B, T, J, R, D]
+        if self.bytes_bound:
+            return self._regrouped_plans(means, log_sum_exp, weights, gates, sees_partial)
         # sum_j gate_j Obar^j [B, T, R, D], one stream at a time: a sum over the strided stream axis of `means`
         # costs ten times the whole value sum on CPU
         gated = means[:, :, 0] * gates[:, :1]
@@ -1406,11 +1428,12 @@ class InferenceDepthBackend:
         return list(map(_PlannedRead, gated.unbind(2), means.unbind(3), log_sum_exp.unbind(2), weights.unbind(3)))
 
     @staticmethod
-    def _traced_plans(means, log_sum_exp, weights, gates, sees_partial: list[bool]) -> list[_PlannedRead]:
-        """Phase 1's plans in a traced forward: the gated sum only for a read that does not see the partial (the
-        branch input); a read of the partial forms its own from Obar (`_regrouped_branch_input`). Inductor writes
-        a gated sum it is given to memory and reads it back at the read: that is 2 x 4 D bytes per token and read
-        more, and measured 7 ms of a compiled 1 x 128 fp32 prefill at the SmolLM2 shape (docs/overhead-log.md)."""
+    def _regrouped_plans(means, log_sum_exp, weights, gates, sees_partial: list[bool]) -> list[_PlannedRead]:
+        """Phase 1's plans in a traced forward, or an eager one over many tokens (`bytes_bound`): the gated sum only
+        for a read that does not see the partial (the branch input); a read of the partial forms its own from Obar
+        (`_regrouped_branch_input`). Inductor writes a gated sum it is given to memory and reads it back at the read:
+        that is 2 x 4 D bytes per token and read more, and measured 7 ms of a compiled 1 x 128 fp32 prefill at the
+        SmolLM2 shape (docs/overhead-log.md)."""
         plans = []
         for read, (partial, mean) in enumerate(zip(sees_partial, means.unbind(3))):  # Obar [B, T, J, D]
             gated = None
@@ -1486,7 +1509,7 @@ class InferenceDepthBackend:
         score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
         values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
-        if traced:
+        if planned.gated is None:  # traced, or many tokens: phase 1 left the gated sum to this read
             branch_input = self._regrouped_branch_input(constants.gate, share, values, planned.mean)
         else:
             # u = sum_j gate_j Obar^j + sum_j gate_j share_j (P^{nu(j)} - Obar^j), one stream at a time (a batched
@@ -1503,18 +1526,18 @@ class InferenceDepthBackend:
 
     @staticmethod
     def _regrouped_branch_input(gate, share, values, mean) -> torch.Tensor:
-        """The branch input of a read of the partial in a traced forward, from Obar and P alone (phase 1 wrote no
-        gated sum for it: `_traced_plans`): u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)}, c_j = gate_j share_j.
+        """The branch input of a read of the partial in a traced or bytes-bound forward, from Obar and P alone (phase 1
+        wrote no gated sum for it: `_regrouped_plans`): u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)}, c_j = gate_j
+        share_j.
         gate [J], share [B, T, J], values P^{nu(j)} and mean Obar [B, T, J, D] -> u [B, T, D]."""
         partial_weight = share * gate  # c [B, T, J]
         mean_weight = (gate - partial_weight).unsqueeze(-1)  # [B, T, J, 1]
         partial_weight = partial_weight.unsqueeze(-1)
-        branch_input = mean[:, :, 0] * mean_weight[:, :, 0] + values[:, :, 0] * partial_weight[:, :, 0]
+        # accumulated in place: eagerly no temporary per term (a traced forward's functionalisation makes the same sums)
+        branch_input = (mean[:, :, 0] * mean_weight[:, :, 0]).addcmul_(values[:, :, 0], partial_weight[:, :, 0])
         for stream in range(1, values.shape[2]):
-            branch_input = (
-                branch_input + mean[:, :, stream] * mean_weight[:, :, stream]
-                + values[:, :, stream] * partial_weight[:, :, stream]
-            )
+            branch_input.addcmul_(mean[:, :, stream], mean_weight[:, :, stream])
+            branch_input.addcmul_(values[:, :, stream], partial_weight[:, :, stream])
         return branch_input
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
@@ -1542,8 +1565,19 @@ class InferenceDepthBackend:
         elif partial is None:
             partial = constants.beta * written  # [B, T, J, D], promoted to the compute dtype
         else:  # [[rho, 1-rho], [1-rho, rho]] P + beta * y
-            partial = torch.lerp(partial.flip(-2), partial, constants.rho).addcmul_(constants.beta, written)
+            partial = self._transported(partial, constants.rho).addcmul_(constants.beta, written)
         return partial
+
+    def _transported(self, partial: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+        """[[rho, 1-rho], [1-rho, rho]] P of the two streams' partials [B, T, 2, D], as lerp(P^{1-j}, P^j, rho): over
+        many tokens each stream into its half of the result (a flipped copy costs a pass and fresh pages), else from
+        the flipped copy (one call fewer). The same values bit for bit."""
+        if not self.bytes_bound or torch.compiler.is_compiling():
+            return torch.lerp(partial.flip(-2), partial, rho)
+        transported = torch.empty_like(partial)
+        torch.lerp(partial[..., 1, :], partial[..., 0, :], rho, out=transported[..., 0, :])
+        torch.lerp(partial[..., 0, :], partial[..., 1, :], rho, out=transported[..., 1, :])
+        return transported
 
 
 # ---------------------------------------------------------------------------------------------------------------
