@@ -266,6 +266,20 @@ def test_a_source_that_fails_to_read_is_named_as_the_source_not_the_output(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
 
 
+def test_a_safetensors_file_beside_an_index_that_does_not_list_it_is_named_not_read(tmp_path, caplog):
+    """A sharded folder with a stale shard of an earlier save (another lm_head) beside the index's shards: not read,
+    as transformers reads the folder, and the warning names it (it was passed over without a word, where a stray
+    file beside model.safetensors was named)."""
+    source = save_source(tmp_path / "source", tied=False, shard="20KB")
+    listed = sorted(set(json.loads((source / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(listed) > 1
+    save_file({"lm_head.weight": torch.ones(97, 32)}, source / "model-00099-of-00099.safetensors")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert (f"Reading the {len(listed)} file(s) of {source / 'model.safetensors.index.json'} only, as transformers "
+            "does; not read: model-00099-of-00099.safetensors." in caplog.text)
+
+
 def test_a_custom_model_type_is_refused_before_any_code_runs(tmp_path):
     source = save_source(tmp_path / "source")
     (source / "evil.py").write_text(EVIL_CODE)
@@ -385,3 +399,20 @@ def test_an_index_listing_weights_outside_the_source_folder_is_refused(tmp_path,
               weight_map={name: entry if file == moved else file for name, file in index["weight_map"].items()})
     assert_index_refused(tmp_path, source, r"model\.safetensors\.index\.json lists weights outside the source folder "
                          rf"\('{re.escape(entry)}'\)")
+
+
+def test_a_config_field_transformers_does_not_define_is_named_as_not_carried(tmp_path, caplog):
+    """A field added to config.json by hand or by a tool (`my_custom_field`) was left out of the output's config
+    without a word; the conversion names it (the model never reads it, so the conversion is still exact)."""
+    source = save_source(tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "my_custom_field": 123}))
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert ("config.json has field(s) that transformers' LlamaConfig does not define: my_custom_field. Its model "
+            "never reads them" in caplog.text)
+    assert "my_custom_field" not in (tmp_path / "out" / "config.json").read_text()
+    caplog.clear()
+    code, stderr = run_convert_in_process(save_source(tmp_path / "plain"), tmp_path / "out2", "--max-new-tokens", "0",
+                                          cwd=tmp_path)
+    assert code == 0 and "does not define" not in caplog.text  # a config of defined fields only: no warning

@@ -157,6 +157,27 @@ def test_the_sources_license_and_vocabulary_files_travel_with_the_weights(tmp_pa
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(source)(text).input_ids
 
 
+def test_license_files_of_any_case_and_a_licenses_folder_travel_with_the_weights(tmp_path):
+    """license.txt, Notice.md and REUSE's LICENSES/ folder (a file in a subfolder too) were left behind without a word:
+    the patterns matched upper-case file names only. Copied byte for byte at the same places; a link to a folder
+    outside is not followed."""
+    source = save_source(tmp_path / "source")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not a license\n")
+    files = {"license.txt": b"lower-case terms\n", "Notice.md": b"Notice\n", "LICENSES/Apache-2.0.txt": b"apache\n",
+             "LICENSES/third-party/MIT.txt": b"mit\n"}
+    for name, content in files.items():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes(content)
+    (source / "LICENSES" / "linked").symlink_to(outside, target_is_directory=True)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    out = tmp_path / "out"
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert not (out / "LICENSES" / "linked").exists()
+
+
 def test_a_source_card_without_a_license_gives_license_other_not_a_made_up_one(tmp_path):
     source = save_source(tmp_path / "source")
     code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)

@@ -418,6 +418,38 @@ def test_a_mixed_precision_source_keeps_every_tensor_as_stored_under_auto(tmp_pa
     assert "from bfloat16 and float32 weights" in result.report.table() + card
 
 
+def test_a_gguf_files_license_metadata_reaches_the_card(tmp_path):
+    """A GGUF file carries its license in `general.license*` (llama.cpp's converter copies the model card's); the card
+    said `license: other`. Its front matter now has the file's license, name and link; a file without them still
+    gives `license: other`, never a made-up license."""
+    (tmp_path / "gguf").mkdir()
+    licensed = write_tiny_gguf(tmp_path / "gguf" / "licensed.gguf", make_source("llama", tied=False), make_tokenizer(),
+                               extra_metadata={"general.license": "llama3.2", "general.license.name": "llama3.2",
+                                               "general.license.link": "https://example.com/LICENSE"})
+    upcycle(licensed, tmp_path / "out", max_new_tokens=0, progress=False)
+    front_matter = (tmp_path / "out" / "README.md").read_text().split("---\n")[1].splitlines()
+    assert {"license: llama3.2", "license_name: llama3.2", "license_link: https://example.com/LICENSE"} <= set(
+        front_matter)
+    plain = write_tiny_gguf(tmp_path / "gguf" / "plain.gguf", make_source("llama", tied=False), make_tokenizer())
+    upcycle(plain, tmp_path / "out2", max_new_tokens=0, progress=False)
+    assert "license: other" in (tmp_path / "out2" / "README.md").read_text().split("---\n")[1].splitlines()
+
+
+def test_a_float8_source_converts_exactly_under_auto(tmp_path):
+    """float8 matrices (plain values, no scales) with bf16 norms: "auto" took float8, the dtype of most bytes, as the
+    model's and failed with "couldn't find storage object Float8_e4m3fnStorage". bfloat16 holds every float8 value, so
+    "auto" widens them to it, exactly, and the conversion passes."""
+    source = save_source(tmp_path / "source")
+    state = {name: tensor.to(torch.bfloat16 if "norm" in name else torch.float8_e4m3fn).contiguous()
+             for name, tensor in load_file(source / "model.safetensors").items()}
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    result = upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False)
+    assert result.report.passed and result.config.dtype == torch.bfloat16
+    written = written_state(tmp_path / "out")
+    for name, tensor in state.items():
+        assert written[name].dtype == torch.bfloat16 and torch.equal(written[name].float(), tensor.float()), name
+
+
 def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dtype(tmp_path):
     """The same source with --dtype bfloat16 rounds the norms, which verification refuses (noise 1e-5); the refusal
     names the rounded tensors and --dtype float32, which converts exactly (before, it suggested only a larger

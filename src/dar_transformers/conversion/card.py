@@ -114,9 +114,10 @@ def chat_answers(report, tokenizer, eos_token_ids) -> tuple[str, str] | None:
 
 def _license_front_matter(source) -> list[str]:
     """The license fields (`license`, `license_name`, `license_link`) of the source folder's README.md front matter,
-    as YAML lines; `license: other` without them: the weights keep the source's terms, never a made-up license."""
+    or of a GGUF file's metadata (`Source.license`), as YAML lines; `license: other` without them: the weights keep
+    the source's terms, never a made-up license."""
     readme = source.folder / "README.md" if source.folder is not None else None
-    metadata = {}
+    metadata = dict(getattr(source, "license", None) or {})
     if readme is not None and readme.is_file():
         try:
             metadata = metadata_load(readme) or {}

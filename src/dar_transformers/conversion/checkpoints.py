@@ -211,6 +211,10 @@ class SafetensorsCheckpoint(Checkpoint):
                         f"{index.name}. transformers' from_pretrained reads {single.name}; move the one you do not "
                         "mean out of the folder, so that the conversion reads the weights you use."
                     )
+                unlisted = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name not in files)
+                if unlisted:  # a stale shard of an earlier save, an adapter: not this model's weights
+                    logger.warning(f"Reading the {len(files)} file(s) of {index} only, as transformers does; not "
+                                   f"read: {', '.join(unlisted)}.")
             elif single.is_file():  # as transformers reads the folder: other *.safetensors (a LoRA adapter, a backup)
                 files = [single.name]  # are not this model's weights
                 others = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name != single.name)

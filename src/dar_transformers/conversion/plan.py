@@ -19,7 +19,7 @@ from transformers.utils import logging
 from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, require_finite_cast
 from .families import source_family
 from .keymaps import TensorInfo, TensorPlan, check_keys, is_ignored_source_key
-from .sources import check_has_layers
+from .sources import check_has_layers, model_dtype_of
 from .targets import TargetKind, target_kind
 
 FINITE_CHECK_BYTES = 64 * 2**20  # rows of a source tensor checked for NaN/inf per read
@@ -76,7 +76,7 @@ def plan_conversion(
 ) -> tuple[dict[str, TensorPlan], list[str]]:
     """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`, or with
     `keep_source_dtypes` ("auto") each in the floating dtype the source stores it in: a mixed-precision source's
-    float32 norms beside bf16 matrices stay float32), the new ones with their `_init_weights` values (float32; float64
+    float32 norms beside bf16 matrices stay float32; float8 is widened to bfloat16, exactly), the new ones with their `_init_weights` values (float32; float64
     in a float64 model). Returns (plans, new names).
 
     Raises, naming `description` and `config_name` (what its config was read from), when a source tensor is in no
@@ -109,8 +109,11 @@ def plan_conversion(
     if mismatched:
         raise ValueError(f"The weights in {description} do not match {config_name}: shapes (found, expected) "
                          f"{dict(list(mismatched.items())[:8])}.")
-    plans = {name: plan if keep_source_dtypes and plan.dtype.is_floating_point
-             else dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
+    if keep_source_dtypes:  # "auto": each floating tensor as the source stores it (float8 widened, exactly)
+        plans = {name: dataclasses.replace(plan, dtype=model_dtype_of(plan.dtype)) if plan.dtype.is_floating_point
+                 else plan for name, plan in shared.items()}
+    else:
+        plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
     new_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # DESIGN.md section 4: DAR stays fp32
     for name, value in new_parameter_values(target.model_class, config, missing).items():
         plans[name] = TensorPlan(tuple(value.shape), new_dtype, value=value)

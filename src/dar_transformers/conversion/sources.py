@@ -7,6 +7,7 @@ before any weight (`load_source_config`); `load_source` loads a whole model inst
 
 import copy
 import dataclasses
+import fnmatch
 import json
 import os
 from pathlib import Path
@@ -31,7 +32,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Source files the output carries byte for byte: the license terms that travel with the weights, and the vocabulary
 # files of a tokenizer read from the folder (its `save_pretrained` writes tokenizer.json only; llama.cpp's GGUF
 # converter and sentencepiece users read tokenizer.model, BPE tools vocab.json and merges.txt).
-LICENSE_FILES = ("LICENSE*", "LICENCE*", "NOTICE*", "COPYING*", "USE_POLICY*")
+# License patterns match names in any case (LICENSE, license.txt, Notice.md), files and folders (REUSE's LICENSES/,
+# copied whole with its layout).
+LICENSE_FILES = ("license*", "licence*", "notice*", "copying*", "use_policy*")
 TOKENIZER_SIDE_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
 # MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
 # (llama.cpp writes a Mixtral as architecture "llama"; transformers reads it as a Llama, and its expert tensors, which
@@ -90,6 +93,7 @@ class Source:
     folder: Path | None = None  # an HF folder source: its README.md front matter gives the card's license
     side_files: tuple[Path, ...] = ()  # source files the output carries byte for byte (`copied_side_files`)
     custom_code: tuple[str, ...] = ()  # its config.json's `auto_map` entries, never run (`custom_code_entries`)
+    license: dict[str, str] = dataclasses.field(default_factory=dict)  # a GGUF file's, as card fields (`gguf_license`)
 
     @property
     def builtin_class(self) -> str:
@@ -147,6 +151,13 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
     check_model_builds(config, config_file)
     check_has_layers(config, f"Invalid {config_file}: num_hidden_layers")
+    undefined = undefined_config_fields(config)
+    if undefined:
+        logger.warning(
+            f"{config_file} has field(s) that transformers' {type(config).__name__} does not define: "
+            f"{', '.join(undefined)}. Its model never reads them, so the conversion computes the same without them; "
+            "the output's config.json does not carry them (add them to it by hand if a tool of yours reads them)."
+        )
     entries = custom_code_entries(config)
     if entries:
         builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
@@ -191,6 +202,13 @@ def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
         builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
         raise ValueError(f"Invalid {config_file}: transformers' {builtin} cannot be built from it "
                          f"({type(error).__name__}: {one_line(error)}).") from error
+
+
+def undefined_config_fields(config: PreTrainedConfig) -> list[str]:
+    """The fields of a source's config that its transformers config class does not define (added by a tool or by
+    hand): the converted config, built from the fields the architecture defines, leaves them out."""
+    defined = set(type(config)().to_dict())
+    return sorted(name for name in config.to_dict() if name not in defined)
 
 
 def custom_code_entries(config: PreTrainedConfig) -> tuple[str, ...]:
@@ -248,6 +266,20 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
                 "transformers nor a conversion would compute what this file's model computes; nothing is converted. "
                 "Convert the model's Hugging Face folder instead (its config.json carries the setting)."
             )
+
+
+# A GGUF file's license metadata (llama.cpp's converter copies the model card's) and the card field of each.
+GGUF_LICENSE_FIELDS = {"general.license": "license", "general.license.name": "license_name",
+                       "general.license.link": "license_link"}
+
+
+def gguf_license(path: Path) -> dict[str, str]:
+    """The card's license fields from a GGUF file's `general.license*` metadata (`GGUF_LICENSE_FIELDS`); empty
+    without them."""
+    import gguf  # present: transformers read the file's metadata with it
+
+    fields = gguf.GGUFReader(str(path)).fields
+    return {card: str(fields[key].contents()) for key, card in GGUF_LICENSE_FIELDS.items() if key in fields}
 
 
 def _load_tokenizer(folder: Path, gguf_file: str | None = None):
@@ -314,10 +346,20 @@ def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
 
 
 def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, ...]:
-    """The files of `folder` that the output copies as they are: `LICENSE_FILES`, and `TOKENIZER_SIDE_FILES` when the
-    tokenizer was read from this folder (not a `tokenizer=` given instead, whose files they are not)."""
-    patterns = LICENSE_FILES + (TOKENIZER_SIDE_FILES if tokenizer_from_folder else ())
-    return tuple(sorted({path for pattern in patterns for path in folder.glob(pattern) if path.is_file()}))
+    """The files of `folder` that the output copies as they are, at the same place relative to it: `LICENSE_FILES`
+    (any case; the files of a folder so named too, its links to folders not followed), and `TOKENIZER_SIDE_FILES`
+    when the tokenizer was read from this folder (not a `tokenizer=` given instead, whose files they are not)."""
+    copied = set()
+    for entry in folder.iterdir():
+        if any(fnmatch.fnmatch(entry.name.lower(), pattern) for pattern in LICENSE_FILES):
+            if entry.is_file():
+                copied.add(entry)
+            elif entry.is_dir() and not entry.is_symlink():
+                for root, _, names in os.walk(entry):  # does not follow links to folders
+                    copied.update(path for path in (Path(root) / name for name in names) if path.is_file())
+        elif tokenizer_from_folder and entry.name in TOKENIZER_SIDE_FILES and entry.is_file():
+            copied.add(entry)
+    return tuple(sorted(copied))
 
 
 def load_source(
@@ -393,7 +435,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
         except Exception as error:
             raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
         return Source(None, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config, checkpoint,
-                      GenerationConfig.from_model_config(config))
+                      GenerationConfig.from_model_config(config), license=gguf_license(path))
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
     if (path / "generation_config.json").is_file():
@@ -409,12 +451,24 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                   custom_code_entries(source_config))
 
 
+# The dtypes a model computes in, and so the dtypes "auto" keeps a source's tensors in. A float8 tensor (no scales
+# read: a checkpoint of plain float8 values) is widened to bfloat16, which holds every float8 value exactly.
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def model_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    """`dtype` where a model computes in it (`MODEL_DTYPES`), else bfloat16 (float8: exactly)."""
+    return dtype if dtype in MODEL_DTYPES else torch.bfloat16
+
+
 def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
-    """The source's own dtype ("auto"): the floating dtype that holds most of its bytes."""
+    """The source's own dtype ("auto"): the floating dtype that holds most of its bytes (a float8 tensor's counting as
+    bfloat16, `model_dtype_of`)."""
     totals: dict[torch.dtype, int] = {}
     for info in checkpoint.infos().values():
         if info.dtype.is_floating_point:
-            totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
+            dtype = model_dtype_of(info.dtype)
+            totals[dtype] = totals.get(dtype, 0) + info.nbytes
     return max(totals, key=totals.get) if totals else torch.float32
 
 

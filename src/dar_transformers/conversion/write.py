@@ -168,8 +168,10 @@ def write_converted_folder(folder, target, config, plans, new_names, source: Sou
     source.generation_config.save_pretrained(folder)
     write_tokenizer(folder, source.tokenizer)
     for path in source.side_files:  # license terms, the tokenizer's vocabulary files: as the source has them
-        if not (folder / path.name).exists():
-            shutil.copyfile(path, folder / path.name)
+        copied = folder / path.relative_to(source.folder)
+        if not copied.exists():
+            copied.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copied)
 
 
 def write_tokenizer(folder: Path, tokenizer) -> None:
