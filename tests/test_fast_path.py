@@ -196,6 +196,20 @@ def test_transport_write_gradcheck_and_plain_autograd():
             - transport_write(partial, rho, beta, written)).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_transport_write_without_autograd_gives_the_differentiable_forms_bits(dtype):
+    """Without autograd (the forward of `_TransportWrite`, the lean replays) the transport lerps each stream into its
+    half of the result instead of lerping a flipped copy: the same values bit for bit, as the replays require."""
+    generator = torch.Generator().manual_seed(3)
+    partial = torch.randn(2, 7, 2, 33, generator=generator, dtype=dtype)
+    rho = torch.rand(1, generator=generator, dtype=dtype)
+    beta = torch.rand(2, 33, generator=generator, dtype=dtype)
+    written = torch.randn(2, 7, 1, 33, generator=generator, dtype=dtype)
+    plain = torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, written)
+    assert torch.equal(transport_write(partial, rho, beta, written), plain)
+    assert torch.equal(transport_write(partial, rho.requires_grad_(), beta, written).detach(), plain)  # autograd form
+
+
 def test_transport_write_keeps_the_branch_output_in_the_model_dtype():
     """bf16 training: backward keeps y as the branch produced it (bf16), not a float32 copy, and the gradients equal
     those through a float32 y to float32 rounding (the cast is exact)."""

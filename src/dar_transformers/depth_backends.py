@@ -1858,8 +1858,16 @@ def depth_read(
 
 
 def transport_write(partial, rho, beta, branch_output):
-    """P [B, T, J, D], rho (1,), beta [J, D], y [B, T, 1, D] -> [[rho, 1-rho], [1-rho, rho]] P + beta * y."""
-    return torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, branch_output)
+    """P [B, T, J, D], rho (1,), beta [J, D], y [B, T, 1, D] -> [[rho, 1-rho], [1-rho, rho]] P + beta * y. Without
+    autograd (the fast path's forward and its replays, the operators' eager bodies) each stream is lerped into its
+    half of the result, then y added in place: the values of lerp(swap(P), P, rho) + beta * y bit for bit without a
+    flipped copy of P or a second temporary (two passes over [B, T, J, D] fewer)."""
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (partial, rho, beta, branch_output)):
+        return torch.addcmul(torch.lerp(partial.flip(-2), partial, rho), beta, branch_output)  # differentiable
+    written = torch.empty_like(partial, dtype=torch.promote_types(partial.dtype, beta.dtype))
+    torch.lerp(partial[..., 1, :], partial[..., 0, :], rho, out=written[..., 0, :])
+    torch.lerp(partial[..., 0, :], partial[..., 1, :], rho, out=written[..., 1, :])
+    return written.addcmul_(beta, branch_output)
 
 
 def cast_gated_write(partial, rho, beta, branch_output):
