@@ -414,6 +414,34 @@ def test_compiled_two_phase_equals_eager_two_phase():
     compiled_matches_eager(tiny(dar_block_size=2, dar_implementation="two_phase"), steps=1)
 
 
+def test_regional_compilation_names_the_graph_per_layer_that_dynamos_limit_cuts_short(caplog):
+    """Each DAR decoder layer has its own place in the depth history, so regional compilation traces a graph per layer;
+    past dynamo's recompile_limit the remaining layers ran eagerly with only dynamo's generic warning. The model says
+    why and what limit to set; with it set, every layer is compiled, once with gradients on and once with them off."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = tiny(num_hidden_layers=3, dar_block_size=2)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for layer in model.model.layers:
+        layer.compile(backend=counter)
+    input_ids = token_batch(seed=0)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        model(input_ids, labels=input_ids).loss.backward()
+    assert counter.frame_count == 2  # the third layer ran eagerly
+    assert ("3 DAR decoder layers are compiled on their own (regional compilation). Each has its own place in the "
+            "depth history, so dynamo traces one graph per layer" in caplog.text)
+    assert "runs the remaining layers eagerly. Set torch._dynamo.config.recompile_limit = 6 " in caplog.text
+    torch._dynamo.reset()
+    counter.frame_count = 0
+    with torch._dynamo.config.patch(recompile_limit=6):
+        model(input_ids, labels=input_ids).loss.backward()
+        with torch.no_grad():
+            model(input_ids)
+    assert counter.frame_count == 6
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("implementation", ["fast", "two_phase"])
 @pytest.mark.parametrize("compiled_read", ["inlined", "operator"])
 @pytest.mark.parametrize("how", ["compile()", "replaced", "compile_regions"])
@@ -446,10 +474,9 @@ def test_regional_compilation_gives_the_eager_gradients(implementation, compiled
         got = {name.replace("._orig_mod", ""): grad for name, grad in got.items()}  # a replaced layer's names
         torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=1e-12)
         assert_same_gradients(got, expected, 1e-10, 1e-12)
-    torch._dynamo.reset()  # inference, compiled afresh (after training, see the README's Serving note on dynamic=False)
-    twin = copy.deepcopy(model)
-    for layer in twin.model.layers:
-        layer.compile(backend="aot_eager")
-    with torch.no_grad():
+    with torch.no_grad():  # the same compiled layers with gradients off (dynamo failed in its shape guards here)
         input_ids = token_batch(seed=2)
         torch.testing.assert_close(twin(input_ids).logits, model(input_ids).logits, rtol=1e-10, atol=1e-12)
+    prompt = input_ids[:, :5]
+    assert torch.equal(twin.generate(prompt, max_new_tokens=3, do_sample=False),
+                       model.generate(prompt, max_new_tokens=3, do_sample=False))

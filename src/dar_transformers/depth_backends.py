@@ -2092,11 +2092,12 @@ def depth_backend(config, traced: bool = False):
     """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
     shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
     the two-phase read keeps no state outside its inputs and outputs; so does an eager forward whose decoder layers
-    are compiled on their own (`traced`: regional compilation traces the reads and writes). A forward with gradients
-    off, eager or traced, reads either as `InferenceDepthBackend`: the same two-phase equations without autograd, in
-    fewer operations."""
+    are compiled on their own (`traced`: regional compilation traces the reads and writes), with gradients off too.
+    Any other forward with gradients off, eager or traced as a whole, reads either as `InferenceDepthBackend`: the
+    same two-phase equations without autograd, in fewer operations. (Its history entries are views of one buffer;
+    handed to a layer compiled for training, torch 2.13's dynamo fails building the recompiled graph's shape guards.)"""
     implementation = config.dar_implementation
-    if implementation in ("fast", "two_phase") and not torch.is_grad_enabled():
+    if implementation in ("fast", "two_phase") and not torch.is_grad_enabled() and not traced:
         return InferenceDepthBackend(config)
     if implementation == "fast" and (traced or torch.compiler.is_compiling()):
         implementation = "two_phase"

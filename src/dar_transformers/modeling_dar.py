@@ -55,12 +55,14 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import DARConfig, dar_routing
 from .depth_backends import DepthState, dar_compute_dtype, dar_history_dtype, depth_backend
+
+logger = logging.get_logger(__name__)
 
 # Every DAR-only parameter lives under a module of one of these names; everything else keeps Llama's names. The one
 # list of them: the fp32 policy below, weight decay (`training.py`) and the converter's new parameters read it.
@@ -348,6 +350,20 @@ def self_contained(layer: nn.Module) -> bool:
             and not compiled_alone(layer))
 
 
+def warn_per_layer_graphs(compiled: int) -> None:
+    """Regional compilation of DAR traces one graph per decoder layer: each layer's place in the depth history (its
+    entry count, whether its branches open, read or commit a block's partial) is Python state its graph guards on,
+    where Llama's layers share one graph. Past dynamo's `recompile_limit` the other layers run eagerly, which dynamo
+    reports in its own words only; say why, and what to set."""
+    logger.warning_once(
+        f"{compiled} DAR decoder layers are compiled on their own (regional compilation). Each has its own place in "
+        "the depth history, so dynamo traces one graph per layer (not one for all, as for Llama), and past "
+        f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) it runs the remaining layers "
+        f"eagerly. Set torch._dynamo.config.recompile_limit = {2 * compiled} (one graph per layer with gradients on "
+        "and one with them off), or compile the whole model (torch.compile(model): one graph)."
+    )
+
+
 def compiled_alone(layer: nn.Module) -> bool:
     """Whether a decoder layer is compiled on its own while the model runs eagerly (regional compilation:
     `layer.compile()`, or the layer replaced by `torch.compile(layer)` as accelerate's `compile_regions` does)."""
@@ -496,7 +512,10 @@ class DARModel(DARPreTrainedModel):
         if torch.is_grad_enabled() and not all(self_contained(layer) for layer in layers):
             residuals = []  # a backend given them may compute a layer's reads in an earlier layer (a block's phase 1)
         # Layers compiled on their own trace the backend's reads and writes: it must be one a compiler can trace.
-        traced = any(compiled_alone(layer) for layer in layers)
+        compiled = sum(compiled_alone(layer) for layer in layers)
+        traced = compiled > 0
+        if compiled > torch._dynamo.config.recompile_limit:
+            warn_per_layer_graphs(compiled)
         backend = depth_backend(config, traced=traced)
         return backend.start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
 
