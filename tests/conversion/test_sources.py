@@ -450,6 +450,30 @@ def test_a_float8_source_converts_exactly_under_auto(tmp_path):
         assert written[name].dtype == torch.bfloat16 and torch.equal(written[name].float(), tensor.float()), name
 
 
+def test_an_in_memory_mixed_precision_model_keeps_its_dtypes_and_a_cast_one_is_told_why_it_fails():
+    """In memory, as written: bf16 matrices with float32 norms (parameters cast, buffers not) convert with every tensor
+    in the dtype the source holds it in, and verify. A model cast whole by `model.to(torch.bfloat16)` has bf16 rotary
+    frequencies, which the converted model (built as from_pretrained builds it) keeps float32: the check fails, and
+    said "The weights were rounded to bfloat16"; it now names the rounded rotary buffers and what to do."""
+    source = make_source("llama")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in source.named_parameters():
+            parameter.data = (parameter.data + 3e-6 * torch.randn(parameter.shape, generator=generator)
+                              if "norm" in name else parameter.data.to(torch.bfloat16))
+    result = upcycle(source, None, tokenizer=make_tokenizer(), dar_block_size=2, full_greedy=False, progress=False)
+    assert result.report.passed
+    converted = result.model.state_dict()
+    for name, tensor in source.state_dict().items():
+        if name in converted:
+            assert converted[name].dtype == tensor.dtype and torch.equal(converted[name], tensor), name
+    with pytest.raises(VerificationError, match=r"The source's rotary frequencies \(model\.rotary_emb\.inv_freq, "
+                                                r"model\.rotary_emb\.original_inv_freq\) are bfloat16: "
+                                                r"model\.to\(dtype\) rounds them"):
+        upcycle(make_source("llama").to(torch.bfloat16), None, tokenizer=make_tokenizer(), dar_block_size=2,
+                full_greedy=False, progress=False)
+
+
 def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dtype(tmp_path):
     """The same source with --dtype bfloat16 rounds the norms, which verification refuses (noise 1e-5); the refusal
     names the rounded tensors and --dtype float32, which converts exactly (before, it suggested only a larger

@@ -162,6 +162,21 @@ def upcycle(
         raise
 
 
+def rounded_rotary_hint(source: PreTrainedModel) -> str:
+    """Why an in-memory source may compute otherwise than its conversion: rotary frequencies (`inv_freq` buffers)
+    in a half dtype, which `model.to(torch.bfloat16)` leaves behind (it casts buffers), where `from_pretrained(...,
+    dtype=torch.bfloat16)` and the converted model keep them float32. Empty when they are float32."""
+    rounded = [name for name, buffer in source.named_buffers()
+               if name.endswith("inv_freq") and buffer.dtype not in (torch.float32, torch.float64)]
+    if not rounded:
+        return ""
+    return (f"The source's rotary frequencies ({', '.join(rounded[:2])}) are "
+            f"{str(source.get_buffer(rounded[0]).dtype).removeprefix('torch.')}: model.to(dtype) rounds them, while "
+            "from_pretrained(..., dtype=...) and the converted model keep them float32, so the two compute different "
+            "rotations. Load the source with from_pretrained(dtype=...) (or cast its parameters only) and convert "
+            "that.")
+
+
 def describe_kept_dtypes(kept: Mapping[torch.dtype, list[str]]) -> str:
     """"7 tensors in float32 (model.norm.weight, model.layers.0.input_layernorm.weight, ...)" of `kept_source_dtypes`;
     empty when nothing was kept apart."""
@@ -178,7 +193,7 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
     target.build_config(source.config, source_family(source.config), storage_dtype, options.fields)
     state = StateDictCheckpoint(source.state_dict())
     check_finite(state, "the in-memory model")
-    model = upcycle_model(source, target, storage_dtype, **options.fields)
+    model = upcycle_model(source, target, options.storage_dtype, **options.fields)  # None: as the source holds it
     report = None
     if options.verify:
         check_dtype = options.verification_dtype(storage_dtype)
@@ -190,7 +205,7 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
         report = verify_conversion(source_model, target_model, prompt_ids, options.tolerance, max_new_tokens,
                                    options.progress)
         report.storage_dtype = str(storage_dtype).removeprefix("torch.")
-        raise_unless_passed(report, storage_dtype, state)
+        raise_unless_passed(report, storage_dtype, state, rounded_rotary_hint(source))
     name = display_name(source.config.name_or_path or type(source).__name__)
     loaded = Source(source, tokenizer, name, "in-memory model", source.config)
     return ConversionResult(model=model, tokenizer=tokenizer, report=report, source=loaded, output=None,

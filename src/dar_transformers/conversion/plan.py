@@ -199,20 +199,27 @@ def upcycle_model(
 ) -> PreTrainedModel:
     """Source model -> target model in memory, through the same plan as a streamed conversion (key map, new
     parameters from `_init_weights`, nothing else missing), loaded as `from_pretrained` loads a checkpoint: DAR
-    parameters float32 in a half-precision model, buffers (rotary `inv_freq`) as the class builds them."""
+    parameters float32 in a half-precision model, buffers (rotary `inv_freq`) as the class builds them. `dtype`
+    None ("auto"): the model's dtype, each source tensor kept in the dtype the source holds it in (a mixed-precision
+    model's float32 norms beside bf16 matrices stay float32, as a written conversion keeps them)."""
     target = target_kind(kind)
+    keep_source_dtypes = dtype is None
     dtype = dtype or source_model.dtype
     check_has_layers(source_model.config, "The in-memory model's config.num_hidden_layers")
     config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
     checkpoint = StateDictCheckpoint(source_model.state_dict())
     check_tied_output_head(checkpoint, source_model.config, "the in-memory model")
-    plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model", "its config")
+    plans, new_names = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model", "its config",
+                                       keep_source_dtypes)
     # Cloned: the target never shares storage with the source (training one must not change the other).
     state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
     for name, tensor in state.items():
         require_finite_cast(tensor, name, "dtype=...")
     with logging_level_error():
         model = target.model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+    for names in kept_source_dtypes(plans, new_names, dtype).values():  # from_pretrained cast them to `dtype`
+        for name in names:
+            model.get_parameter(name).data = state[name]
     model.config.name_or_path = ""
     model.generation_config = copy.deepcopy(source_model.generation_config)
     return model.eval()

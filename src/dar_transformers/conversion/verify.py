@@ -449,11 +449,11 @@ def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> li
 
 
 def raise_unless_passed(
-    report: VerificationReport, storage_dtype: torch.dtype, source: Checkpoint | None = None
+    report: VerificationReport, storage_dtype: torch.dtype, source: Checkpoint | None = None, hint: str = ""
 ) -> None:
     """Raise `VerificationError` unless the report passed. With the `source` checkpoint, the hint names the source
     tensors that `storage_dtype` rounded (`rounded_tensors`) and the dtype that stores every tensor of the source
-    exactly (`exact_storage_dtype`)."""
+    exactly (`exact_storage_dtype`); a `hint` given replaces the guess about rounding."""
     if report.relaxed:
         logger.warning(
             f"Verification tolerance relaxed to {report.tolerance:.1e} (default {report.default_tolerance:.1e} "
@@ -461,10 +461,11 @@ def raise_unless_passed(
         )
     if report.passed:
         return
-    hint = ""
     storage = str(storage_dtype).removeprefix("torch.")
     rounded = rounded_tensors(source, storage_dtype) if source is not None else []
-    if rounded and not report.relaxed:
+    if hint:
+        hint = f"\n{hint}"
+    elif rounded and not report.relaxed:
         exact_dtype = exact_storage_dtype(source)
         names = ", ".join(name for name, _ in rounded[:3]) + (" ..." if len(rounded) > 3 else "")
         hint = (
