@@ -35,6 +35,9 @@ from .modeling_dar_moe import (
 from .peft_utils import register_peft_defaults
 
 __version__ = "0.1.0"
+# The transformers releases the package and the remote code of the folders it writes are tested with: setup.cfg's
+# install_requires says the same (tests/conversion/test_output_manifest.py checks), model cards quote it.
+TRANSFORMERS_REQUIREMENT = "transformers>=5.19,<5.25"
 
 
 # The one registration table: for each model type, the class every Auto class builds. Importing the package
@@ -98,4 +101,5 @@ __all__ = [
     "DARMoeForQuestionAnswering",
     "DARMoeForTokenClassification",
     "DARMoePreTrainedModel",
+    "TRANSFORMERS_REQUIREMENT",
 ]

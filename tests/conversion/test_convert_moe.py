@@ -3,6 +3,8 @@
 convert exactly (1e-5 in float32, 1e-8 in float64), negative controls drift, Drop-Upcycling says it is not exact,
 and the streamed, written conversion equals the in-memory one."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
@@ -17,7 +19,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from dar_transformers import DARMoeForCausalLM
+from dar_transformers import TRANSFORMERS_REQUIREMENT, DARMoeForCausalLM
 from dar_transformers.cli import main as cli_main
 from dar_transformers.conversion import convert_to_dar_moe, upcycle_to_dar_moe, verify_conversion
 
@@ -185,7 +187,18 @@ def test_upcycle_to_dar_moe_verifies_and_writes_a_loadable_repo(tmp_path, dtype,
     assert type(reloaded) is DARMoeForCausalLM and reloaded.config.num_experts == 4
     assert reloaded.config.dar_block_size == 2 and reloaded.config.architectures == ["DARMoeForCausalLM"]
     assert max_logit_difference(llama, reloaded, random_input_ids(length=10)) <= 1e-5
-    assert "DAR-MoE" in (tmp_path / "moe" / "README.md").read_text()
+    card = (tmp_path / "moe" / "README.md").read_text()
+    assert "DAR-MoE" in card
+    # How to load it: its own model type and code files, and the transformers releases the package supports (the
+    # card said "dar" and configuration_dar.py, and required transformers>=<this machine's release>,<5.24).
+    assert 'registers model_type "dar_moe"' in card and "`configuration_dar_moe.py`, `modeling_dar_moe.py`" in card
+    assert f"Requires `{TRANSFORMERS_REQUIREMENT}` and torch" in card
+    assert all((tmp_path / "moe" / name).is_file() for name in ("configuration_dar_moe.py", "modeling_dar_moe.py"))
+
+
+def test_the_transformers_requirement_quoted_by_cards_is_the_packages():
+    setup = (Path(__file__).parents[2] / "setup.cfg").read_text()
+    assert f"\n    {TRANSFORMERS_REQUIREMENT}\n" in setup
 
 
 def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):

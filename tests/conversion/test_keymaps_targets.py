@@ -58,7 +58,8 @@ def test_unsupported_architecture_is_refused_listing_the_supported_families(tmp_
     with pytest.raises(UnsupportedArchitectureError, match="'gemma'"):
         upcycle(GemmaForCausalLM(GemmaConfig(**SHAPE, vocab_size=VOCAB, head_dim=8)), progress=False)
     mixtral = MixtralForCausalLM(MixtralConfig(**SHAPE, vocab_size=VOCAB, num_local_experts=2))
-    with pytest.raises(UnsupportedArchitectureError, match="Kind 'dar' converts dense.*'mixtral' needs another kind"):
+    with pytest.raises(UnsupportedArchitectureError, match="Kind 'dar' converts dense.*'mixtral' is a mixture of "
+                                                           "experts: convert it to DAR-MoE with --kind dar_moe"):
         upcycle(mixtral, progress=False)
 
 

@@ -4,11 +4,10 @@
 
 import math
 
-import transformers
 import yaml
 from huggingface_hub.repocard import metadata_load
 
-from .. import __version__
+from .. import TRANSFORMERS_REQUIREMENT, __version__
 
 CARD_TEMPLATE = """---
 {front_matter}
@@ -42,17 +41,18 @@ continuations are identical token for token. The line under the table says which
 {chat_check}
 ## How to load
 
-With the package installed (`pip install dar-transformers`), importing it registers the `dar` model type:
+With the package installed (`pip install dar-transformers`), importing it registers the `{model_type}` model type:
 
 ```python
-import dar_transformers  # noqa: F401  (registers model_type "dar")
+import dar_transformers  # noqa: F401  (registers model_type "{model_type}")
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{repo}")
 tokenizer = AutoTokenizer.from_pretrained("{repo}")
 ```
 
-Without the package, the modelling code shipped in this repo (`configuration_dar.py`, `modeling_dar.py`) is used:
+Without the package, the modelling code shipped in this repo (`configuration_{model_type}.py`, `modeling_{model_type}.py` and
+the modules they import) is used:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,7 +61,7 @@ model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
 tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)  # the config's code; the tokenizer has none
 ```
 
-Requires `transformers>={transformers_version},<5.24` and torch. Chat:
+Requires `{transformers_requirement}` and torch. Chat:
 
 ```python
 messages = [{{"role": "user", "content": "What is the capital of France?"}}]
@@ -199,7 +199,8 @@ def render_model_card(
         settings="\n".join(f"| {name} | {value} |" for name, value in _settings_rows(config, kept_dtypes)),
         verification=verification,
         repo="<this repo or folder>",
-        transformers_version=transformers.__version__,
+        transformers_requirement=TRANSFORMERS_REQUIREMENT,
+        model_type=config.model_type,
     )
 
 

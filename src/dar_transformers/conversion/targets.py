@@ -111,8 +111,9 @@ def build_dar_config(
     _check_fields(fields, DAR_OPTION_FIELDS, "DAR")
     if source_config.model_type not in SOURCE_FAMILIES:  # an MoE family: DAR-MoE converts it
         raise UnsupportedArchitectureError(
-            f"Kind 'dar' converts dense {sorted(SOURCE_FAMILIES)} models; model_type {source_config.model_type!r} "
-            f"needs another kind (available: {sorted(TARGET_KINDS)})."
+            f"Kind 'dar' converts dense {sorted(SOURCE_FAMILIES)} models; model_type {source_config.model_type!r} is "
+            "a mixture of experts: convert it to DAR-MoE with --kind dar_moe (upcycle_to_dar_moe in Python; "
+            f"available kinds: {sorted(TARGET_KINDS)})."
         )
     architecture = source_architecture(source_config)
     config = validated_config(DARConfig, {**architecture, **fields, "dar_branch_family": branch_family})
