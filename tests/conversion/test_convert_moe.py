@@ -3,6 +3,7 @@
 convert exactly (1e-5 in float32, 1e-8 in float64), negative controls drift, Drop-Upcycling says it is not exact,
 and the streamed, written conversion equals the in-memory one."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,26 @@ def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
     code = cli_main(["convert", str(tmp_path / "llama"), str(tmp_path / "bad"), "--experts", "2", "--top-k", "3"])
     assert code == 1 and "num_experts_per_tok must be an integer in [1, num_experts=2]" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_an_moe_source_that_records_router_logits_converts_and_keeps_the_setting(tmp_path, capsys, family):
+    """`output_router_logits: true` (its training adds router_aux_loss_coef x the load-balancing loss): the default
+    run died with a traceback in transformers' load-balancing loss while the source generated its greedy check, and
+    with --max-new-tokens 0 it passed and wrote output_router_logits false. Now it converts with its greedy check,
+    and the DAR-MoE config keeps the setting (and the coefficient)."""
+    torch.manual_seed(0)
+    fields = {**TINY_LLAMA_FIELDS, **INIT, "max_position_embeddings": 512, "vocab_size": VOCAB,
+              "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+    source = (MixtralForCausalLM(MixtralConfig(num_local_experts=4, **fields)) if family == "mixtral" else
+              Qwen2MoeForCausalLM(Qwen2MoeConfig(num_experts=4, moe_intermediate_size=24, **fields))).eval()
+    source.save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    code = cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "moe"), "--kind", "dar_moe",
+                     "--max-new-tokens", "4"])
+    assert code == 0 and "PASSED" in capsys.readouterr().out
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["output_router_logits"] is True and config["router_aux_loss_coef"] == 0.1
 
 
 def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):

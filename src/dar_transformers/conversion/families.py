@@ -39,6 +39,7 @@ MOE_CONFIG_FIELDS: dict[str, dict[str, object]] = {
         "moe_intermediate_size": "intermediate_size",
         "norm_topk_prob": True,  # MixtralTopKRouter always renormalises the top-k weights
         "router_aux_loss_coef": "router_aux_loss_coef",
+        "output_router_logits": "output_router_logits",  # training adds the auxiliary loss
     },
     "qwen2_moe": {
         "num_experts": "num_experts",
@@ -49,6 +50,7 @@ MOE_CONFIG_FIELDS: dict[str, dict[str, object]] = {
         "decoder_sparse_step": "decoder_sparse_step",
         "mlp_only_layers": "mlp_only_layers",
         "router_aux_loss_coef": "router_aux_loss_coef",
+        "output_router_logits": "output_router_logits",  # training adds the auxiliary loss
     },
     "qwen3_moe": {
         "num_experts": "num_experts",
@@ -58,6 +60,7 @@ MOE_CONFIG_FIELDS: dict[str, dict[str, object]] = {
         "decoder_sparse_step": "decoder_sparse_step",
         "mlp_only_layers": "mlp_only_layers",
         "router_aux_loss_coef": "router_aux_loss_coef",
+        "output_router_logits": "output_router_logits",  # training adds the auxiliary loss
     },
 }
 

@@ -221,12 +221,16 @@ def greedy_continuations(
     for row, ids in enumerate(prompts):
         input_ids[row, length - ids.shape[1] :] = ids[0]
         attention_mask[row, length - ids.shape[1] :] = 1
+    # An MoE config that records router logits (its training adds the auxiliary loss) makes transformers' generate
+    # compute that loss over the padded batch, which fails; decoding needs neither.
+    no_router_logits = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
     output = model.generate(
         input_ids,
         attention_mask=attention_mask,
         max_new_tokens=max_new_tokens,
         pad_token_id=pad_token_id,
         **GREEDY_SEARCH,
+        **no_router_logits,
         streamer=TokenProgress(max_new_tokens, description, progress),
     )
     return output[:, length:].tolist()
