@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
@@ -195,6 +196,33 @@ def test_upcycle_to_dar_moe_verifies_and_writes_a_loadable_repo(tmp_path, dtype,
     assert 'registers model_type "dar_moe"' in card and "`configuration_dar_moe.py`, `modeling_dar_moe.py`" in card
     assert f"Requires `{TRANSFORMERS_REQUIREMENT}` and torch" in card
     assert all((tmp_path / "moe" / name).is_file() for name in ("configuration_dar_moe.py", "modeling_dar_moe.py"))
+
+
+def test_a_bf16_upcycle_writes_its_new_routers_as_it_loads_them(tmp_path):
+    """Sparse upcycling of a bf16 model: its new routers were written float32 (DAR's new parameters' dtype) though
+    they are no DAR parameters and load as bf16, so the loaded model saved again changed them. They are written in
+    the checkpoint's dtype (DAR's own parameters stay float32): loading and saving the folder changes no tensor."""
+    llama = dense_llama().to(torch.bfloat16)
+    for module in llama.modules():  # rotary frequencies as from_pretrained(dtype=bfloat16) keeps them
+        if hasattr(module, "inv_freq"):
+            module.inv_freq = module.inv_freq.float()
+            module.original_inv_freq = module.original_inv_freq.float()
+    result = upcycle_to_dar_moe(llama, tmp_path / "moe", tokenizer=word_tokenizer(), num_experts=4, top_k=2,
+                                prompts=PROMPTS, max_new_tokens=0, progress=False, dar_block_size=2)
+    assert result.report.passed
+    written = {}
+    for file in sorted((tmp_path / "moe").glob("*.safetensors")):
+        written.update(load_file(file))
+    assert all(written[name].dtype == torch.bfloat16 for name in written if name.endswith("mlp.gate.weight"))
+    assert all(tensor.dtype == torch.float32 for name, tensor in written.items() if "_residual." in name)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype="auto")
+    reloaded.save_pretrained(tmp_path / "again")
+    again = {}
+    for file in sorted((tmp_path / "again").glob("*.safetensors")):
+        again.update(load_file(file))
+    assert again.keys() == written.keys()
+    for name, tensor in written.items():
+        assert again[name].dtype == tensor.dtype and torch.equal(again[name], tensor), name
 
 
 def test_the_transformers_requirement_quoted_by_cards_is_the_packages():

@@ -51,8 +51,7 @@ model = AutoModelForCausalLM.from_pretrained("{repo}")
 tokenizer = AutoTokenizer.from_pretrained("{repo}")
 ```
 
-Without the package, the modelling code shipped in this repo (`configuration_{model_type}.py`, `modeling_{model_type}.py` and
-the modules they import) is used:
+Without the package, the modelling code shipped in this repo (`configuration_{model_type}.py`, `modeling_{model_type}.py` and the modules they import) is used:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -76,8 +76,9 @@ def plan_conversion(
 ) -> tuple[dict[str, TensorPlan], list[str]]:
     """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`, or with
     `keep_source_dtypes` ("auto") each in the floating dtype the source stores it in: a mixed-precision source's
-    float32 norms beside bf16 matrices stay float32; float8 is widened to bfloat16, exactly), the new ones with their `_init_weights` values (float32; float64
-    in a float64 model). Returns (plans, new names).
+    float32 norms beside bf16 matrices stay float32; float8 is widened to bfloat16, exactly), the new ones with their
+    `_init_weights` values (DAR's float32, float64 in a float64 model; a new router in `dtype`, as from_pretrained
+    loads it). Returns (plans, new names).
 
     Raises, naming `description` and `config_name` (what its config was read from), when a source tensor is in no
     planned tensor (other than an ignored key, or a tied head: `check_tied_output_head` compared it with the
@@ -115,8 +116,11 @@ def plan_conversion(
     else:
         plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
     new_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # DESIGN.md section 4: DAR stays fp32
+    # Other new parameters (the routers of sparse upcycling) in the checkpoint's dtype, as from_pretrained loads them.
+    kept_float32 = set(getattr(target.model_class, "_keep_in_fp32_modules_strict", None) or ())
     for name, value in new_parameter_values(target.model_class, config, missing).items():
-        plans[name] = TensorPlan(tuple(value.shape), new_dtype, value=value)
+        stays_float32 = not kept_float32.isdisjoint(name.split("."))
+        plans[name] = TensorPlan(tuple(value.shape), new_dtype if stays_float32 else dtype, value=value)
     ordered = {name: plans[name] for name in expected if name in plans}  # the model's own parameter order
     return ordered, sorted(missing)
 
