@@ -285,6 +285,25 @@ def test_an_moe_source_that_records_router_logits_converts_and_keeps_the_setting
     assert config["output_router_logits"] is True and config["router_aux_loss_coef"] == 0.1
 
 
+def test_a_float64_check_of_an_moe_source_says_why_it_cannot_pass(tmp_path, capsys):
+    """A Mixtral source verified in float64: its router renormalises the top-k weights in float32, DAR-MoE's again in
+    float64 (for exact sparse upcycling), so the check fails by about 1e-7 with no word of why. The refusal says so
+    and points to float32, where the same conversion passes."""
+    torch.manual_seed(0)
+    fields = {**TINY_LLAMA_FIELDS, **INIT, "max_position_embeddings": 512, "vocab_size": VOCAB}
+    MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **fields)).save_pretrained(
+        tmp_path / "mixtral")
+    make_tokenizer().save_pretrained(tmp_path / "mixtral")
+    code = cli_main(["convert", str(tmp_path / "mixtral"), str(tmp_path / "moe"), "--kind", "dar_moe",
+                     "--max-new-tokens", "0", "--verify-dtype", "float64"])
+    assert code == 2 and not (tmp_path / "moe").exists()  # 2: verification failed, nothing written
+    assert ("The mixtral source's router renormalises its top-k weights in float32 even in a float64 model, and "
+            "DAR-MoE's renormalises them again in float64" in capsys.readouterr().err)
+    code = cli_main(["convert", str(tmp_path / "mixtral"), str(tmp_path / "moe"), "--kind", "dar_moe",
+                     "--max-new-tokens", "0"])
+    assert code == 0 and "PASSED" in capsys.readouterr().out
+
+
 def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):
     torch.manual_seed(0)
     fields = {**TINY_LLAMA_FIELDS, **INIT, "max_position_embeddings": 512, "vocab_size": VOCAB}
