@@ -1527,8 +1527,8 @@ class InferenceDepthBackend:
     @staticmethod
     def _regrouped_branch_input(gate, share, values, mean) -> torch.Tensor:
         """The branch input of a read of the partial in a traced or bytes-bound forward, from Obar and P alone (phase 1
-        wrote no gated sum for it: `_regrouped_plans`): u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)}, c_j = gate_j
-        share_j.
+        wrote no gated sum for it: `_regrouped_plans`):
+          u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)},  c_j = gate_j share_j.
         gate [J], share [B, T, J], values P^{nu(j)} and mean Obar [B, T, J, D] -> u [B, T, D]."""
         partial_weight = share * gate  # c [B, T, J]
         mean_weight = (gate - partial_weight).unsqueeze(-1)  # [B, T, J, 1]

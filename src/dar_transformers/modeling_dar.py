@@ -514,7 +514,7 @@ class DARModel(DARPreTrainedModel):
         # Layers compiled on their own trace the backend's reads and writes: it must be one a compiler can trace.
         compiled = sum(compiled_alone(layer) for layer in layers)
         traced = compiled > 0
-        if compiled > torch._dynamo.config.recompile_limit:
+        if 2 * compiled > torch._dynamo.config.recompile_limit:  # a graph per layer, with gradients on and off
             warn_per_layer_graphs(compiled)
         backend = depth_backend(config, traced=traced)
         return backend.start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
