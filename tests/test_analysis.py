@@ -188,7 +188,7 @@ def test_one_stream_model_skips_the_two_stream_analyses(tmp_path):
     assert {path.name for path in save_plots(summary, tmp_path)} >= {"depth_weights_stream0.png", "stream_balance.png"}
 
 
-def test_command_line_on_a_saved_checkpoint(tmp_path):
+def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
     """`dar analyze` and `python -m dar_transformers.analysis` on a saved checkpoint with its tokenizer."""
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
@@ -210,3 +210,24 @@ def test_command_line_on_a_saved_checkpoint(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["batch"] == [3, 16] and list(summary["rescue_gain"]["branches"]) == ["L0.attn", "readout"]
     assert (tmp_path / "out" / "cross_stream_cka.png").exists()
+
+    # An --out holding files of the names the analysis writes (an earlier run's, or the user's own summary.json) was
+    # overwritten without a word, and the count of PNGs included the user's: refused before any work, naming them;
+    # --overwrite replaces those names only, and the count is of the files written.
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "summary.json").write_text("mine")
+    (user / "photo.png").write_bytes(b"mine")
+    capsys.readouterr()
+    assert cli_main(["analyze", *arguments, "--out", str(user)]) == 1
+    assert f"--out {user} already holds summary.json, which the analysis would replace" in capsys.readouterr().err
+    assert (user / "summary.json").read_text() == "mine"
+    assert cli_main(["analyze", *arguments, "--out", str(user), "--overwrite"]) == 0
+    assert "wrote " + str(user) + "/summary.json and 6 PNGs" in capsys.readouterr().out
+    assert json.loads((user / "summary.json").read_text())["batch"] == [3, 16]
+    assert (user / "photo.png").read_bytes() == b"mine"
+    for option, value, least in (("--seq-len", "0", 1), ("--num-sequences", "1", 2)):
+        with pytest.raises(SystemExit):  # were a ZeroDivisionError and "The text gives 0 tokens"
+            cli_main(["analyze", *arguments, "--out", str(tmp_path / "bad"), option, value])
+        assert f"argument {option}: {value} is below {least}, the least it takes" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -500,26 +500,60 @@ def text_batch(tokenizer, text: str, num_sequences: int, seq_len: int) -> torch.
     return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
 
 
+def at_least(minimum, kind=int):
+    """An argparse type: a `kind` value of at least `minimum`, else the usual one-line usage error naming both."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below {minimum}, the least it takes")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `analyze` arguments (shared by `dar analyze` and `python -m dar_transformers.analysis`)."""
     parser.add_argument("model", help="a DAR checkpoint directory (or anything from_pretrained accepts locally)")
     parser.add_argument("--text", type=Path, required=True, help="a UTF-8 text file to run the model on")
     parser.add_argument("--out", type=Path, required=True, help="output directory for summary.json and the PNGs")
     parser.add_argument("--tokenizer", help="tokenizer location if the checkpoint has none")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--num-sequences", type=int, default=8)
-    parser.add_argument("--max-rescue-branches", type=int, default=16,
+    parser.add_argument("--seq-len", type=at_least(1), default=256)
+    parser.add_argument("--num-sequences", type=at_least(2), default=8, help="at least 2 (rescue gain compares them)")
+    parser.add_argument("--max-rescue-branches", type=at_least(0), default=16,
                         help="rescue gain at this many depth reads spread over the depth (0 = all)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier analysis in --out (never anything else there)")
     return parser
 
 
-def run_from_arguments(args: argparse.Namespace) -> dict:
+# What an analysis writes into --out: the summary and the plots of `save_plots`.
+ANALYSIS_FILES = ("summary.json", "depth_weights_stream*.png", "depth_entropy.png", "cross_stream_cka.png",
+                  "rescue_gain.png", "stream_balance.png")
+
+
+def check_output_folder(out: Path, overwrite: bool) -> None:
+    """Refuse an --out folder that already holds files of the names an analysis writes (`ANALYSIS_FILES`: an earlier
+    analysis's, or the user's own), unless `overwrite`; before any work, naming them. Other files there are never
+    touched."""
+    if not out.is_dir() or overwrite:
+        return
+    taken = sorted({path.name for pattern in ANALYSIS_FILES for path in out.glob(pattern)})
+    if taken:
+        raise ValueError(f"--out {out} already holds {', '.join(taken)}, which the analysis would replace; pass "
+                         "--overwrite to replace them (nothing else in the folder is touched), or another --out.")
+
+
+def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
+    """Analyse `args.model` on `args.text`; returns the summary and the files written into `args.out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import _register_auto_classes
 
+    check_output_folder(args.out, args.overwrite)
     _register_auto_classes()
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
@@ -532,22 +566,23 @@ def run_from_arguments(args: argparse.Namespace) -> dict:
     summary["text"] = str(args.text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=True))
-    for path in save_plots(summary, args.out):
+    plots = save_plots(summary, args.out)
+    for path in plots:
         logger.info(f"wrote {path}")
     logger.info(f"wrote {args.out / 'summary.json'}")
-    return summary
+    return summary, plots
 
 
 def run_command(args: argparse.Namespace) -> int:
     """The `dar analyze` subcommand: exit status 0 and the written files on stdout (command-line output, like the
     other `dar` subcommands), or 1 with a message on stderr for a model that is not DAR or unreadable input."""
     try:
-        summary = run_from_arguments(args)
+        summary, plots = run_from_arguments(args)
     except (TypeError, ValueError, OSError) as error:
         print(f"dar analyze: error: {error}", file=sys.stderr)
         return 1
     print(f"loss {summary['loss']:.4f} on {summary['tokens']} tokens; wrote {args.out}/summary.json and "
-          f"{len(list(args.out.glob('*.png')))} PNGs")
+          f"{len(plots)} PNGs")
     return 0
 
 

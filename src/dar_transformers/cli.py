@@ -12,12 +12,15 @@ the signal's number.
 
 import argparse
 import contextlib
+import os
 import re
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from .analysis import add_arguments as add_analyze_arguments
+from .analysis import at_least
 from .analysis import run_command as run_analyze
 from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
 from .convert import DTYPES, TARGET_KINDS, VerificationError, upcycle
@@ -185,9 +188,9 @@ def convert_error(error: object) -> int:
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a DAR (or any causal-LM) model folder")
     parser.add_argument("--prompt", default="What is the capital of France?", help="the user message / text")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
     parser.add_argument("--no-chat-template", action="store_true", help="use the prompt as plain text")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0 = greedy")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
 
 
@@ -196,6 +199,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from .convert import chat_input_ids, resolve_dtype
 
+    model_path = Path(args.model).expanduser()
+    if model_path.is_file():  # a GGUF file, a config.json: from_pretrained would say "not a valid JSON file"
+        print(f"dar generate: error: {args.model} is a file; pass a model folder (a GGUF file: convert it with "
+              "`dar convert` first)", file=sys.stderr)
+        return 1
+    if not model_path.exists() and (os.sep in args.model or args.model.startswith((".", "~"))):
+        print(f"dar generate: error: no folder {args.model}", file=sys.stderr)  # not a Hub id: no Hub retries
+        return 1
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=resolve_dtype(args.dtype)).eval()

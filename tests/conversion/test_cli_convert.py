@@ -7,6 +7,8 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
+
 from transformers import AutoModelForCausalLM
 
 from dar_transformers.cli import main as cli_main
@@ -35,6 +37,22 @@ def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
     ids = chat_input_ids(tokenizer, "What is the capital of France?")
     expected = tokenizer.decode(dar.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:], skip_special_tokens=True)
     assert streamed.strip() == expected.strip()
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["{missing}"], "dar generate: error: no folder {missing}"),  # was 40 s of Hub retries, then a connection error
+    (["{file}"], "is a file; pass a model folder (a GGUF file: convert it with `dar convert` first)"),  # "not JSON"
+    (["{folder}", "--max-new-tokens", "-1"], "argument --max-new-tokens: -1 is below 1"),  # was a traceback
+    (["{folder}", "--temperature", "-1"], "argument --temperature: -1 is below 0.0"),  # was greedy, silently
+])
+def test_dar_generate_refuses_bad_input_in_one_line(tmp_path, capsys, arguments, message):
+    paths = {"missing": str(tmp_path / "missing"), "file": str(tmp_path / "model.gguf"), "folder": str(tmp_path)}
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    try:
+        code = cli_main(["generate", *(argument.format(**paths) for argument in arguments)])
+    except SystemExit as exit_:  # argparse's usage error
+        code = exit_.code
+    assert code in (1, 2) and message.format(**paths) in capsys.readouterr().err
 
 
 def test_demo_runs_in_its_tiny_mode(tmp_path):
