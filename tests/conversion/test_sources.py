@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
 from transformers.modeling_gguf_pytorch_utils import Qwen2MoeTensorProcessor, get_gguf_hf_weights_map
 
@@ -433,6 +433,20 @@ def test_a_gguf_files_license_metadata_reaches_the_card(tmp_path):
     plain = write_tiny_gguf(tmp_path / "gguf" / "plain.gguf", make_source("llama", tied=False), make_tokenizer())
     upcycle(plain, tmp_path / "out2", max_new_tokens=0, progress=False)
     assert "license: other" in (tmp_path / "out2" / "README.md").read_text().split("---\n")[1].splitlines()
+
+
+def test_a_gguf_files_named_chat_templates_travel_with_the_tokenizer(tmp_path):
+    """A GGUF file's named chat templates (`tokenizer.chat_template.tool_use`, as llama.cpp writes a card's named
+    templates): transformers' GGUF tokenizer reader keeps the default one only, and the conversion dropped the rest
+    without a word. They are written beside the default (additional_chat_templates/) and load back by name."""
+    (tmp_path / "gguf").mkdir()
+    tool_use = "TOOLS {% for message in messages %}{{ message['content'] }}{% endfor %}"
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
+                                extra_metadata={"tokenizer.chat_template.tool_use": tool_use})
+    upcycle(gguf_path, tmp_path / "out", max_new_tokens=0, progress=False)
+    assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").read_text() == tool_use
+    templates = AutoTokenizer.from_pretrained(tmp_path / "out").chat_template
+    assert templates == {"default": make_tokenizer().chat_template, "tool_use": tool_use}
 
 
 def test_a_float8_source_converts_exactly_under_auto(tmp_path):

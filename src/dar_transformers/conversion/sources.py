@@ -289,7 +289,7 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None):
             "one. Copy the tokenizer files into the folder, or convert an in-memory model with tokenizer=..."
         )
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
     except Exception as error:  # tokenizer backends raise many types; name the files either way
         files = [gguf_file] if gguf_file else [name for name in (*TOKENIZER_FILES, "tokenizer_config.json")
                                                if (folder / name).is_file()]
@@ -297,6 +297,21 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None):
             f"Could not load the tokenizer of {folder} from {', '.join(files)} (with transformers' own tokenizer "
             f"classes: the converter never runs code from the source): {one_line(error)}"
         ) from error
+    if gguf_file is not None:
+        named = gguf_named_chat_templates(folder / gguf_file)
+        if named:  # transformers' GGUF reader keeps the default template only
+            tokenizer.chat_template = {"default": tokenizer.chat_template, **named} if tokenizer.chat_template else named
+    return tokenizer
+
+
+def gguf_named_chat_templates(path: Path) -> dict[str, str]:
+    """A GGUF file's named chat templates (`tokenizer.chat_template.<name>`, llama.cpp's converter writes a model
+    card's "tool_use", "rag", ...), which transformers' GGUF tokenizer reader drops: {name: template}."""
+    import gguf  # present: transformers just read the file with it
+
+    prefix = "tokenizer.chat_template."
+    fields = gguf.GGUFReader(str(path)).fields
+    return {key.removeprefix(prefix): str(field.contents()) for key, field in fields.items() if key.startswith(prefix)}
 
 
 def _load_folder_model(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
