@@ -558,7 +558,12 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
     )
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    except (OSError, ValueError) as error:  # a checkpoint saved without its tokenizer, most often
+        hint = "" if args.tokenizer else " (a checkpoint saved without one: pass --tokenizer)"
+        raise ValueError(f"cannot load a tokenizer from {args.tokenizer or args.model}{hint}: "
+                         f"{' '.join(str(error).split())}") from error
     input_ids = text_batch(tokenizer, args.text.read_text(encoding="utf-8"), args.num_sequences, args.seq_len)
     names = evenly_spaced([branch.name for branch in dar_branches(model)], args.max_rescue_branches)
     summary = analyze(model, input_ids, rescue_branches=names)

@@ -211,7 +211,7 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=resolve_dtype(args.dtype)).eval()
     except (OSError, ValueError) as error:
-        print(f"dar generate: error: cannot load {args.model}: {error}", file=sys.stderr)
+        print(f"dar generate: error: cannot load {args.model}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     if tokenizer.chat_template is not None and not args.no_chat_template:
         input_ids = chat_input_ids(tokenizer, args.prompt)
