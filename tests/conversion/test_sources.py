@@ -427,9 +427,12 @@ def test_a_gguf_files_license_metadata_reaches_the_card(tmp_path):
                                extra_metadata={"general.license": "llama3.2", "general.license.name": "llama3.2",
                                                "general.license.link": "https://example.com/LICENSE"})
     upcycle(licensed, tmp_path / "out", max_new_tokens=0, progress=False)
-    front_matter = (tmp_path / "out" / "README.md").read_text().split("---\n")[1].splitlines()
+    card = (tmp_path / "out" / "README.md").read_text()
+    front_matter = card.split("---\n")[1].splitlines()
     assert {"license: llama3.2", "license_name: llama3.2", "license_link: https://example.com/LICENSE"} <= set(
         front_matter)
+    # and how the file stored its weights, which the weights dtype row (float32, dequantised) alone does not say
+    assert re.search(r"\(GGUF file licensed\.gguf: F32 x \d+ tensors, dequantised to float32\) converted into", card)
     plain = write_tiny_gguf(tmp_path / "gguf" / "plain.gguf", make_source("llama", tied=False), make_tokenizer())
     upcycle(plain, tmp_path / "out2", max_new_tokens=0, progress=False)
     assert "license: other" in (tmp_path / "out2" / "README.md").read_text().split("---\n")[1].splitlines()

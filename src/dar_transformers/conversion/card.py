@@ -171,7 +171,8 @@ def render_model_card(
         front_matter.insert(0, f"base_model: {base_model}")
     front_matter += ["tags:", "- dar", "- dual-attention-residuals", "- upcycled", "- custom_code"]
     # Only names reach the card (a Hub id, or a file/folder name): never a path of the converting machine.
-    source_sentence = f"`{base_model}` ({source.location})" if base_model else f"`{source.name}` ({source.location})"
+    location = f"{source.location}: {source.stored_as}" if getattr(source, "stored_as", "") else source.location
+    source_sentence = f"`{base_model or source.name}` ({location})"
     if report is None:
         verification = "Not verified."
     else:

@@ -94,6 +94,7 @@ class Source:
     side_files: tuple[Path, ...] = ()  # source files the output carries byte for byte (`copied_side_files`)
     custom_code: tuple[str, ...] = ()  # its config.json's `auto_map` entries, never run (`custom_code_entries`)
     license: dict[str, str] = dataclasses.field(default_factory=dict)  # a GGUF file's, as card fields (`gguf_license`)
+    stored_as: str = ""  # a GGUF file's tensor types, for the card (`gguf_tensor_types`)
 
     @property
     def builtin_class(self) -> str:
@@ -273,6 +274,18 @@ GGUF_LICENSE_FIELDS = {"general.license": "license", "general.license.name": "li
                        "general.license.link": "license_link"}
 
 
+def gguf_tensor_types(path: Path) -> str:
+    """How a GGUF file stores its tensors, for the card: "Q4_1 x 211, F32 x 61 tensors, dequantised to float32" (the
+    converted weights hold transformers' dequantised values; the card's weights dtype alone would not say so)."""
+    import gguf  # present: transformers read the file's metadata with it
+
+    counts: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    listed = ", ".join(f"{name} x {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return f"{listed} tensors, dequantised to float32"
+
+
 def gguf_license(path: Path) -> dict[str, str]:
     """The card's license fields from a GGUF file's `general.license*` metadata (`GGUF_LICENSE_FIELDS`); empty
     without them."""
@@ -450,7 +463,8 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
         except Exception as error:
             raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
         return Source(None, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config, checkpoint,
-                      GenerationConfig.from_model_config(config), license=gguf_license(path))
+                      GenerationConfig.from_model_config(config), license=gguf_license(path),
+                      stored_as=gguf_tensor_types(path))
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
     if (path / "generation_config.json").is_file():
