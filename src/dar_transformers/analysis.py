@@ -535,7 +535,7 @@ ANALYSIS_FILES = ("summary.json", "depth_weights_stream*.png", "depth_entropy.pn
                   "rescue_gain.png", "stream_balance.png")
 
 
-def check_output_folder(out: Path, overwrite: bool) -> None:
+def check_analysis_output(out: Path, overwrite: bool) -> None:
     """Refuse an --out folder that already holds files of the names an analysis writes (`ANALYSIS_FILES`: an earlier
     analysis's, or the user's own), unless `overwrite`; before any work, naming them. Other files there are never
     touched."""
@@ -553,7 +553,7 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
 
     from . import _register_auto_classes
 
-    check_output_folder(args.out, args.overwrite)
+    check_analysis_output(args.out, args.overwrite)
     _register_auto_classes()
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code

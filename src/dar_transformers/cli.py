@@ -204,8 +204,10 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"dar generate: error: {args.model} is a file; pass a model folder (a GGUF file: convert it with "
               "`dar convert` first)", file=sys.stderr)
         return 1
-    if not model_path.exists() and (os.sep in args.model or args.model.startswith((".", "~"))):
-        print(f"dar generate: error: no folder {args.model}", file=sys.stderr)  # not a Hub id: no Hub retries
+    # A path, not a Hub id ("org/name"): absolute, relative to "." or "~", or deeper than org/name. No Hub retries.
+    looks_local = os.path.isabs(args.model) or args.model.startswith((".", "~")) or args.model.count("/") > 1
+    if not model_path.exists() and looks_local:
+        print(f"dar generate: error: no folder {args.model}", file=sys.stderr)
         return 1
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
