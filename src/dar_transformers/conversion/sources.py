@@ -275,8 +275,9 @@ GGUF_LICENSE_FIELDS = {"general.license": "license", "general.license.name": "li
 
 
 def gguf_tensor_types(path: Path) -> str:
-    """How a GGUF file stores its tensors, for the card: "Q4_1 x 210, F32 x 61, Q8_0 x 1 tensors, dequantised to float32" (the
-    converted weights hold transformers' dequantised values; the card's weights dtype alone would not say so)."""
+    """How a GGUF file stores its tensors, for the card: "Q4_1 x 210, F32 x 61, Q8_0 x 1 tensors, dequantised to
+    float32" (the SmolLM2 file's; the converted weights hold transformers' dequantised values, which the card's weights
+    dtype alone would not say)."""
     import gguf  # present: transformers read the file's metadata with it
 
     counts: dict[str, int] = {}
