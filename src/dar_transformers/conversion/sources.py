@@ -314,7 +314,8 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None):
     if gguf_file is not None:
         named = gguf_named_chat_templates(folder / gguf_file)
         if named:  # transformers' GGUF reader keeps the default template only
-            tokenizer.chat_template = {"default": tokenizer.chat_template, **named} if tokenizer.chat_template else named
+            default = {"default": tokenizer.chat_template} if tokenizer.chat_template else {}
+            tokenizer.chat_template = {**default, **named}
     return tokenizer
 
 
