@@ -450,6 +450,15 @@ def test_a_gguf_files_named_chat_templates_travel_with_the_tokenizer(tmp_path):
     assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").read_text() == tool_use
     templates = AutoTokenizer.from_pretrained(tmp_path / "out").chat_template
     assert templates == {"default": make_tokenizer().chat_template, "tool_use": tool_use}
+    # A name that is a path would be written outside additional_chat_templates/: refused naming the key.
+    hostile = write_tiny_gguf(tmp_path / "gguf" / "hostile.gguf", make_source("llama", tied=False), make_tokenizer(),
+                              extra_metadata={"tokenizer.chat_template.../../evil": tool_use})
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"hostile\.gguf: its chat template 'tokenizer\.chat_template\.\.\./\.\./evil' "
+                                         r"has a name that is no file name"):
+        upcycle(hostile, tmp_path / "out2", max_new_tokens=0, progress=False)
+    assert_nothing_written(tmp_path, before)
+    assert not list(tmp_path.rglob("evil*"))
 
 
 def test_a_float8_source_converts_exactly_under_auto(tmp_path):

@@ -326,7 +326,12 @@ def gguf_named_chat_templates(path: Path) -> dict[str, str]:
 
     prefix = "tokenizer.chat_template."
     fields = gguf.GGUFReader(str(path)).fields
-    return {key.removeprefix(prefix): str(field.contents()) for key, field in fields.items() if key.startswith(prefix)}
+    named = {key.removeprefix(prefix): str(field.contents()) for key, field in fields.items() if key.startswith(prefix)}
+    for name in named:  # each becomes additional_chat_templates/<name>.jinja in the output
+        if not name or name in (".", "..") or any(character in name for character in "/\\\0"):
+            raise ValueError(f"GGUF file {path}: its chat template {prefix + name!r} has a name that is no file name "
+                             "(a path, or empty), so it cannot be written beside the tokenizer; nothing is converted.")
+    return named
 
 
 def _load_folder_model(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
