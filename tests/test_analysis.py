@@ -226,6 +226,18 @@ def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
     assert "wrote " + str(user) + "/summary.json and 6 PNGs" in capsys.readouterr().out
     assert json.loads((user / "summary.json").read_text())["batch"] == [3, 16]
     assert (user / "photo.png").read_bytes() == b"mine"
+    # Links of those names, dangling or to a file elsewhere: refused like files (a dangling one was not seen, and the
+    # summary written through it outside --out); with --overwrite the links are replaced, their targets untouched.
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (tmp_path / "victim.txt").write_text("elsewhere")
+    (linked / "summary.json").symlink_to(tmp_path / "victim.txt")
+    (linked / "depth_entropy.png").symlink_to(tmp_path / "not_yet.png")
+    assert cli_main(["analyze", *arguments, "--out", str(linked)]) == 1
+    assert "already holds depth_entropy.png, summary.json" in capsys.readouterr().err
+    assert cli_main(["analyze", *arguments, "--out", str(linked), "--overwrite"]) == 0
+    assert (tmp_path / "victim.txt").read_text() == "elsewhere" and not (tmp_path / "not_yet.png").exists()
+    assert not (linked / "summary.json").is_symlink() and json.loads((linked / "summary.json").read_text())
     for option, value, least in (("--seq-len", "0", 1), ("--num-sequences", "1", 2)):
         with pytest.raises(SystemExit):  # were a ZeroDivisionError and "The text gives 0 tokens"
             cli_main(["analyze", *arguments, "--out", str(tmp_path / "bad"), option, value])

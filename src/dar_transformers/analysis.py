@@ -20,8 +20,10 @@ Command line: `dar analyze MODEL --text FILE --out DIR` or `python -m dar_transf
 """
 
 import argparse
+import fnmatch
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -501,10 +503,13 @@ def text_batch(tokenizer, text: str, num_sequences: int, seq_len: int) -> torch.
 
 
 def at_least(minimum, kind=int):
-    """An argparse type: a `kind` value of at least `minimum`, else the usual one-line usage error naming both."""
+    """An argparse type: a finite `kind` value of at least `minimum`, else the usual one-line usage error naming
+    both ("nan" and "inf" parse as floats and compare false or true to anything)."""
 
     def parse(text: str):
         value = kind(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text} is below {minimum}, the least it takes")
         return value
@@ -536,15 +541,20 @@ ANALYSIS_FILES = ("summary.json", "depth_weights_stream*.png", "depth_entropy.pn
 
 
 def check_analysis_output(out: Path, overwrite: bool) -> None:
-    """Refuse an --out folder that already holds files of the names an analysis writes (`ANALYSIS_FILES`: an earlier
-    analysis's, or the user's own), unless `overwrite`; before any work, naming them. Other files there are never
-    touched."""
-    if not out.is_dir() or overwrite:
+    """Refuse an --out folder that already holds entries of the names an analysis writes (`ANALYSIS_FILES`: an
+    earlier analysis's, or the user's own; symbolic links too, dangling or not), unless `overwrite`; before any work,
+    naming them. With `overwrite`, such links are removed, so that the analysis writes new files in --out and never
+    through a link to a file elsewhere. Other entries are never touched."""
+    if not out.is_dir():
         return
-    taken = sorted({path.name for pattern in ANALYSIS_FILES for path in out.glob(pattern)})
-    if taken:
+    taken = sorted(name for name in os.listdir(out)
+                   if any(fnmatch.fnmatch(name, pattern) for pattern in ANALYSIS_FILES))
+    if taken and not overwrite:
         raise ValueError(f"--out {out} already holds {', '.join(taken)}, which the analysis would replace; pass "
                          "--overwrite to replace them (nothing else in the folder is touched), or another --out.")
+    for name in taken:
+        if (out / name).is_symlink():
+            (out / name).unlink()
 
 
 def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:

@@ -197,6 +197,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
+    from .conversion.verify import has_default_chat_template
     from .convert import chat_input_ids, resolve_dtype
 
     model_path = Path(args.model).expanduser()
@@ -215,7 +216,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         print(f"dar generate: error: cannot load {args.model}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
-    if tokenizer.chat_template is not None and not args.no_chat_template:
+    if has_default_chat_template(tokenizer) and not args.no_chat_template:
         input_ids = chat_input_ids(tokenizer, args.prompt)
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]

@@ -44,6 +44,7 @@ def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
     (["{file}"], "is a file; pass a model folder (a GGUF file: convert it with `dar convert` first)"),  # "not JSON"
     (["{folder}", "--max-new-tokens", "-1"], "argument --max-new-tokens: -1 is below 1"),  # was a traceback
     (["{folder}", "--temperature", "-1"], "argument --temperature: -1 is below 0.0"),  # was greedy, silently
+    (["{folder}", "--temperature", "nan"], "argument --temperature: nan is not a finite number"),  # greedy, silently
 ])
 def test_dar_generate_refuses_bad_input_in_one_line(tmp_path, capsys, arguments, message):
     paths = {"missing": str(tmp_path / "missing"), "file": str(tmp_path / "model.gguf"), "folder": str(tmp_path)}

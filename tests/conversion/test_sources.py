@@ -450,6 +450,15 @@ def test_a_gguf_files_named_chat_templates_travel_with_the_tokenizer(tmp_path):
     assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").read_text() == tool_use
     templates = AutoTokenizer.from_pretrained(tmp_path / "out").chat_template
     assert templates == {"default": make_tokenizer().chat_template, "tool_use": tool_use}
+    # Named templates without a default one (an empty tokenizer.chat_template): they travel; the chat prompt, which
+    # needs a default, is left out of the verification (the named templates made it fail before).
+    no_default = make_tokenizer()
+    no_default.chat_template = ""
+    named_only = write_tiny_gguf(tmp_path / "gguf" / "named_only.gguf", make_source("llama", tied=False), no_default,
+                                 extra_metadata={"tokenizer.chat_template.tool_use": tool_use})
+    result = upcycle(named_only, tmp_path / "out_named", max_new_tokens=0, progress=False)
+    assert result.report.passed and not any(check.name.startswith("chat") for check in result.report.checks)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out_named").chat_template == {"tool_use": tool_use}
     # A name that is a path would be written outside additional_chat_templates/: refused naming the key.
     hostile = write_tiny_gguf(tmp_path / "gguf" / "hostile.gguf", make_source("llama", tied=False), make_tokenizer(),
                               extra_metadata={"tokenizer.chat_template.../../evil": tool_use})

@@ -117,7 +117,7 @@ def check_written_tokenizer(folder: Path, tokenizer, texts: Sequence[str] | None
         ids = tokenizer(text)["input_ids"]
         compare(f"ids of {short(text)}", ids, written(text)["input_ids"])
         compare(f"decoded ids of {short(text)}", tokenizer.decode(ids), written.decode(ids))
-    if tokenizer.chat_template is not None and written.chat_template == tokenizer.chat_template:
+    if has_default_chat_template(tokenizer) and written.chat_template == tokenizer.chat_template:
         try:
             compare("chat prompt ids", chat_input_ids(tokenizer, CHAT_PROMPT).tolist(),
                     chat_input_ids(written, CHAT_PROMPT).tolist())
@@ -142,6 +142,13 @@ def top1_agreement(source_logits: torch.Tensor, target_logits: torch.Tensor, tol
     decided = (top2.values[..., 0] - top2.values[..., 1]) > 2 * tolerance
     agreed = decided & (target_logits.argmax(-1) == top2.indices[..., 0])
     return int(decided.sum()), int(agreed.sum())
+def has_default_chat_template(tokenizer) -> bool:
+    """Whether `apply_chat_template` has a template to use without being told one: a template, or named templates
+    with a "default" (a tokenizer with named templates only, as some GGUF files hold, needs `chat_template=NAME`)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) or (isinstance(template, dict) and "default" in template)
+
+
 def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """(name, input_ids [1, T]) pairs: the texts, plus a chat prompt when the tokenizer has a chat template.
 
@@ -157,7 +164,10 @@ def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None
             raise ValueError(f"The verification prompt text-{index} ({text!r}) tokenizes to no tokens; every prompt must "
                              "encode to at least one token.")
         prompts.append((f"text-{index}", ids))
-    if tokenizer.chat_template is not None:
+    if isinstance(tokenizer.chat_template, dict) and not has_default_chat_template(tokenizer):
+        logger.warning(f"The tokenizer has named chat templates only ({', '.join(tokenizer.chat_template)}), no "
+                       "default one: the chat prompt is left out of the verification.")
+    if has_default_chat_template(tokenizer):
         try:
             prompts.append(("chat: " + CHAT_PROMPT, chat_input_ids(tokenizer, CHAT_PROMPT)))
         except Exception as error:  # jinja2's TemplateSyntaxError, or TemplateError from the template's raise_exception
