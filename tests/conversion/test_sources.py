@@ -497,7 +497,7 @@ def test_an_in_memory_mixed_precision_model_keeps_its_dtypes_and_a_cast_one_is_t
             parameter.data = (parameter.data + 3e-6 * torch.randn(parameter.shape, generator=generator)
                               if "norm" in name else parameter.data.to(torch.bfloat16))
     result = upcycle(source, None, tokenizer=make_tokenizer(), dar_block_size=2, full_greedy=False, progress=False)
-    assert result.report.passed
+    assert result.report.passed and "from bfloat16 and float32 weights" in result.report.table()
     converted = result.model.state_dict()
     for name, tensor in source.state_dict().items():
         if name in converted:

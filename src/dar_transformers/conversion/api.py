@@ -219,7 +219,10 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
         max_new_tokens = 0 if options.full_greedy is False else options.max_new_tokens
         report = verify_conversion(source_model, target_model, prompt_ids, options.tolerance, max_new_tokens,
                                    options.progress)
-        report.storage_dtype = str(storage_dtype).removeprefix("torch.")
+        stored = [storage_dtype]  # and, with dtype auto, the source's other dtypes, which the model keeps
+        if options.storage_dtype is None:
+            stored += sorted({parameter.dtype for parameter in source.parameters()} - {storage_dtype}, key=str)
+        report.storage_dtype = " and ".join(str(dtype).removeprefix("torch.") for dtype in stored)
         raise_unless_passed(report, storage_dtype, state, rounded_rotary_hint(source))
     name = display_name(source.config.name_or_path or type(source).__name__)
     loaded = Source(source, tokenizer, name, "in-memory model", source.config)

@@ -484,7 +484,8 @@ def raise_unless_passed(
         names = ", ".join(name for name, _ in rounded[:3]) + (" ..." if len(rounded) > 3 else "")
         hint = (
             f"\n{len(rounded)} source tensor(s) are stored in a dtype that {storage} rounds ({names}); --dtype "
-            f"{str(exact_dtype).removeprefix('torch.')} (dtype={exact_dtype}) stores every tensor exactly. A larger "
+            f"{str(exact_dtype).removeprefix('torch.')} (dtype={exact_dtype}) stores every tensor exactly, and --dtype "
+            "auto (the default) keeps each as the source stores it. A larger "
             "tolerance (--tolerance) would accept the rounding instead, which the model card records."
         )
     elif storage_dtype in (torch.bfloat16, torch.float16) and not report.relaxed:
