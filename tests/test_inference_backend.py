@@ -194,14 +194,20 @@ def test_a_prefill_over_many_tokens_takes_the_bytes_bound_forms_and_its_decoding
     """2048 tokens at the tiny width (32) are 2^16 elements per [B, T, D] operand (the bar is 2^15): the prefill's
     writes transport the partial without a flipped copy; a prefill of 44 x 48 tokens too, and its decoding steps (44
     tokens) with one. Logits equal to the reference's in float64, and generation gives the reference's tokens."""
-    forms = []
-    transported = InferenceDepthBackend._transported
+    forms, without_flip = [], []  # per transporting write: the backend's regime; the calls of the flip-free form
+    write, transport_write = InferenceDepthBackend._write, depth_backends.transport_write
 
-    def recorded(self, partial, rho):
-        forms.append(self.bytes_bound)
-        return transported(self, partial, rho)
+    def recorded(self, constants, partial, branch_output):
+        if partial is not None and constants.rho is not None:
+            forms.append(self.bytes_bound)
+        return write(self, constants, partial, branch_output)
 
-    monkeypatch.setattr(InferenceDepthBackend, "_transported", recorded)
+    def counted(*args):
+        without_flip.append(True)
+        return transport_write(*args)
+
+    monkeypatch.setattr(InferenceDepthBackend, "_write", recorded)
+    monkeypatch.setattr(depth_backends, "transport_write", counted)
     fields = (2, "dar", 2, "duplicate", True)
     reference = perturbed_dar(torch.float64, "reference", *fields)
     model = perturbed_dar(torch.float64, "fast", *fields)
@@ -209,12 +215,14 @@ def test_a_prefill_over_many_tokens_takes_the_bytes_bound_forms_and_its_decoding
     with torch.no_grad():
         logits = model(input_ids).logits
         transports = len(forms)  # per forward
-        assert transports > 0 and all(forms)
+        assert transports > 0 and all(forms) and len(without_flip) == transports
         assert max_relative_diff(logits, reference(input_ids).logits) <= 1e-12
         forms.clear()
+        without_flip.clear()
         prompts = random_input_ids(batch=44, length=48, seed=1)
         generated = model.generate(prompts, max_new_tokens=3, do_sample=False)
         assert forms == [True] * transports + [False] * 2 * transports  # the 2112-token prefill, two 44-token steps
+        assert len(without_flip) == transports  # the prefill's writes only
         assert torch.equal(generated, reference.generate(prompts, max_new_tokens=3, do_sample=False))
 
 

@@ -1564,20 +1564,11 @@ class InferenceDepthBackend:
             partial = written.to(self.inv_rms_buffer.dtype) if partial is None else partial + written
         elif partial is None:
             partial = constants.beta * written  # [B, T, J, D], promoted to the compute dtype
-        else:  # [[rho, 1-rho], [1-rho, rho]] P + beta * y
-            partial = self._transported(partial, constants.rho).addcmul_(constants.beta, written)
+        elif self.bytes_bound and not torch.compiler.is_compiling():  # over many tokens: no flipped copy of P
+            partial = transport_write(partial, constants.rho, constants.beta, written)
+        else:  # [[rho, 1-rho], [1-rho, rho]] P + beta * y from the flipped copy: one call fewer (decoding)
+            partial = torch.lerp(partial.flip(-2), partial, constants.rho).addcmul_(constants.beta, written)
         return partial
-
-    def _transported(self, partial: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-        """[[rho, 1-rho], [1-rho, rho]] P of the two streams' partials [B, T, 2, D], as lerp(P^{1-j}, P^j, rho): over
-        many tokens each stream into its half of the result (a flipped copy costs a pass and fresh pages), else from
-        the flipped copy (one call fewer). The same values bit for bit."""
-        if not self.bytes_bound or torch.compiler.is_compiling():
-            return torch.lerp(partial.flip(-2), partial, rho)
-        transported = torch.empty_like(partial)
-        torch.lerp(partial[..., 1, :], partial[..., 0, :], rho, out=transported[..., 0, :])
-        torch.lerp(partial[..., 0, :], partial[..., 1, :], rho, out=transported[..., 1, :])
-        return transported
 
 
 # ---------------------------------------------------------------------------------------------------------------
