@@ -274,29 +274,34 @@ GGUF_LICENSE_FIELDS = {"general.license": "license", "general.license.name": "li
                        "general.license.link": "license_link"}
 
 
-def gguf_tensor_types(path: Path) -> str:
-    """How a GGUF file stores its tensors, for the card: "Q4_1 x 210, F32 x 61, Q8_0 x 1 tensors, dequantised to
-    float32" (the SmolLM2 file's; the converted weights hold transformers' dequantised values, which the card's weights
-    dtype alone would not say)."""
+def gguf_reader(path: Path):
+    """A GGUF file's reader (`gguf.GGUFReader`: its metadata parsed, its tensors memory-mapped), read once per source:
+    parsing a 49k-token vocabulary takes about 2 s (SmolLM2's file)."""
     import gguf  # present: transformers read the file's metadata with it
 
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_tensor_types(reader) -> str:
+    """How a GGUF file (its `gguf_reader`) stores its tensors, for the card: "Q4_1 x 210, F32 x 61, Q8_0 x 1 tensors,
+    dequantised to float32" (the SmolLM2 file's; the converted weights hold transformers' dequantised values, which
+    the card's weights dtype alone would not say)."""
     counts: dict[str, int] = {}
-    for tensor in gguf.GGUFReader(str(path)).tensors:
+    for tensor in reader.tensors:
         counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     listed = ", ".join(f"{name} x {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
     return f"{listed} tensors, dequantised to float32"
 
 
-def gguf_license(path: Path) -> dict[str, str]:
-    """The card's license fields from a GGUF file's `general.license*` metadata (`GGUF_LICENSE_FIELDS`); empty
-    without them."""
-    import gguf  # present: transformers read the file's metadata with it
-
-    fields = gguf.GGUFReader(str(path)).fields
+def gguf_license(fields) -> dict[str, str]:
+    """The card's license fields from a GGUF file's `general.license*` metadata (`GGUF_LICENSE_FIELDS`; `fields` of
+    its `gguf_reader`); empty without them."""
     return {card: str(fields[key].contents()) for key, card in GGUF_LICENSE_FIELDS.items() if key in fields}
 
 
-def _load_tokenizer(folder: Path, gguf_file: str | None = None):
+def _load_tokenizer(folder: Path, gguf_file: str | None = None, gguf_fields=None):
+    """The source's tokenizer, with transformers' own classes; from a GGUF file (`gguf_file` in `folder`, its
+    `gguf_reader`'s `gguf_fields`), with the named chat templates transformers' GGUF reader drops."""
     if gguf_file is None and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"Source folder {folder} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)}); the output repo needs "
@@ -312,20 +317,18 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None):
             f"classes: the converter never runs code from the source): {one_line(error)}"
         ) from error
     if gguf_file is not None:
-        named = gguf_named_chat_templates(folder / gguf_file)
+        named = gguf_named_chat_templates(folder / gguf_file, gguf_fields)
         if named:  # transformers' GGUF reader keeps the default template only
             default = {"default": tokenizer.chat_template} if tokenizer.chat_template else {}
             tokenizer.chat_template = {**default, **named}
     return tokenizer
 
 
-def gguf_named_chat_templates(path: Path) -> dict[str, str]:
+def gguf_named_chat_templates(path: Path, fields) -> dict[str, str]:
     """A GGUF file's named chat templates (`tokenizer.chat_template.<name>`, llama.cpp's converter writes a model
-    card's "tool_use", "rag", ...), which transformers' GGUF tokenizer reader drops: {name: template}."""
-    import gguf  # present: transformers just read the file with it
-
+    card's "tool_use", "rag", ...), which transformers' GGUF tokenizer reader drops: {name: template}, from the
+    `fields` of its `gguf_reader`."""
     prefix = "tokenizer.chat_template."
-    fields = gguf.GGUFReader(str(path)).fields
     named = {key.removeprefix(prefix): str(field.contents()) for key, field in fields.items() if key.startswith(prefix)}
     for name in named:  # each becomes additional_chat_templates/<name>.jinja in the output
         if not name or name in (".", "..") or any(character in name for character in "/\\\0"):
@@ -424,7 +427,7 @@ def load_source(
     source_family(source_config)
     if path.is_file():
         folder, gguf_file = _gguf_location(path)
-        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file)
+        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file, gguf_reader(path).fields)
         model = _load_gguf_model(path, dtype).eval()
         return Source(model, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config=model.config)
     loaded_tokenizer = tokenizer or (_load_tokenizer(path) if need_tokenizer else None)
@@ -455,7 +458,8 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     path = Path(source)
     if path.is_file():
         folder, gguf_file = _gguf_location(path)
-        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file)
+        reader = gguf_reader(path)  # once, for the tokenizer's named templates and the card
+        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file, reader.fields)
         config = plain_config(source_config)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config)
@@ -470,8 +474,8 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
         except Exception as error:
             raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
         return Source(None, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config, checkpoint,
-                      GenerationConfig.from_model_config(config), license=gguf_license(path),
-                      stored_as=gguf_tensor_types(path))
+                      GenerationConfig.from_model_config(config), license=gguf_license(reader.fields),
+                      stored_as=gguf_tensor_types(reader))
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
     if (path / "generation_config.json").is_file():
