@@ -2,6 +2,7 @@
 """dar_transformers.analysis on CPU: linear CKA's invariances, recording that leaves the model unchanged, the
 rescue-gain bookkeeping on a tiny model, and the summary plus PNGs of `analyze`."""
 
+import fnmatch
 import json
 import math
 
@@ -12,6 +13,7 @@ from conftest import perturb_dar_parameters, tiny_dar_config
 from dar_transformers import DARForCausalLM
 from dar_transformers.cli import main as cli_main
 from dar_transformers.analysis import (
+    ANALYSIS_FILES,
     analyze,
     cka_matrix,
     dar_branches,
@@ -178,6 +180,10 @@ def test_analyze_writes_json_and_pngs(tmp_path):
     expected = {"depth_weights_stream0.png", "depth_weights_stream1.png", "depth_entropy.png", "cross_stream_cka.png",
                 "rescue_gain.png", "stream_balance.png"}
     assert {path.name for path in paths} == expected
+    # every file an analysis writes is one the --out check knows (`ANALYSIS_FILES`)
+    known = [name for name in {*expected, "summary.json"}
+             if any(fnmatch.fnmatch(name, pattern) for pattern in ANALYSIS_FILES)]
+    assert len(known) == len(expected) + 1
     assert all(path.stat().st_size > 1000 for path in paths)
 
 
