@@ -468,12 +468,26 @@ def test_a_gguf_files_named_chat_templates_travel_with_the_tokenizer(tmp_path):
         upcycle(hostile, tmp_path / "out2", max_new_tokens=0, progress=False)
     assert_nothing_written(tmp_path, before)
     assert not list(tmp_path.rglob("evil*"))
+    # A template named "default" is how transformers names the default one: where it differs from the file's default
+    # template (or there is none), one of the two would be lost (the named one replaced the default): refused.
+    for tokenizer, label in ((make_tokenizer(), "its default one"), (no_default, "its (absent) default one")):
+        clash = write_tiny_gguf(tmp_path / "gguf" / "clash.gguf", make_source("llama", tied=False), tokenizer,
+                                extra_metadata={"tokenizer.chat_template.default": tool_use})
+        with pytest.raises(ValueError, match=rf"clash\.gguf: its chat template 'tokenizer\.chat_template\.default' "
+                                             rf"differs from {re.escape(label)}"):
+            upcycle(clash, tmp_path / "out2", max_new_tokens=0, progress=False)
+        assert_nothing_written(tmp_path, before | {"gguf"})
+    same = write_tiny_gguf(tmp_path / "gguf" / "same.gguf", make_source("llama", tied=False), make_tokenizer(),
+                           extra_metadata={"tokenizer.chat_template.default": make_tokenizer().chat_template})
+    upcycle(same, tmp_path / "out_same", max_new_tokens=0, progress=False)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out_same").chat_template == make_tokenizer().chat_template
 
 
 def test_a_float8_source_converts_exactly_under_auto(tmp_path):
     """float8 matrices (plain values, no scales) with bf16 norms: "auto" took float8, the dtype of most bytes, as the
     model's and failed with "couldn't find storage object Float8_e4m3fnStorage". bfloat16 holds every float8 value, so
-    "auto" widens them to it, exactly, and the conversion passes."""
+    "auto" widens them to it, exactly, and the conversion passes. The card says the source was float8 (its weights
+    dtype row alone said bfloat16, as if the source were)."""
     source = save_source(tmp_path / "source")
     state = {name: tensor.to(torch.bfloat16 if "norm" in name else torch.float8_e4m3fn).contiguous()
              for name, tensor in load_file(source / "model.safetensors").items()}
@@ -483,6 +497,10 @@ def test_a_float8_source_converts_exactly_under_auto(tmp_path):
     written = written_state(tmp_path / "out")
     for name, tensor in state.items():
         assert written[name].dtype == torch.bfloat16 and torch.equal(written[name].float(), tensor.float()), name
+    floats8 = sum(tensor.dtype == torch.float8_e4m3fn for tensor in state.values())
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert (f"(HF folder source: float8_e4m3fn x {floats8}, bfloat16 x {len(state) - floats8} tensors, float8 widened "
+            f"exactly)") in card
 
 
 def test_an_in_memory_mixed_precision_model_keeps_its_dtypes_and_a_cast_one_is_told_why_it_fails():

@@ -94,7 +94,8 @@ class Source:
     side_files: tuple[Path, ...] = ()  # source files the output carries byte for byte (`copied_side_files`)
     custom_code: tuple[str, ...] = ()  # its config.json's `auto_map` entries, never run (`custom_code_entries`)
     license: dict[str, str] = dataclasses.field(default_factory=dict)  # a GGUF file's, as card fields (`gguf_license`)
-    stored_as: str = ""  # a GGUF file's tensor types, for the card (`gguf_tensor_types`)
+    stored_as: str = ""  # how the source stores its tensors where the card's weights dtype would not say it
+    # (`gguf_tensor_types`, `widened_tensor_types`)
 
     @property
     def builtin_class(self) -> str:
@@ -318,6 +319,15 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None, gguf_fields=None
         ) from error
     if gguf_file is not None:
         named = gguf_named_chat_templates(folder / gguf_file, gguf_fields)
+        if named.get("default", tokenizer.chat_template) != tokenizer.chat_template:
+            raise ValueError(  # transformers saves the template named "default" as the tokenizer's default one
+                f"GGUF file {folder / gguf_file}: its chat template 'tokenizer.chat_template.default' differs from "
+                f"{'its default one (tokenizer.chat_template)' if tokenizer.chat_template else 'its (absent) default one'}, "
+                "and transformers keeps a tokenizer's templates by name, its default one named 'default': one of the "
+                "two would be lost. Keep the template you need and remove the key (gguf-py's gguf_new_metadata.py "
+                "--remove-metadata tokenizer.chat_template.default writes a new file); nothing is converted."
+            )
+        named.pop("default", None)  # the same template as the default one
         if named:  # transformers' GGUF reader keeps the default template only
             default = {"default": tokenizer.chat_template} if tokenizer.chat_template else {}
             tokenizer.chat_template = {**default, **named}
@@ -488,7 +498,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     name = folder_name(path)
     return Source(None, loaded_tokenizer, name, f"HF folder {name}", source_config, checkpoint,
                   generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None),
-                  custom_code_entries(source_config))
+                  custom_code_entries(source_config), stored_as=widened_tensor_types(checkpoint))
 
 
 # The dtypes a model computes in, and so the dtypes "auto" keeps a source's tensors in. A float8 tensor (no scales
@@ -499,6 +509,21 @@ MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def model_dtype_of(dtype: torch.dtype) -> torch.dtype:
     """`dtype` where a model computes in it (`MODEL_DTYPES`), else bfloat16 (float8: exactly)."""
     return dtype if dtype in MODEL_DTYPES else torch.bfloat16
+
+
+def widened_tensor_types(checkpoint: Checkpoint) -> str:
+    """How a checkpoint with tensors no model computes in (float8) stores its floating tensors, for the card:
+    "float8_e4m3fn x 12, bfloat16 x 5 tensors, float8 widened exactly" (its weights dtype row alone says bfloat16, the
+    dtype the output stores them in at twice the bytes); empty where every tensor is in a model dtype."""
+    counts: dict[torch.dtype, int] = {}
+    for info in checkpoint.infos().values():
+        if info.dtype.is_floating_point:
+            counts[info.dtype] = counts.get(info.dtype, 0) + 1
+    if all(dtype in MODEL_DTYPES for dtype in counts):
+        return ""
+    listed = ", ".join(f"{str(dtype).removeprefix('torch.')} x {count}"
+                       for dtype, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return f"{listed} tensors, float8 widened exactly"
 
 
 def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
