@@ -205,10 +205,15 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"dar generate: error: {args.model} is a file; pass a model folder (a GGUF file: convert it with "
               "`dar convert` first)", file=sys.stderr)
         return 1
-    # A path, not a Hub id ("org/name"): absolute, relative to "." or "~", or deeper than org/name. No Hub retries.
-    looks_local = os.path.isabs(args.model) or args.model.startswith((".", "~")) or args.model.count("/") > 1
+    # A path, not a Hub id ("org/name"): absolute, relative to "." or "~", deeper than org/name, or "org/name" where
+    # "org" is a folder here (`outputs/model-dar` mistyped). No Hub retries.
+    first = args.model.split("/", 1)[0]
+    in_local_folder = "/" in args.model and os.path.isdir(first)
+    looks_local = (os.path.isabs(args.model) or args.model.startswith((".", "~")) or args.model.count("/") > 1
+                   or in_local_folder)
     if not model_path.exists() and looks_local:
-        print(f"dar generate: error: no folder {args.model}", file=sys.stderr)
+        read_as_path = f" ({first}/ is a folder here, so it names a path, not a Hub id)" if in_local_folder else ""
+        print(f"dar generate: error: no folder {args.model}{read_as_path}", file=sys.stderr)
         return 1
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)

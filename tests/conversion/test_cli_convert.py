@@ -56,6 +56,16 @@ def test_dar_generate_refuses_bad_input_in_one_line(tmp_path, capsys, arguments,
     assert code in (1, 2) and message.format(**paths) in capsys.readouterr().err
 
 
+def test_dar_generate_reads_a_missing_folder_inside_a_local_one_as_a_path(tmp_path, capsys, monkeypatch):
+    """`dar generate outputs/model-dar` mistyped: "org/name" looks like a Hub id, and it went to the Hub (40 s of
+    retries offline, or another model of that name). Where "outputs" is a folder here it is a path: refused at once."""
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["generate", "outputs/model-dr"]) == 1
+    assert capsys.readouterr().err.strip() == ("dar generate: error: no folder outputs/model-dr (outputs/ is a folder "
+                                               "here, so it names a path, not a Hub id)")
+
+
 def test_demo_runs_in_its_tiny_mode(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(

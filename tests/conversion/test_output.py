@@ -42,6 +42,23 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
         upcycle(source, source / "dar", progress=False)
 
 
+def test_the_working_folder_as_output_is_refused_before_any_work(tmp_path, monkeypatch):
+    """`mkdir out && cd out && dar convert ../source .`: the swap renamed a new folder over the empty one, leaving the
+    shell in a removed folder (`ls` showed nothing, the output lay in its parent under the same name). Refused, empty
+    or a previous output with overwrite, naming what to do; a folder inside the working folder is fine."""
+    source = save_source(tmp_path / "source")
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(out)
+    for given, overwrite in ((".", False), (str(out), False), ("../out", True)):
+        with pytest.raises(ValueError, match=r"is the current working folder: .* Name a new folder, e\.g\. "
+                                             r"\./source-dar, or run the command from " + re.escape(str(tmp_path))):
+            upcycle(source, given, overwrite=overwrite, progress=False)
+        assert list(out.iterdir()) == [] and os.path.samefile(os.getcwd(), out)
+    upcycle(source, "dar", tolerance=1e-5, **FAST)
+    assert (out / "dar" / "config.json").is_file()
+
+
 def _another_device(monkeypatch, folder):
     real_stat = os.stat
 

@@ -16,7 +16,8 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   moved in, a Trainer's checkpoint-N/, weights saved again by `save_pretrained`, an edited model card, an output of a
   version that wrote no manifest. Symlinks in the output are never followed.
 - The output may not be a mount point (or lie on another device than its parent): the swap renames folders in the
-  parent, which cannot replace a mount point. Refused before any work.
+  parent, which cannot replace a mount point. Nor the current working folder, which the swap would leave removed
+  under the user's shell. Both refused before any work.
 - The new folder is written and verified in a staging folder next to the output, flushed to the disk (fsync), and
   only then renamed into place; a replaced output is moved aside first and removed last, once the rename is on the
   disk (kept, with a warning, if it was written to after its last check). The new folder takes the replaced
@@ -101,6 +102,13 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
             f"conversion writes a staging folder beside the output, in {output.parent}, and renames it into place, "
             f"which cannot replace a mount point. Choose a new folder inside it, e.g. "
             f"{output / _suggested_name(source)}."
+        )
+    if output.is_dir() and _is_working_folder(output):
+        raise ValueError(
+            f"Output folder {shown} is the current working folder: the conversion writes a staging folder beside it "
+            f"and renames it into place, which would leave your shell in the replaced folder, removed (empty to ls, "
+            f"the output beside it under the same name). Name a new folder, e.g. ./{_suggested_name(source)}, or run "
+            f"the command from {output.parent}."
         )
     if output.is_dir() and any(output.iterdir()):
         if not overwrite:
@@ -292,6 +300,13 @@ def _identity(path: Path) -> tuple[int, int] | None:
 def _same(first: Path, second: Path) -> bool:
     identity = _identity(first)
     return first == second or (identity is not None and identity == _identity(second))
+
+
+def _is_working_folder(folder: Path) -> bool:
+    try:
+        return _same(folder, Path.cwd())
+    except OSError:  # the working folder was removed
+        return False
 
 
 def _inside(inner: Path, outer: Path) -> bool:
