@@ -1633,6 +1633,7 @@ class DepthGradients:
     def __init__(self):
         self.buffer: torch.Tensor | None = None
         self.deferred: list[tuple] = []  # the reads' entry gradients not added yet (`defer`)
+        self.committed: set[int] = set()  # the history slots that hold a committed entry (`_Commit`)
 
     def defer(self, kernels, history_buffer, key_streams, grad_input, query, entry_coefficients) -> None:
         """A read's entry gradients as per-token coefficients [n, B, T, 3, J] of its n entries (value, key and key
@@ -1709,6 +1710,7 @@ class _Commit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry, history_buffer, inv_rms_buffer, slot, eps, gradients):
         _write_slot(history_buffer, inv_rms_buffer, slot, entry, eps)
+        gradients.committed.add(slot)
         ctx.slot, ctx.gradients = slot, gradients
         return entry.view_as(entry)
 
@@ -1756,8 +1758,19 @@ class _DepthRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, routed, gate, history_buffer, inv_rms_buffer, routing, eps, gradients, partial, *entries):
+        # A checkpointed layer recomputed in backward stages its partial in the slot its block has committed since
+        # (the forward staged it there before the commit), and non-reentrant checkpointing stops the recompute before
+        # the commit writes it again: the committed entry is kept aside and put back after the read, else a later
+        # backward through a retained graph (or a read not recomputed, such as the final readout) reads the partial.
+        slot = len(entries)
+        kept = None
+        if partial is not None and slot in gradients.committed:
+            kept = history_buffer[slot].clone(), inv_rms_buffer[slot].clone()
         sources, sources_inv_rms, partial_inv_rms = _read_sources(history_buffer, inv_rms_buffer, entries, partial, eps)
         branch_input, weights, keyed_dots = _depth_read_forward(routed, gate, sources, sources_inv_rms, *routing)
+        if kept is not None:
+            history_buffer.data[slot].copy_(kept[0])
+            inv_rms_buffer.data[slot].copy_(kept[1])
         # The partial's slot is overwritten by later partials: backward reads the partial itself (kept anyway).
         # The softmax weights are not kept: backward recomputes them from the key dots (the same values).
         ctx.save_for_backward(routed, gate, keyed_dots, partial, partial_inv_rms)
