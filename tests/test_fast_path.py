@@ -136,6 +136,48 @@ def test_parameter_memo_follows_in_place_updates(block_size, implementation):
     assert (after_load - memoised).abs().max() > 1e-4  # the load changed the function, and the memo saw it
 
 
+@pytest.mark.parametrize("change", ["replaced submodule", "parametrization", "inference-mode model"])
+def test_parameter_memo_follows_module_surgery_and_refuses_what_it_cannot_stamp(change):
+    """The memo's stamp walked a list of each residual's submodules made at its first no-grad forward: a submodule
+    assigned later (`residual.depth_attention = ...`), or the parameter a parametrization registers, was never
+    stamped, and no-grad logits stayed those of the old module (0.1-2.0 off). A parametrized parameter is computed
+    at each lookup (no stamp can vouch for it: derived at every forward), and a model built under
+    `torch.inference_mode()` has parameters that count no versions (they crashed every no-grad forward)."""
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+    if change == "inference-mode model":
+        with torch.inference_mode():
+            model = perturbed_tiny_dar(2, "two_phase")
+        with torch.inference_mode():
+            first = model(ids).logits
+            torch.testing.assert_close(model(ids).logits, first, rtol=0, atol=0)
+        return
+    model = perturbed_tiny_dar(2, "two_phase")
+    with torch.no_grad():
+        before = model(ids).logits  # fills the memo
+    residual = model.model.layers[1].attn_residual
+    if change == "replaced submodule":
+        donor = perturbed_tiny_dar(2, "two_phase").model.layers[0].mlp_residual
+        with torch.no_grad():
+            donor.depth_attention.pseudo_query.normal_()
+        residual.depth_attention = donor.depth_attention
+        model.model.final_readout.read_gate = donor.read_gate
+    else:
+        torch.nn.utils.parametrize.register_parametrization(residual.depth_attention, "pseudo_query", _Doubled())
+        with torch.no_grad():
+            model(ids)
+            residual.depth_attention.parametrizations.pseudo_query.original.mul_(-3)
+    with torch.no_grad():
+        after = model(ids).logits
+    with torch.enable_grad():
+        torch.testing.assert_close(after, model(ids).logits.detach(), rtol=0, atol=1e-6)
+    assert (after - before).abs().max() > 1e-3
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
 @pytest.mark.parametrize("implementation", ["fast", "two_phase"])
 def test_parameter_memo_follows_dtype_changes(implementation):
     model = perturbed_tiny_dar(2, implementation)

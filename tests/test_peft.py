@@ -208,3 +208,37 @@ def test_lora_on_upcycled_smollm2_trains_only_adapters_and_dar_and_merges_exactl
     torch.testing.assert_close(merged_wide, adapted_wide, rtol=0, atol=1e-9)
     float32_error = (adapted.double() - adapted_wide).abs().max().item()
     assert (merged - adapted).abs().max().item() <= 2 * float32_error
+
+
+def test_no_grad_forwards_follow_the_adapter_whose_dar_copies_run():
+    """With `train_dar=True` PEFT runs one copy of each DAR residual per adapter (`ModulesToSaveWrapper`), and
+    `disable_adapter()` / `set_adapter()` switch copies without changing any parameter. The inference memo's stamp
+    listed every copy's parameters but not which one ran: no-grad forwards (evaluation, `generate`, a DPO reference
+    pass) after a switch mixed constants of the other copy, 0.23-3.0 off in the logits. Each no-grad forward must
+    equal the memo-free and grad-enabled forward of what is active."""
+    base = base_model()
+    input_ids = random_input_ids(batch=2, length=9, seed=3)
+    with torch.no_grad():
+        base_logits = base(input_ids).logits
+    model = get_peft_model(base, dar_lora_config(train_dar=True, r=4), adapter_name="a")
+    train_steps(model)
+    model.add_adapter("b", dar_lora_config(train_dar=True, r=4))
+    model.set_adapter("b")
+    train_steps(model, learning_rate=3e-2)
+
+    def checked(label):
+        with torch.no_grad():
+            logits = model(input_ids).logits
+        with torch.enable_grad():  # no memo with gradients on
+            torch.testing.assert_close(logits, model(input_ids).logits.detach(), rtol=0, atol=1e-6, msg=label)
+        return logits
+
+    model.set_adapter("a")
+    adapted_a = checked("a")
+    with model.disable_adapter():
+        torch.testing.assert_close(checked("disabled"), base_logits, rtol=0, atol=1e-6)
+    model.set_adapter("b")
+    adapted_b = checked("b")
+    model.set_adapter("a")
+    torch.testing.assert_close(checked("a again"), adapted_a, rtol=0, atol=0)
+    assert (adapted_a - adapted_b).abs().max() > 1e-2 and (adapted_a - base_logits).abs().max() > 1e-2

@@ -75,6 +75,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
+from torch.nn.utils.parametrize import is_parametrized
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
 from transformers.utils.generic import GeneralInterface
@@ -790,6 +792,24 @@ class _OptimizerSteps:
 register_optimizer_step_post_hook(_OptimizerSteps.hook)
 
 
+class _Registrations:
+    """Counts every submodule and parameter registered in the process (global registration hooks, registered once):
+    part of every memo stamp, so that a submodule assigned after a memo was filled (module surgery, a
+    parametrization's `parametrizations` container, a parameter object replaced) makes each memoising module list
+    its submodules again (`_memo_stamp`). Models are built before they run, so forwards see the count change
+    rarely."""
+
+    count = 0
+
+    @classmethod
+    def hook(cls, module, name, value) -> None:
+        cls.count += 1
+
+
+register_module_module_registration_hook(_Registrations.hook)
+register_module_parameter_registration_hook(_Registrations.hook)
+
+
 def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Callable[[], torch.Tensor]):
     """A small tensor the two-phase backend derives from a module's own parameters outside its forward (gates, folded
     queries), in the dtype and on the device of `like`: computed with the module's weights onloaded (`_onloaded`),
@@ -805,34 +825,98 @@ def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Ca
     """
     if torch.compiler.is_compiling():  # a compiled graph reads the parameters; no Python memo in it
         return compute()
-    memoise = not torch.is_grad_enabled()
-    if not memoise:
+    stamp = _memo_stamp((module,), like) if not torch.is_grad_enabled() else None
+    if stamp is None:  # gradients on, or parameters no stamp can vouch for
         module.__dict__.pop("_dar_fast_memo", None)
     else:
-        stamp = _memo_stamp((module,), like)
         memo = module.__dict__.setdefault("_dar_fast_memo", {})
         cached = memo.get(name)
         if cached is not None and cached[0] == stamp:
             return cached[1]
     with _onloaded(module):
         value = compute()
-    if memoise:
-        memo[name] = (stamp, value)
+    if stamp is not None:
+        memo[name] = (stamp, value, _pinned(module))
     return value
 
 
-def _memo_stamp(modules, like: torch.Tensor) -> tuple:
+# Where a derivation reads the parameters of the module it derives from (a branch residual, the readout, or one of
+# their depth attentions and gates), by attribute, as the derivation itself looks them up.
+DERIVED_FROM = tuple(tuple(path.split(".")) for path in (
+    "pseudo_query", "key_norm.weight", "logit", "transport_logit", "depth_attention.pseudo_query",
+    "depth_attention.key_norm.weight", "read_gate.logit", "write_gate.logit", "write_gate.transport_logit",
+))
+
+
+def _attribute_path(module, path: tuple[str, ...]):
+    for name in path:
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def _derivation_parameters(module: torch.nn.Module) -> list:
+    """The parameters a derivation from `module` reads (`DERIVED_FROM`), looked up through its attributes at every
+    call, as the derivation looks them up: through a wrapper, the copy it forwards to now (PEFT's
+    `ModulesToSaveWrapper` after `disable_adapter()` or `set_adapter()`). Which paths exist is remembered per module,
+    and found again when one of them no longer resolves."""
+    paths = module.__dict__.get("_dar_memo_paths")
+    if paths is not None:
+        found = [_attribute_path(module, path) for path in paths]
+        if all(parameter is not None for parameter in found):
+            return found
+    found = [(path, _attribute_path(module, path)) for path in DERIVED_FROM]
+    module.__dict__["_dar_memo_paths"] = tuple(path for path, parameter in found if parameter is not None)
+    return [parameter for _, parameter in found if parameter is not None]
+
+
+def _plain_submodules(module: torch.nn.Module) -> tuple | None:
+    """`module` and its submodules when each is a plain module (attribute lookup as `nn.Module`'s, no
+    parametrization), whose parameters are exactly what a derivation reads; None where a wrapper or a
+    parametrization stands in between (then `_derivation_parameters` looks them up the way the derivation does)."""
+    submodules = tuple(module.modules())
+    for submodule in submodules:
+        if type(submodule).__getattr__ is not torch.nn.Module.__getattr__ or is_parametrized(submodule):
+            return None
+    return submodules
+
+
+def _memo_stamp(modules, like: torch.Tensor) -> tuple | None:
     """What a memo of tensors derived from `modules`' parameters is valid for (`_derived`): `like`'s dtype and device,
-    the optimiser steps taken, and every parameter's version counter and storage. Each module's submodules are listed
-    once (walking `parameters()` costs more than a decode step's mixing); their parameters are read from each
-    submodule at every lookup, so a replaced parameter changes the stamp."""
-    stamp = [like.dtype, like.device, _OptimizerSteps.count]
-    for module in modules:
-        submodules = module.__dict__.get("_dar_memo_modules")
-        if submodules is None:
-            submodules = module.__dict__["_dar_memo_modules"] = tuple(module.modules())
-        stamp += [(p._version, p.data_ptr()) for sub in submodules for p in sub._parameters.values() if p is not None]
+    the optimiser steps and module registrations in the process, and every parameter's version counter and storage.
+
+    Each module's submodules are listed once per registration count (walking `parameters()` at every lookup costs
+    more than a decode step's mixing), their parameters read at every lookup. A module behind a wrapper or a
+    parametrization is stamped by the parameters its derivation reaches through attributes
+    (`_derivation_parameters`), by identity too, and its memo entry pins them (`_pinned`) so that no identity is
+    reused while the entry lives. None where no stamp can vouch for a memo: a parameter computed at each lookup (a
+    parametrization: a fresh tensor's storage and version may repeat a freed one's), or an inference tensor
+    (`torch.inference_mode`), which counts no versions. Those modules are derived at every forward."""
+    stamp = [like.dtype, like.device, _OptimizerSteps.count, _Registrations.count]
+    try:
+        for module in modules:
+            listed = module.__dict__.get("_dar_memo_modules")
+            if listed is None or listed[0] != _Registrations.count:
+                listed = module.__dict__["_dar_memo_modules"] = (_Registrations.count, _plain_submodules(module))
+            if listed[1] is not None:
+                stamp += [(p._version, p.data_ptr()) for sub in listed[1] for p in sub._parameters.values()
+                          if p is not None]
+                continue
+            for parameter in _derivation_parameters(module):
+                if not isinstance(parameter, torch.nn.Parameter):
+                    return None
+                stamp += (id(parameter), parameter._version, parameter.data_ptr())
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
     return tuple(stamp)
+
+
+def _pinned(*modules) -> tuple:
+    """The parameters reached by attribute from `modules` (`_derivation_parameters`), kept alive with a memo entry
+    whose stamp names them by identity (`_memo_stamp`)."""
+    return tuple(parameter for module in modules if module.__dict__["_dar_memo_modules"][1] is None
+                 for parameter in _derivation_parameters(module))
 
 
 def _model_memo(residuals, like: torch.Tensor) -> dict:
@@ -843,8 +927,11 @@ def _model_memo(residuals, like: torch.Tensor) -> dict:
     owner = residuals[0].__dict__
     stamp = _memo_stamp(residuals, like)
     memo = owner.get("_dar_model_memo")
+    if stamp is None:  # parameters no stamp can vouch for: a memo for this forward only
+        owner.pop("_dar_model_memo", None)
+        return {}
     if memo is None or memo[0] != stamp:
-        memo = owner["_dar_model_memo"] = (stamp, {})
+        memo = owner["_dar_model_memo"] = (stamp, {}, _pinned(*residuals))
     return memo[1]
 
 
