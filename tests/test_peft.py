@@ -242,3 +242,28 @@ def test_no_grad_forwards_follow_the_adapter_whose_dar_copies_run():
     model.set_adapter("a")
     torch.testing.assert_close(checked("a again"), adapted_a, rtol=0, atol=0)
     assert (adapted_a - adapted_b).abs().max() > 1e-2 and (adapted_a - base_logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("implementation", ["fast", "two_phase", "reference"])
+def test_lora_on_dar_parameters_is_refused_where_the_backend_would_ignore_it(implementation):
+    """PEFT accepts LoRA on DAR's parameters (`target_parameters`): a `ParamWrapper` adds the update in the wrapped
+    module's forward, which only the reference backend calls. The optimised backends ignored it with gradients off
+    (logits unchanged) and failed training with an AttributeError; now the first forward says why and what to use.
+    The reference backend runs it: the adapter changes the function."""
+    model = base_model()
+    model.config.dar_implementation = implementation
+    input_ids = random_input_ids(batch=2, length=7, seed=4)
+    with torch.no_grad():
+        before = model(input_ids).logits
+    adapted = get_peft_model(model, LoraConfig(target_modules=[], r=2, init_lora_weights=False,
+                                               target_parameters=["depth_attention.pseudo_query", "write_gate.logit"]))
+    if implementation != "reference":
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad), pytest.raises(
+                ValueError, match=r"^layers\.0\.attn_residual\.depth_attention\.pseudo_query is adapted by "
+                                  r"ParamWrapper, .*dar_lora_config\(train_dar=True\)"):
+                adapted(input_ids=input_ids, labels=input_ids)
+        return
+    with torch.no_grad():
+        assert (adapted(input_ids).logits - before).abs().max() > 1e-2
+    adapted(input_ids=input_ids, labels=input_ids).loss.backward()

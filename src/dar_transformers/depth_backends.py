@@ -810,6 +810,11 @@ register_module_module_registration_hook(_Registrations.hook)
 register_module_parameter_registration_hook(_Registrations.hook)
 
 
+def module_registrations() -> int:
+    """How many submodules and parameters the process has registered so far (`_Registrations`)."""
+    return _Registrations.count
+
+
 def _derived(module: torch.nn.Module, name: str, like: torch.Tensor, compute: Callable[[], torch.Tensor]):
     """A small tensor the two-phase backend derives from a module's own parameters outside its forward (gates, folded
     queries), in the dtype and on the device of `like`: computed with the module's weights onloaded (`_onloaded`),
@@ -2210,4 +2215,5 @@ __all__ = [
     "dar_compute_dtype",
     "dar_history_dtype",
     "depth_backend",
+    "module_registrations",
 ]

@@ -60,7 +60,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import DARConfig, dar_routing
-from .depth_backends import DepthState, dar_compute_dtype, dar_history_dtype, depth_backend
+from .depth_backends import DepthState, dar_compute_dtype, dar_history_dtype, depth_backend, module_registrations
 
 logger = logging.get_logger(__name__)
 
@@ -293,6 +293,10 @@ class DARWriteGate(nn.Module):
         return rho * partial + (1.0 - rho) * partial.flip(-2) + written  # (6); flip swaps the two streams
 
 
+# The modules that hold DAR's parameters, which the optimised backends read without calling their forwards.
+DAR_PARAMETER_MODULES = (DARStreamRMSNorm, DARDepthAttention, DARReadGate, DARWriteGate)
+
+
 class DARBranchResidual(nn.Module):
     """The residual connection around one branch m (hyper-connections' width/depth split): `read` gives the
     branch input u, eq. (2)-(5); `write` puts the branch output y into the state, eq. (6)-(8).
@@ -362,6 +366,30 @@ def warn_per_layer_graphs(compiled: int) -> None:
         f"eagerly. Set torch._dynamo.config.recompile_limit = {2 * compiled} (one graph per layer with gradients on "
         "and one with them off), or compile the whole model (torch.compile(model): one graph)."
     )
+
+
+def refuse_forward_only_adapters(model: nn.Module) -> None:
+    """Refuse a DAR module wrapped by an adapter that acts in the module's forward (PEFT's LoRA on parameters,
+    `LoraConfig(target_parameters=...)`: a `ParamWrapper` whose `base_layer` is the DAR module). The optimised and
+    inference backends read the depth attentions' and gates' parameters directly and never call those forwards, so
+    such an adapter was ignored with gradients off (logits unchanged) and training failed in an AttributeError. The
+    reference backend calls them. Checked again when modules were registered since (`module_registrations`)."""
+    key = (module_registrations(), model.config.dar_implementation)
+    if model.__dict__.get("_dar_adapters_checked") == key:
+        return
+    if model.config.dar_implementation != "reference":
+        for name, module in model.named_modules():
+            if isinstance(module._modules.get("base_layer"), DAR_PARAMETER_MODULES):
+                adapted = f"{name}.{getattr(module, 'parameter_name', None) or 'base_layer'}"
+                raise ValueError(
+                    f"{adapted} is adapted by {type(module).__name__}, which applies its update in the wrapped "
+                    "module's forward; DAR's 'fast' and 'two_phase' backends read that module's parameters directly "
+                    "and never call it, so the adapter would be ignored with gradients off and training would fail. "
+                    "Train DAR parameters fully next to the LoRA adapters instead (modules_to_save: "
+                    "dar_transformers.peft_utils.dar_lora_config(train_dar=True)), or set "
+                    "config.dar_implementation = 'reference' (the readable equations, which call it; slower)."
+                )
+    model.__dict__["_dar_adapters_checked"] = key
 
 
 def compiled_alone(layer: nn.Module) -> bool:
@@ -504,6 +532,7 @@ class DARModel(DARPreTrainedModel):
         one committed entry per stream, the embedding (times 1/J for split writes), B^j_0 [B, T, J, D].
         `keep_depth_weights=False` lets an inference backend skip forming depth weights nobody records."""
         config = self.config
+        refuse_forward_only_adapters(self)
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]

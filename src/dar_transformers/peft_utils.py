@@ -10,8 +10,10 @@ package is not imported (a checkpoint loaded with `trust_remote_code=True`), run
 
     peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["dar"] = ["q_proj", "v_proj"]
 
-The DAR residual parameters are not adapted by LoRA (they are `nn.Parameter`s, not linear layers). To train
-them fully next to the adapters, list their modules in `modules_to_save` (`dar_lora_config(train_dar=True)`):
+The DAR residual parameters are not adapted by LoRA (they are `nn.Parameter`s, not linear layers; PEFT's LoRA on
+parameters, `target_parameters`, acts in the wrapped module's forward, which the optimised backends never call, so
+the model refuses it: `modeling_dar.refuse_forward_only_adapters`). To train them fully next to the adapters, list
+their modules in `modules_to_save` (`dar_lora_config(train_dar=True)`):
 PEFT then trains and saves a copy of each `attn_residual`, `mlp_residual` and `final_readout`, and
 `merge_and_unload()` puts the trained copies back in place.
 """
