@@ -157,12 +157,13 @@ def test_bf16_inference_gives_the_training_paths_logits(history_dtype):
 @pytest.mark.parametrize("broken", [False, True], ids=["policy", "negative_control"])
 def test_depth_mixing_runs_without_autocast_under_bf16_autocast(monkeypatch, broken):
     """The precision policy under autocast (checked once per forward at `start`): phase 1, the partial's reads and
-    the writes run with autocast off, so the depth products stay float32. Negative control: with the mixing
-    context left out, the same probes see autocast on."""
+    the writes run with autocast off, so the depth products stay float32; so do the commits, whose key scales
+    (`vecdot`, which CPU autocast runs in bf16) were bf16 in decoding: depth weights 7.8e-4 off the grad-enabled
+    path's. Negative control: with the mixing context left out, the same probes see autocast on."""
     if broken:
         monkeypatch.setattr(InferenceDepthBackend, "_autocast_off", lambda self: depth_backends.nullcontext())
     seen = []
-    for name in ("_phase_one", "_read_with_partial", "_write"):
+    for name in ("_phase_one", "_read_with_partial", "_write", "_commit"):
         original = getattr(InferenceDepthBackend, name)
 
         def probe(self, *args, _original=original):

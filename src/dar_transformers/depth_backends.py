@@ -1369,6 +1369,9 @@ class InferenceDepthBackend:
             derived, routed_t, gate = self._derive(self.residuals, sources)
             self.derived = dict(zip(self.residuals, zip(sources, derived)))
             self.stacks = (routed_t, gate, {residual: index for index, residual in enumerate(self.residuals)})
+        if self.autocast:
+            with self._autocast_off():
+                return DepthState(self, None, (self._commit(entry, 0),))
         return DepthState(self, None, (self._commit(entry, 0),))
 
     def plan(self, state: DepthState, *residuals) -> tuple[_PlannedRead | None, ...]:
@@ -1636,11 +1639,13 @@ class InferenceDepthBackend:
         constants = self.constants.get(residual) or self._constants(
             residual, len(state.history) + int(residual.reads_partial)
         )
-        if self.autocast:
+        if self.autocast:  # the commit's key scale too (a `vecdot` autocast would run in bf16)
             with self._autocast_off():
-                partial = self._write(constants, state.partial, branch_output)  # y [B, T, D] in the model dtype
-        else:
-            partial = self._write(constants, state.partial, branch_output)
+                return self._written(constants, state, branch_output, commits)
+        return self._written(constants, state, branch_output, commits)
+
+    def _written(self, constants: _InferenceConstants, state: DepthState, branch_output, commits: bool) -> DepthState:
+        partial = self._write(constants, state.partial, branch_output)  # y [B, T, D] in the model dtype
         if commits:
             return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
         return DepthState(self, partial, state.history)
