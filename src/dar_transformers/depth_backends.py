@@ -75,7 +75,10 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.nn.utils.parametrize import is_parametrized
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
@@ -153,13 +156,15 @@ class ReferenceDepthBackend:
         """(u [B, T, D] in the compute dtype, depth weights [N, B, T, J]). `dtype`: the branch's, which a backend
         may return u in already (the inference backend's kernels do); the caller converts u otherwise."""
         compute_dtype = dar_compute_dtype(state.history[0].dtype)
-        sources = torch.stack([source.to(compute_dtype) for source in state.sources(read_partial)])  # [N, B, T, J, D]
-        extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
-        return residual.read_gate(extraction), weights  # u [B, T, D]
+        with _without_autocast(state.history[0].device.type):  # the precision policy, also under autocast
+            sources = torch.stack([source.to(compute_dtype) for source in state.sources(read_partial)])  # [N,B,T,J,D]
+            extraction, weights = residual.depth_attention(sources)  # [B, T, J, D], [N, B, T, J]
+            return residual.read_gate(extraction), weights  # u [B, T, D]
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
         compute_dtype = dar_compute_dtype(state.history[0].dtype)
-        partial = residual.write_gate(branch_output.to(compute_dtype), state.partial)  # [B, T, J, D]
+        with _without_autocast(state.history[0].device.type):
+            partial = residual.write_gate(branch_output.to(compute_dtype), state.partial)  # [B, T, J, D]
         if commits:  # stored in the history's dtype (`dar_history_dtype`)
             return DepthState(self, None, (*state.history, partial.to(state.history[0].dtype)))
         return DepthState(self, partial, state.history)
