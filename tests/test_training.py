@@ -191,12 +191,14 @@ def _gradients(model, input_ids, labels, **forward_kwargs) -> dict[str, torch.Te
     return {name: parameter.grad.detach().clone() for name, parameter in model.named_parameters()}
 
 
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
 @pytest.mark.parametrize("block_size", [1, 2, 4])
-def test_every_parameter_receives_a_gradient(block_size):
+def test_every_parameter_receives_a_gradient(block_size, kernel):
     """DDP with find_unused_parameters=False needs every parameter in the graph. Exactly three get a gradient that
     is identically zero: branch 0 reads a single source (the embedding), so its depth softmax is constant (query and
-    key norm), and both streams' extractions are that same embedding, so its read gate alpha mixes equal values."""
-    model = upcycled_dar(tiny_llama(), dar_block_size=block_size).train()
+    key norm), and both streams' extractions are that same embedding, so its read gate alpha mixes equal values.
+    The C++ training kernels too (their rounding left about 1e-12 on the query and key norm, which AdamW moves on)."""
+    model = upcycled_dar(tiny_llama(), dar_block_size=block_size, dar_training_kernel=kernel).train()
     perturb_dar_parameters(model)
     input_ids = random_input_ids()
     model.zero_grad()

@@ -2048,6 +2048,8 @@ class _KernelDepthRead(torch.autograd.Function):
             partial_inv_rms if partial is not None else None, weights, keyed_dots, *ctx.routing,
         )
         ctx.gradients.defer(ctx.kernels, ctx.history_buffer, ctx.routing[0], grad_input, query, entry_coefficients)
+        if ctx.num_entries + (partial is not None) == 1:  # a softmax over one source: the query's gradient is zero,
+            grad_query.zero_()  # where the kernel's rounding leaves about 1e-12 (AdamW would move the query on it)
         needs = ctx.needs_input_grad
         return (
             grad_query if needs[0] else None, grad_gate if needs[1] else None, None, None, None, None, None, None,
