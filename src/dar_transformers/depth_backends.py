@@ -808,7 +808,8 @@ class _Registrations:
 
     @classmethod
     def hook(cls, module, name, value) -> None:
-        cls.count += 1
+        if not torch.compiler.is_compiling():  # `torch.export` registers its root inside the trace: no side effect
+            cls.count += 1
 
 
 register_module_module_registration_hook(_Registrations.hook)

@@ -374,6 +374,8 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
     inference backends read the depth attentions' and gates' parameters directly and never call those forwards, so
     such an adapter was ignored with gradients off (logits unchanged) and training failed in an AttributeError. The
     reference backend calls them. Checked again when modules were registered since (`module_registrations`)."""
+    if torch.compiler.is_compiling():  # checked by the eager forwards (a traced check would guard on the count)
+        return
     key = (module_registrations(), model.config.dar_implementation)
     if model.__dict__.get("_dar_adapters_checked") == key:
         return
@@ -385,8 +387,8 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
                     f"{adapted} is adapted by {type(module).__name__}, which applies its update in the wrapped "
                     "module's forward; DAR's 'fast' and 'two_phase' backends read that module's parameters directly "
                     "and never call it, so the adapter would be ignored with gradients off and training would fail. "
-                    "Train DAR parameters fully next to the LoRA adapters instead (modules_to_save: "
-                    "dar_transformers.peft_utils.dar_lora_config(train_dar=True)), or set "
+                    "Train DAR parameters fully next to the LoRA adapters instead (modules_to_save, as the "
+                    "dar-transformers package's peft_utils.dar_lora_config(train_dar=True) sets), or set "
                     "config.dar_implementation = 'reference' (the readable equations, which call it; slower)."
                 )
     model.__dict__["_dar_adapters_checked"] = key
