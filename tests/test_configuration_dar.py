@@ -72,6 +72,31 @@ def test_write_mode_sets_write_read_and_embedding_scales():
     assert (split.dar_write_scale, split.dar_read_scale, split.dar_embedding_scale) == (1.0, 2.0, 0.5)
 
 
+@pytest.mark.parametrize("fields,fragments", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_bad_value_given_to_from_pretrained_is_refused_naming_field(tmp_path, fields, fragments):
+    """`from_pretrained(folder, **overrides)` sets the overrides on the built config, which checked their types only:
+    `dar_block_size=0` failed at the first forward with a ZeroDivisionError, `dar_block_size=99` loaded with trained
+    write gates re-initialised as missing, an unknown implementation failed in a KeyError. Now refused at load like
+    the constructor's."""
+    tiny_dar_config().save_pretrained(tmp_path)
+    with pytest.raises(StrictDataclassError) as error:
+        DARConfig.from_pretrained(tmp_path, **fields)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_an_unknown_implementation_set_after_loading_names_the_field_at_the_forward():
+    import torch
+
+    from dar_transformers import DARForCausalLM
+
+    model = DARForCausalLM(tiny_dar_config()).eval()
+    model.config.dar_implementation = "refernce"
+    with pytest.raises(ValueError, match=r"config\.dar_implementation must name a depth backend, one of \['fast', "
+                                         r"'reference', 'two_phase'\], got 'refernce'"):
+        model(torch.zeros(1, 3, dtype=torch.long))
+
+
 def test_save_load_round_trip_keeps_every_dar_field(tmp_path):
     fields = dict(
         num_hidden_layers=3,

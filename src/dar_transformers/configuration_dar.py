@@ -171,6 +171,16 @@ class DARConfig(LlamaConfig):
                 f"anti-symmetric write gates would change the function at initialisation (got {self.dar_gate_delta!r})."
             )
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """HF's `from_dict`, then the DAR validation again: it sets keyword overrides (`from_pretrained(folder,
+        dar_block_size=0)`) on the built config one by one, which checks their types only, so a bad value loaded (a
+        block size beyond the layers re-initialised trained parameters as missing) or failed later without naming
+        its field."""
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).validate()
+        return result
+
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
         """HF's `save_pretrained`, with `auto_map` naming every Auto class whose code is in the folder.
 

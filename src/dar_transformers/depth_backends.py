@@ -2206,6 +2206,9 @@ def depth_backend(config, traced: bool = False):
     same two-phase equations without autograd, in fewer operations. (Its history entries are views of one buffer;
     handed to a layer compiled for training, torch 2.13's dynamo fails building the recompiled graph's shape guards.)"""
     implementation = config.dar_implementation
+    if implementation not in ALL_DEPTH_BACKENDS:  # a value set on the config after it was validated
+        raise ValueError(f"config.dar_implementation must name a depth backend, one of {sorted(ALL_DEPTH_BACKENDS)}, "
+                         f"got {implementation!r}.")
     if implementation in ("fast", "two_phase") and not torch.is_grad_enabled() and not traced:
         return InferenceDepthBackend(config)
     if implementation == "fast" and (traced or torch.compiler.is_compiling()):
