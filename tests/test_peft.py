@@ -258,11 +258,15 @@ def test_lora_on_dar_parameters_is_refused_where_the_backend_would_ignore_it(imp
     adapted = get_peft_model(model, LoraConfig(target_modules=[], r=2, init_lora_weights=False,
                                                target_parameters=["depth_attention.pseudo_query", "write_gate.logit"]))
     if implementation != "reference":
+        compiled = torch.compile(adapted, backend="eager")  # checked while tracing too
         for grad in (False, True):
-            with torch.set_grad_enabled(grad), pytest.raises(
-                ValueError, match=r"^layers\.0\.attn_residual\.depth_attention\.pseudo_query is adapted by "
-                                  r"ParamWrapper, .*dar_lora_config\(train_dar=True\)"):
-                adapted(input_ids=input_ids, labels=input_ids)
+            for call in (adapted, compiled):
+                with torch.set_grad_enabled(grad), pytest.raises(
+                    ValueError, match=r"^layers\.0\.attn_residual\.depth_attention\.pseudo_query is adapted by "
+                                      r"ParamWrapper, .*dar_lora_config\(train_dar=True\)"):
+                    call(input_ids=input_ids, labels=input_ids)
+        with pytest.raises(Exception, match=r"pseudo_query is adapted by ParamWrapper"):  # in dynamo's own error
+            torch.compile(adapted, backend="eager", fullgraph=True)(input_ids)
         return
     with torch.no_grad():
         assert (adapted(input_ids).logits - before).abs().max() > 1e-2

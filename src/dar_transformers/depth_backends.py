@@ -222,20 +222,27 @@ def unrouted_queries(routed: torch.Tensor, selector: torch.Tensor) -> torch.Tens
     return (routed.view(streams, -1, streams) * selector[:, None, :]).sum(0).T
 
 
-def wide_product(rows: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+def wide_product(rows: torch.Tensor, weight_t: torch.Tensor, neutral: bool = False) -> torch.Tensor:
     """rows [n, k] @ weight_t.T for a narrow weight (weight_t [r, k], r a few columns): computed as
     (weight_t @ rows.T).T, a view [n, r]. CPU BLAS takes a [k, r] right operand several times slower per row than
     the same product with the wide operand on the right (1.3 us against 0.18 us per row at k = 1152, r = 2, with
-    weight_t contiguous; 0.54 us with weight_t a transposed view)."""
+    weight_t contiguous; 0.54 us with weight_t a transposed view).
+
+    `neutral`: as products and sums, which autocast leaves in their dtype, for a training forward traced under
+    autocast (`TwoPhaseDepthBackend.start`). A matrix product there, inside DAR's autocast-off region, has its
+    backward traced with autocast on (PyTorch issue 179804): the depth path's gradients came out of bf16 products,
+    1e-2 to 3e-2 off."""
+    if neutral:
+        return (rows.unsqueeze(-2) * weight_t).sum(-1)
     return (weight_t @ rows.T).T
 
 
-def key_dots_of(rows: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+def key_dots_of(rows: torch.Tensor, routed: torch.Tensor, neutral: bool = False) -> torch.Tensor:
     """rows [n, J * D] @ routed [J * D, r] (`routed_queries`, side by side for r / J reads) -> [n, r], taken wide
     (`wide_product`, routed transposed contiguous). Differentiable, and autograd's products are then wide too
     (d routed^T = g^T rows, d rows = g routed^T), where the narrow form's d routed = rows^T g is as slow as its
     forward; the same holds for the BLAS calls of a graph compiled by inductor."""
-    return wide_product(rows, routed.T.contiguous())
+    return wide_product(rows, routed.T.contiguous(), neutral)
 
 
 def _by_value_stream(by_target: torch.Tensor, value_streams: tuple[int, ...]) -> torch.Tensor:
@@ -272,7 +279,8 @@ def phase_one(
 
 
 def depth_scores_by_entry(
-    routed: torch.Tensor, entries: tuple[torch.Tensor, ...], history_inv_rms: torch.Tensor, key_streams
+    routed: torch.Tensor, entries: tuple[torch.Tensor, ...], history_inv_rms: torch.Tensor, key_streams,
+    neutral: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1's scores of R reads over the entries one by one, differentiable (traced training, once per block):
     routed [J * D, R * J], entries [B, T, J, D] each, their inverse RMS [S, B, T, J] -> softmax weights
@@ -282,7 +290,7 @@ def depth_scores_by_entry(
     reads = routed.shape[1] // streams
     routed_t = routed.T.contiguous()  # [R * J, J * D]: each entry's key dots a wide product
     key_dots = torch.stack(
-        [wide_product(entry.to(routed.dtype).reshape(-1, streams * hidden), routed_t) for entry in entries]
+        [wide_product(entry.to(routed.dtype).reshape(-1, streams * hidden), routed_t, neutral) for entry in entries]
     )
     return _depth_softmax(key_dots.view(len(entries), batch, tokens, reads, streams), history_inv_rms, key_streams)
 
@@ -341,7 +349,7 @@ def _fused_value_sums(weights: torch.Tensor, history: torch.Tensor, value_stream
     return value_sum_by_entry(by_read, history.unbind(0), value_streams, history.dtype).permute(1, 2, 3, 0, 4)
 
 
-def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_streams, value_streams):
+def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_streams, value_streams, neutral=False):
     """Phase 2 of one read: the partial (if read) joins phase 1 by the log-sum-exp rule, then the read gate.
 
     routed [J * D, J], gate [J] (read gate times read and count scaling), partial [B, T, J, D] or None with its
@@ -352,7 +360,7 @@ def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_strea
     else:
         batch, tokens, streams, hidden = partial.shape
         partial_rows = partial.reshape(-1, streams * hidden)
-        partial_dots = key_dots_of(partial_rows, routed).view(batch, tokens, streams)  # [B, T, J]
+        partial_dots = key_dots_of(partial_rows, routed, neutral).view(batch, tokens, streams)  # [B, T, J]
         score = partial_dots * _streams(partial_inv_rms, key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - phase.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
         values = _streams(partial, value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
@@ -523,7 +531,7 @@ def _traced_training() -> bool:
     return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
-def _recomputed_read(weights, log_sum_exp, routed, gate, partial, routing, eps, *entries):
+def _recomputed_read(weights, log_sum_exp, routed, gate, partial, routing, eps, neutral, *entries):
     """Phase 2 of one read in plain differentiable operations, the value sum of phase 1 included: what a training
     forward traced by `torch.compile` runs, inside an activation checkpoint, after its block's scores
     (`depth_scores_by_entry`, once per block): backward keeps the read's inputs only (the entries, alive as the
@@ -534,7 +542,7 @@ def _recomputed_read(weights, log_sum_exp, routed, gate, partial, routing, eps, 
     key_streams, value_streams = routing
     phase = PhaseOne(weights, log_sum_exp, value_sum_by_entry(weights, entries, value_streams, routed.dtype))
     partial_inv_rms = None if partial is None else inverse_rms(partial, eps)
-    return phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams)
+    return phase_two(phase, routed, gate, partial, partial_inv_rms, key_streams, value_streams, neutral)
 
 
 # `dar_compiled_read = "operator"`: the traced training read and its gradient as two custom operators, opaque to the
@@ -1072,6 +1080,7 @@ class TwoPhaseDepthBackend:
         self.residuals: tuple = ()  # the model's branch residuals in order (`start`), for a traced block's scores
         self.scored: dict = {}  # traced training: the scores of reads ahead in the open block, by residual
         self.layers_traced = False  # the decoder layers compiled on their own (`depth_backend`'s `traced`)
+        self.under_autocast = False  # the forward runs under autocast (`start`): traced reads take `neutral` products
 
     def _traced_inlined(self) -> bool:
         """A forward traced for training whose reads are plain code (`_recomputed_read`), not custom operators."""
@@ -1094,6 +1103,9 @@ class TwoPhaseDepthBackend:
 
     def start(self, entry: torch.Tensor, keep_weights: bool = True, residuals=()) -> DepthState:
         self.residuals = tuple(residuals)
+        # Outside DAR's autocast-off regions, where autocast still shows: a traced training forward under autocast
+        # takes products that autocast leaves alone (`wide_product`'s `neutral`), forward and backward.
+        self.under_autocast = torch.is_autocast_enabled(entry.device.type)
         with self._statistics():  # in the compute dtype, whatever the history's dtype
             entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
         return DepthState(self, None, (entry,), entry_inv_rms)
@@ -1158,7 +1170,7 @@ class TwoPhaseDepthBackend:
         with torch.autocast(like.device.type, enabled=False):
             routed = torch.cat([self._routed(residual, like) for residual in group], dim=1)  # [J * D, R * J]
             weights, log_sum_exp = depth_scores_by_entry(
-                routed, state.history, like, group[0].depth_attention.key_streams
+                routed, state.history, like, group[0].depth_attention.key_streams, self.under_autocast
             )
         scored = {
             residual: PhaseOne(weights[:, :, :, read], log_sum_exp[:, :, read], None)
@@ -1201,7 +1213,7 @@ class TwoPhaseDepthBackend:
                 return checkpoint(
                     _recomputed_read, planned.weights, planned.log_sum_exp, routed, gate,
                     state.partial if read_partial else None, (attention.key_streams, attention.value_streams),
-                    self.eps, *state.history, use_reentrant=False,
+                    self.eps, self.under_autocast, *state.history, use_reentrant=False,
                 )
             return two_phase_read(
                 routed, gate, state, state.partial if read_partial else None, planned, attention.key_streams,

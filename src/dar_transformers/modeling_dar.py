@@ -373,25 +373,31 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
     `LoraConfig(target_parameters=...)`: a `ParamWrapper` whose `base_layer` is the DAR module). The optimised and
     inference backends read the depth attentions' and gates' parameters directly and never call those forwards, so
     such an adapter was ignored with gradients off (logits unchanged) and training failed in an AttributeError. The
-    reference backend calls them. Checked again when modules were registered since (`module_registrations`)."""
-    if torch.compiler.is_compiling():  # checked by the eager forwards (a traced check would guard on the count)
+    reference backend calls them. An eager forward checks again only when modules were registered since
+    (`module_registrations`); a traced one checks while tracing (dynamo guards on the module tree anyway)."""
+    if model.config.dar_implementation == "reference":
         return
-    key = (module_registrations(), model.config.dar_implementation)
-    if model.__dict__.get("_dar_adapters_checked") == key:
+    traced = torch.compiler.is_compiling()
+    key = None if traced else module_registrations()
+    if key is not None and model.__dict__.get("_dar_adapters_checked") == key:
         return
-    if model.config.dar_implementation != "reference":
-        for name, module in model.named_modules():
-            if isinstance(module._modules.get("base_layer"), DAR_PARAMETER_MODULES):
-                adapted = f"{name}.{getattr(module, 'parameter_name', None) or 'base_layer'}"
+    residuals = [(f"layers.{index}.{name}", layer._modules.get(name)) for index, layer in enumerate(model.layers)
+                 for name in ("attn_residual", "mlp_residual")]
+    for prefix, residual in [*residuals, ("final_readout", model._modules.get("final_readout"))]:
+        for child in ("depth_attention", "read_gate", "write_gate"):
+            wrapper = residual._modules.get(child) if residual is not None else None
+            if wrapper is not None and isinstance(wrapper._modules.get("base_layer"), DAR_PARAMETER_MODULES):
+                adapted = f"{prefix}.{child}.{getattr(wrapper, 'parameter_name', None) or 'base_layer'}"
                 raise ValueError(
-                    f"{adapted} is adapted by {type(module).__name__}, which applies its update in the wrapped "
+                    f"{adapted} is adapted by {type(wrapper).__name__}, which applies its update in the wrapped "
                     "module's forward; DAR's 'fast' and 'two_phase' backends read that module's parameters directly "
                     "and never call it, so the adapter would be ignored with gradients off and training would fail. "
                     "Train DAR parameters fully next to the LoRA adapters instead (modules_to_save, as the "
                     "dar-transformers package's peft_utils.dar_lora_config(train_dar=True) sets), or set "
                     "config.dar_implementation = 'reference' (the readable equations, which call it; slower)."
                 )
-    model.__dict__["_dar_adapters_checked"] = key
+    if key is not None:
+        model.__dict__["_dar_adapters_checked"] = key
 
 
 def compiled_alone(layer: nn.Module) -> bool:
