@@ -167,6 +167,19 @@ def test_rescue_gain_needs_two_sequences():
 # ---------------------------------------------------------------------------------------------- summary, files
 
 
+def test_cka_of_a_representation_constant_over_the_examples_is_undefined_in_both_forms():
+    """A read whose output does not vary over the tokens has no CKA: `linear_cka` and the feature form said NaN, the
+    Gram form (which `analyze` takes for few tokens) 0.0, "entirely different streams"; now NaN in both, and the
+    summary's means leave it out."""
+    generator = torch.Generator().manual_seed(0)
+    varying = torch.randn(6, 32, generator=generator, dtype=torch.float64)
+    constant = torch.ones(6, 32, dtype=torch.float64)
+    assert math.isnan(linear_cka(constant, varying))
+    gram_form = cka_matrix([constant, varying], [varying, varying])  # 6 examples, width 32: the Gram form
+    assert math.isnan(gram_form[0, 0]) and math.isnan(gram_form[0, 1])
+    assert gram_form[1, 0] == pytest.approx(1.0) and gram_form[1, 1] == pytest.approx(1.0)
+
+
 def test_analyze_writes_json_and_pngs(tmp_path):
     model = trained_like_dar(dar_block_size=2)
     summary = analyze(model, token_batch(batch=3))

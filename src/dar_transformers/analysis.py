@@ -69,7 +69,8 @@ def cka_matrix(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
     if len(xs) * len(ys) * width**2 <= (len(xs) + len(ys)) * size**2 + len(xs) * len(ys) * size:
         return torch.tensor([[linear_cka(x, y) for y in ys] for x in xs], dtype=torch.float64)
 
-    # float64 unless that would need more than about 256 MB (SmolLM2-sized depth); CKA is clamped to [0, 1].
+    # float64 unless that would need more than about 256 MB (SmolLM2-sized depth); CKA is clamped to [0, 1]. A
+    # representation constant over the examples has no CKA (NaN in both forms; the Gram form said 0.0).
     dtype = torch.float64 if (len(xs) + len(ys)) * size**2 <= 2**25 else torch.float32
 
     def normalised_grams(representations: list[torch.Tensor]) -> torch.Tensor:
@@ -77,7 +78,7 @@ def cka_matrix(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
         for x in representations:
             x = x.double() - x.double().mean(0, keepdim=True)  # [N, D]
             gram = (x @ x.T).flatten()  # [N * N]
-            grams.append((gram / torch.linalg.vector_norm(gram).clamp_min(1e-300)).to(dtype))
+            grams.append((gram / torch.linalg.vector_norm(gram)).to(dtype))  # 0 / 0: NaN, as `linear_cka`'s
         return torch.stack(grams)  # [M, N * N]
 
     return (normalised_grams(xs) @ normalised_grams(ys).T).double().clamp(0.0, 1.0)  # [M, M']
@@ -248,11 +249,11 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
     off = ~torch.eye(len(flat), dtype=torch.bool)
     return {
         "tokens": int(flat[0].shape[0]),
-        "matrix": matrix.tolist(),
-        "matched_depth": matrix.diagonal().tolist(),
-        "matched_depth_mean": float(matrix.diagonal().mean()),
-        "off_diagonal_mean": float(matrix[off].mean()) if off.any() else float("nan"),
-        "within_stream0_off_diagonal_mean": float(within[off].mean()) if off.any() else float("nan"),
+        "matrix": _nan_to_none(matrix.tolist()),  # None: a read constant over the tokens (CKA undefined)
+        "matched_depth": _nan_to_none(matrix.diagonal().tolist()),
+        "matched_depth_mean": float(matrix.diagonal().nanmean()),
+        "off_diagonal_mean": float(matrix[off].nanmean()) if off.any() else float("nan"),
+        "within_stream0_off_diagonal_mean": float(within[off].nanmean()) if off.any() else float("nan"),
     }
 
 
@@ -430,7 +431,8 @@ def save_plots(summary: dict, out_dir: Path) -> list[Path]:
     finish(figure, "depth_entropy.png")
 
     if "cross_stream_cka" in summary:
-        matrix = torch.tensor(summary["cross_stream_cka"]["matrix"])
+        matrix = torch.tensor([[math.nan if value is None else value for value in row]
+                               for row in summary["cross_stream_cka"]["matrix"]])  # None: undefined, drawn blank
         figure, axis = plt.subplots(figsize=(2 + 0.3 * len(names), 1.5 + 0.3 * len(names)))
         image = axis.imshow(matrix.numpy(), cmap="magma", vmin=0.0, vmax=1.0)
         axis.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
