@@ -136,7 +136,8 @@ def test_parameter_memo_follows_in_place_updates(block_size, implementation):
     assert (after_load - memoised).abs().max() > 1e-4  # the load changed the function, and the memo saw it
 
 
-@pytest.mark.parametrize("change", ["replaced submodule", "parametrization", "inference-mode model"])
+@pytest.mark.parametrize("change", ["replaced submodule", "direct _modules write", "parametrization",
+                                    "inference-mode model"])
 def test_parameter_memo_follows_module_surgery_and_refuses_what_it_cannot_stamp(change):
     """The memo's stamp walked a list of each residual's submodules made at its first no-grad forward: a submodule
     assigned later (`residual.depth_attention = ...`), or the parameter a parametrization registers, was never
@@ -152,15 +153,18 @@ def test_parameter_memo_follows_module_surgery_and_refuses_what_it_cannot_stamp(
             torch.testing.assert_close(model(ids).logits, first, rtol=0, atol=0)
         return
     model = perturbed_tiny_dar(2, "two_phase")
+    donor = perturbed_tiny_dar(2, "two_phase").model.layers[0].mlp_residual  # built first: its registrations count
     with torch.no_grad():
+        donor.depth_attention.pseudo_query.normal_()
         before = model(ids).logits  # fills the memo
     residual = model.model.layers[1].attn_residual
-    if change == "replaced submodule":
-        donor = perturbed_tiny_dar(2, "two_phase").model.layers[0].mlp_residual
-        with torch.no_grad():
-            donor.depth_attention.pseudo_query.normal_()
-        residual.depth_attention = donor.depth_attention
-        model.model.final_readout.read_gate = donor.read_gate
+    if change in ("replaced submodule", "direct _modules write"):  # the second runs no registration hook
+        if change == "replaced submodule":
+            residual.depth_attention = donor.depth_attention
+            model.model.final_readout.read_gate = donor.read_gate
+        else:
+            residual._modules["depth_attention"] = donor.depth_attention
+            model.model.final_readout._modules["read_gate"] = donor.read_gate
     else:
         torch.nn.utils.parametrize.register_parametrization(residual.depth_attention, "pseudo_query", _Doubled())
         with torch.no_grad():

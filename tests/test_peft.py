@@ -267,6 +267,13 @@ def test_lora_on_dar_parameters_is_refused_where_the_backend_would_ignore_it(imp
                     call(input_ids=input_ids, labels=input_ids)
         with pytest.raises(Exception, match=r"pseudo_query is adapted by ParamWrapper"):  # in dynamo's own error
             torch.compile(adapted, backend="eager", fullgraph=True)(input_ids)
+        # with the residuals also trained as copies (modules_to_save), the check looks through their wrappers
+        both = get_peft_model(base_model(), LoraConfig(
+            target_modules=[], r=2, target_parameters=["depth_attention.pseudo_query"],
+            modules_to_save=["attn_residual", "mlp_residual", "final_readout"]))
+        both.base_model.model.config.dar_implementation = implementation
+        with torch.no_grad(), pytest.raises(ValueError, match=r"pseudo_query is adapted by ParamWrapper"):
+            both(input_ids)
         return
     with torch.no_grad():
         assert (adapted(input_ids).logits - before).abs().max() > 1e-2

@@ -901,12 +901,19 @@ def _plain_submodules(module: torch.nn.Module) -> tuple | None:
     return submodules
 
 
+def _children(submodules: tuple) -> tuple:
+    """The direct children of each listed submodule, in order: what a write into `_modules` (module surgery that runs
+    no registration hook) changes."""
+    return tuple(child for submodule in submodules for child in submodule._modules.values())
+
+
 def _memo_stamp(modules, like: torch.Tensor) -> tuple | None:
     """What a memo of tensors derived from `modules`' parameters is valid for (`_derived`): `like`'s dtype and device,
     the optimiser steps and module registrations in the process, and every parameter's version counter and storage.
 
     Each module's submodules are listed once per registration count (walking `parameters()` at every lookup costs
-    more than a decode step's mixing), their parameters read at every lookup. A module behind a wrapper or a
+    more than a decode step's mixing), and again where their children changed without a registration (a direct
+    `_modules` write); their parameters are read at every lookup. A module behind a wrapper or a
     parametrization is stamped by the parameters its derivation reaches through attributes
     (`_derivation_parameters`), by identity too, and its memo entry pins them (`_pinned`) so that no identity is
     reused while the entry lives. None where no stamp can vouch for a memo: a parameter computed at each lookup (a
@@ -916,8 +923,13 @@ def _memo_stamp(modules, like: torch.Tensor) -> tuple | None:
     try:
         for module in modules:
             listed = module.__dict__.get("_dar_memo_modules")
-            if listed is None or listed[0] != _Registrations.count:
-                listed = module.__dict__["_dar_memo_modules"] = (_Registrations.count, _plain_submodules(module))
+            if listed is None or listed[0] != _Registrations.count or (
+                listed[1] is not None and _children(listed[1]) != listed[2]  # a `_modules[name] = ...` write
+            ):
+                submodules = _plain_submodules(module)
+                listed = module.__dict__["_dar_memo_modules"] = (
+                    _Registrations.count, submodules, None if submodules is None else _children(submodules)
+                )
             if listed[1] is not None:
                 stamp += [(p._version, p.data_ptr()) for sub in listed[1] for p in sub._parameters.values()
                           if p is not None]

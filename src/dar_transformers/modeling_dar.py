@@ -385,13 +385,14 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
                  for name in ("attn_residual", "mlp_residual")]
     for prefix, residual in [*residuals, ("final_readout", model._modules.get("final_readout"))]:
         for child in ("depth_attention", "read_gate", "write_gate"):
-            wrapper = residual._modules.get(child) if residual is not None else None
+            wrapper = getattr(residual, child, None)  # through a wrapper of the residual, what the backends reach
             if wrapper is not None and isinstance(wrapper._modules.get("base_layer"), DAR_PARAMETER_MODULES):
                 adapted = f"{prefix}.{child}.{getattr(wrapper, 'parameter_name', None) or 'base_layer'}"
                 raise ValueError(
                     f"{adapted} is adapted by {type(wrapper).__name__}, which applies its update in the wrapped "
                     "module's forward; DAR's 'fast' and 'two_phase' backends read that module's parameters directly "
-                    "and never call it, so the adapter would be ignored with gradients off and training would fail. "
+                    "and never call it, so they cannot run it (the update was ignored with gradients off, and "
+                    "training failed; merge_and_unload() gives a model they run). "
                     "Train DAR parameters fully next to the LoRA adapters instead (modules_to_save, as the "
                     "dar-transformers package's peft_utils.dar_lora_config(train_dar=True) sets), or set "
                     "config.dar_implementation = 'reference' (the readable equations, which call it; slower)."
