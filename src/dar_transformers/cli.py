@@ -194,6 +194,16 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
 
 
+def _cached_on_the_hub(name: str) -> bool:
+    """Whether `name` is a Hub id whose config.json is in the local Hub cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
@@ -206,9 +216,9 @@ def run_generate(args: argparse.Namespace) -> int:
               "`dar convert` first)", file=sys.stderr)
         return 1
     # A path, not a Hub id ("org/name"): absolute, relative to "." or "~", deeper than org/name, or "org/name" where
-    # "org" is a folder here (`outputs/model-dar` mistyped). No Hub retries.
+    # "org" is a folder here (`outputs/model-dar` mistyped) and no Hub model of that name is cached. No Hub retries.
     first = args.model.split("/", 1)[0]
-    in_local_folder = "/" in args.model and os.path.isdir(first)
+    in_local_folder = "/" in args.model and os.path.isdir(first) and not _cached_on_the_hub(args.model)
     looks_local = (os.path.isabs(args.model) or args.model.startswith((".", "~")) or args.model.count("/") > 1
                    or in_local_folder)
     if not model_path.exists() and looks_local:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import huggingface_hub.constants
 import pytest
 
 from transformers import AutoModelForCausalLM
@@ -64,6 +65,15 @@ def test_dar_generate_reads_a_missing_folder_inside_a_local_one_as_a_path(tmp_pa
     assert cli_main(["generate", "outputs/model-dr"]) == 1
     assert capsys.readouterr().err.strip() == ("dar generate: error: no folder outputs/model-dr (outputs/ is a folder "
                                                "here, so it names a path, not a Hub id)")
+    # A Hub model of that name in the local cache is the Hub model, a same-named local folder notwithstanding.
+    snapshot = tmp_path / "hub" / "models--outputs--cached-dar" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text("{}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    from dar_transformers import cli as cli_module
+    assert cli_module._cached_on_the_hub("outputs/cached-dar") and not cli_module._cached_on_the_hub("outputs/x")
 
 
 def test_demo_runs_in_its_tiny_mode(tmp_path):
