@@ -154,6 +154,29 @@ def test_aux_loss_leaves_out_left_padding_as_transformers_load_balancing_loss_do
     assert torch.allclose(output.loss - lm_only.loss, 0.25 * masked, atol=1e-6)
 
 
+def test_padded_batched_generation_runs_with_router_logits_on_and_a_cached_steps_aux_loss_masks_its_tokens():
+    """A model trained with `output_router_logits=True` in its config: a cached decoding step's router logits cover
+    its new tokens, its attention mask the past ones too, and the load-balancing loss (transformers' Qwen3-MoE and
+    Mixtral alike) died on the mismatch in every padded, batched `generate`. The step's aux loss now masks its own
+    tokens: the same as the aux loss of the new tokens' router logits under the mask's last columns."""
+    model = tiny_dar_moe(**INIT, output_router_logits=True)
+    perturb_dar_parameters(model, scale=0.3)
+    input_ids = random_input_ids(batch=2, length=9)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    generated = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False)
+    model.config.output_router_logits = False
+    assert torch.equal(generated, model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3,
+                                                 do_sample=False))
+    model.config.output_router_logits = True
+    with torch.no_grad():
+        prefill = model(input_ids, attention_mask=attention_mask, use_cache=True)
+        step_mask = torch.cat([attention_mask, torch.ones(2, 1, dtype=torch.long)], 1)
+        step = model(generated[:, 9:10], attention_mask=step_mask, past_key_values=prefill.past_key_values)
+    expected = load_balancing_loss_func(step.router_logits, 4, 2, step_mask[:, -1:])
+    assert torch.equal(step.aux_loss, expected)
+
+
 def test_trainer_steps_include_aux_loss_change_router_and_reduce_loss(tmp_path):
     model = tiny_dar_moe(**INIT, output_router_logits=True, router_aux_loss_coef=0.5)
     input_ids = random_input_ids(batch=4, length=12)
