@@ -181,8 +181,9 @@ def test_cka_of_a_representation_constant_over_the_examples_is_undefined_in_both
 
 
 def test_analyze_writes_json_and_pngs(tmp_path):
-    model = trained_like_dar(dar_block_size=2)
+    model = trained_like_dar(dar_block_size=2).train()
     summary = analyze(model, token_batch(batch=3))
+    assert model.training  # analysed in eval mode, handed back as it came (it was left in eval mode)
     json.dumps(summary)  # serialisable
     cka = torch.tensor(summary["cross_stream_cka"]["matrix"])
     assert cka.shape == (5, 5) and ((cka >= -1e-9) & (cka <= 1 + 1e-9)).all()

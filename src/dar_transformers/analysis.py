@@ -360,8 +360,17 @@ def stream_balance(reads: dict[str, DepthRead], branches: list[DARBranchModules]
 
 @torch.no_grad()
 def analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: list[str] | None = None) -> dict:
-    """Every analysis on one batch of token ids [B, T]; returns a JSON-serialisable summary."""
+    """Every analysis on one batch of token ids [B, T] (in eval mode; the model's mode is restored after);
+    returns a JSON-serialisable summary."""
+    training = model.training
     model.eval()
+    try:
+        return _analyze(model, input_ids, rescue_branches)
+    finally:
+        model.train(training)
+
+
+def _analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: list[str] | None) -> dict:
     config = model.config
     branches = dar_branches(model)
     with record_depth_reads(model) as reads:
@@ -485,7 +494,7 @@ def save_plots(summary: dict, out_dir: Path) -> list[Path]:
 
 
 def evenly_spaced(names: list[str], count: int) -> list[str]:
-    """At most `count` names spread over the depth, always keeping the first and the last."""
+    """At most `count` names spread over the depth, keeping the first, and the last where count > 1."""
     if count <= 0 or count >= len(names):
         return list(names)
     picks = sorted({round(index * (len(names) - 1) / (count - 1)) for index in range(count)}) if count > 1 else [0]
