@@ -196,7 +196,7 @@ class DARMoeForCausalLM(DARMoePreTrainedModel, DARForCausalLM):
         # mask covers the past tokens too, its router logits the new ones only: the mask's last columns are theirs
         # (a batched, padded `generate` with output_router_logits died here, as transformers' own MoE models do).
         mask = attention_mask
-        if mask is not None and mask.dim() == 2:
+        if mask is not None and mask.dim() == 2 and outputs.router_logits:
             mask = mask[:, mask.shape[1] - outputs.router_logits[0].shape[0] // mask.shape[0]:]
         aux_loss = load_balancing_loss_func(
             outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, mask
