@@ -287,11 +287,15 @@ def gguf_tensor_types(reader) -> str:
     """How a GGUF file (its `gguf_reader`) stores its tensors, for the card: "Q4_1 x 210, F32 x 61, Q8_0 x 1 tensors,
     dequantised to float32" (the SmolLM2 file's; the converted weights hold transformers' dequantised values, which
     the card's weights dtype alone would not say)."""
+    return f"{counted(tensor.tensor_type.name for tensor in reader.tensors)} tensors, dequantised to float32"
+
+
+def counted(names) -> str:
+    """"Q4_1 x 210, F32 x 61": each name with how often it occurs, most frequent first (ties in first-seen order)."""
     counts: dict[str, int] = {}
-    for tensor in reader.tensors:
-        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-    listed = ", ".join(f"{name} x {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
-    return f"{listed} tensors, dequantised to float32"
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def gguf_license(fields) -> dict[str, str]:
@@ -515,15 +519,10 @@ def widened_tensor_types(checkpoint: Checkpoint) -> str:
     """How a checkpoint with tensors no model computes in (float8) stores its floating tensors, for the card:
     "float8_e4m3fn x 12, bfloat16 x 5 tensors, float8 widened exactly" (its weights dtype row alone says bfloat16, the
     dtype the output stores them in at twice the bytes); empty where every tensor is in a model dtype."""
-    counts: dict[torch.dtype, int] = {}
-    for info in checkpoint.infos().values():
-        if info.dtype.is_floating_point:
-            counts[info.dtype] = counts.get(info.dtype, 0) + 1
-    if all(dtype in MODEL_DTYPES for dtype in counts):
+    dtypes = [info.dtype for info in checkpoint.infos().values() if info.dtype.is_floating_point]
+    if all(dtype in MODEL_DTYPES for dtype in dtypes):
         return ""
-    listed = ", ".join(f"{str(dtype).removeprefix('torch.')} x {count}"
-                       for dtype, count in sorted(counts.items(), key=lambda item: -item[1]))
-    return f"{listed} tensors, float8 widened exactly"
+    return f"{counted(str(dtype).removeprefix('torch.') for dtype in dtypes)} tensors, float8 widened exactly"
 
 
 def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:

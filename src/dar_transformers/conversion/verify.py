@@ -142,6 +142,8 @@ def top1_agreement(source_logits: torch.Tensor, target_logits: torch.Tensor, tol
     decided = (top2.values[..., 0] - top2.values[..., 1]) > 2 * tolerance
     agreed = decided & (target_logits.argmax(-1) == top2.indices[..., 0])
     return int(decided.sum()), int(agreed.sum())
+
+
 def has_default_chat_template(tokenizer) -> bool:
     """Whether `apply_chat_template` has a template to use without being told one: a template, or named templates
     with a "default" (a tokenizer with named templates only, as some GGUF files hold, needs `chat_template=NAME`)."""
