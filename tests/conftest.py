@@ -280,7 +280,7 @@ GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.no
 def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, extra_tensors=None,
                     extra_metadata=None) -> Path:
     """A float32 Llama GGUF with a BPE ("gpt2") tokenizer and chat template, as llama.cpp's converter writes it;
-    `extra_tensors` ({GGUF name: array}) are written after the model's, `extra_metadata` ({key: str, float or int})
+    `extra_tensors` ({GGUF name: array}) are written after the model's, `extra_metadata` ({key: str, float, bool or int})
     after its metadata."""
     config = model.config
     writer = gguf_writer(path, "llama", config)
@@ -298,8 +298,8 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTo
     writer.add_unk_token_id(0)
     writer.add_chat_template(tokenizer.chat_template)
     for key, value in (extra_metadata or {}).items():
-        value_type = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32}.get(type(value),
-                                                                                            gguf.GGUFValueType.UINT32)
+        value_type = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32,
+                      bool: gguf.GGUFValueType.BOOL}.get(type(value), gguf.GGUFValueType.UINT32)
         writer.add_key_value(key, value, value_type)
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight" and config.tie_word_embeddings:

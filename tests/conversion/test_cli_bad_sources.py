@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from conftest import (
-    REPO, assert_refused_in_one_line, edit_json, run_convert_in_process, save_source, tiny_llama_config, tree_digest,
+    REPO, SHAPE, VOCAB, assert_refused_in_one_line, edit_json, make_tokenizer, run_convert_in_process, save_source,
+    spread_weights, tiny_llama_config, tree_digest,
 )
 from dar_transformers.conversion import api, upcycle, upcycle_model
 
@@ -416,3 +417,21 @@ def test_a_config_field_transformers_does_not_define_is_named_as_not_carried(tmp
     code, stderr = run_convert_in_process(save_source(tmp_path / "plain"), tmp_path / "out2", "--max-new-tokens", "0",
                                           cwd=tmp_path)
     assert code == 0 and "does not define" not in caplog.text  # a config of defined fields only: no warning
+
+
+def test_a_field_the_converted_config_carries_is_not_named_as_dropped(tmp_path, caplog):
+    """Qwen2Config defines no `head_dim`, yet Qwen2's attention reads it (`getattr`) and the converted config carries
+    it: the warning said the model never reads it and the output's config.json does not carry it, both false (every
+    Qwen3-MoE checkpoint, whose config class has no `head_dim` either, drew it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**SHAPE, "head_dim": 16}, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+    source = tmp_path / "source"
+    spread_weights(Qwen2ForCausalLM(config), 0).save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    assert "head_dim" not in Qwen2Config().to_dict() and "head_dim" in json.loads((source / "config.json").read_text())
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "does not define" not in caplog.text
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["head_dim"] == 16

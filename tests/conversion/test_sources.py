@@ -350,12 +350,14 @@ def test_a_safetensors_header_whose_tensors_do_not_tile_the_data_is_refused_as_t
     ({"llama.rope.scaling.factor": 4.0}, r"llama\.rope\.scaling\.factor = 4\.0"),
     ({"llama.attention.sliding_window": 16}, r"llama\.attention\.sliding_window = 16"),
     ({"llama.logit_scale": 0.25}, r"llama\.logit_scale = 0\.25"),
+    ({"llama.attention.causal": False}, r"llama\.attention\.causal = False"),
 ])
 def test_gguf_metadata_that_transformers_drops_but_changes_the_function_is_refused(tmp_path, metadata, named):
-    """Rope scaling (a context-extended GGUF), a sliding window or a logit scale in a Llama GGUF's metadata: llama.cpp
-    applies them, transformers' GGUF config reader drops them, and the converter used to verify PASSED against that
-    default-rope reading (5.6 logits away from the file's model). Refused before any weight is read, naming the key
-    and its value; nothing written."""
+    """Rope scaling (a context-extended GGUF), a sliding window, a logit scale or bidirectional attention (`causal`
+    false: an embedding model exported as a Llama) in a Llama GGUF's metadata: llama.cpp applies them, transformers'
+    GGUF config reader drops them, and the converter used to verify PASSED against that default reading (5.6 logits
+    away from the file's model for the rope; a causal model for a bidirectional one). Refused before any weight is
+    read, naming the key and its value; nothing written."""
     assert_gguf_refused(tmp_path, rf"GGUF file .*tiny\.gguf: its metadata {named} changes what the model computes in "
                                   r"llama\.cpp, and transformers' GGUF reader drops it", extra_metadata=metadata)
 
@@ -364,7 +366,7 @@ def test_gguf_metadata_at_its_neutral_values_is_read_as_transformers_reads_it(tm
     """The same keys at the values under which dropping them changes nothing (scaling "none", factor 1, window 0)."""
     (tmp_path / "gguf").mkdir()
     neutral = {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0,
-               "llama.attention.sliding_window": 0, "llama.attention.key_length": 8}
+               "llama.attention.sliding_window": 0, "llama.attention.key_length": 8, "llama.attention.causal": True}
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
                                 extra_metadata=neutral)
     assert load_source_config(gguf_path).model_type == "llama"

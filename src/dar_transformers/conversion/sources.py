@@ -24,7 +24,7 @@ from transformers.utils import logging
 from .checkpoints import (
     Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors,
 )
-from .families import ALL_SOURCE_FAMILIES, check_model_type, one_line, source_family
+from .families import ALL_SOURCE_FAMILIES, architecture_fields, check_model_type, one_line, source_family
 
 logger = logging.get_logger(__name__)
 
@@ -58,6 +58,7 @@ GGUF_DROPPED_METADATA: dict[str, tuple] = {
     "rope.scale_linear": (0.0, 1.0),  # the factor's older name
     "rope.scaling.attn_factor": (1.0,),  # scales every rotary cos/sin
     "attention.sliding_window": (0,),  # a window transformers' config would not have
+    "attention.causal": (True,),  # False: llama.cpp attends both ways (an embedding model); transformers, causally
     "attention.scale": (0.0,),  # 0: 1/sqrt(head_dim)
     "logit_scale": (1.0,),
     "embedding_scale": (1.0,),
@@ -208,8 +209,10 @@ def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
 
 def undefined_config_fields(config: PreTrainedConfig) -> list[str]:
     """The fields of a source's config that its transformers config class does not define (added by a tool or by
-    hand): the converted config, built from the fields the architecture defines, leaves them out."""
-    defined = set(type(config)().to_dict())
+    hand) and that the converted config leaves out. A field DAR's config carries (`architecture_fields`) is not one of
+    them, defined or not: Qwen2Config and Qwen3MoeConfig define no `head_dim`, yet their attention reads it through
+    `getattr`, and the converted config keeps it for the same modules to read."""
+    defined = set(type(config)().to_dict()) | set(architecture_fields())
     return sorted(name for name in config.to_dict() if name not in defined)
 
 
