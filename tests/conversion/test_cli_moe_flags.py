@@ -95,6 +95,17 @@ def test_sparse_upcycling_a_model_with_mlp_biases_is_refused_naming_its_config_f
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stray_mlp_bias_in_a_config_whose_mlp_has_none_does_not_refuse_sparse_upcycling(tmp_path, capsys):
+    """Mistral's MLP has no biases whatever its config.json says; `mlp_bias: true` there refused sparse upcycling of
+    a bias-free MLP. The question is asked of the family's own MLP; the upcycle is exact."""
+    source = save_source(tmp_path / "source", family="mistral")
+    edit_json(source / "config.json", mlp_bias=True)
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--experts", "4", "--top-k", "2",
+                     "--max-new-tokens", "4"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert "PASSED" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags, got", [(["--top-k", "2"], "None, 2"), (["--experts", "4"], "4, None")])
 def test_sparse_upcycling_without_experts_or_top_k_names_both_flags(tmp_path, capsys, flags, got):
     """`dar convert SRC OUT --top-k 2` said "needs num_experts and top_k", the API's names, not the flags to pass."""

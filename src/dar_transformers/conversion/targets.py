@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from ..configuration_dar import DARConfig
 from ..configuration_dar_moe import DARMoeConfig
-from ..modeling_dar import DARForCausalLM
+from ..modeling_dar import DAR_BRANCH_MODULES, DARForCausalLM
 from ..modeling_dar_moe import DARMoeForCausalLM
 from .families import (
     ALL_SOURCE_FAMILIES,
@@ -178,7 +178,7 @@ def dar_moe_config_from_source(
                 f"Upcycling a dense {model_type} model needs num_experts and top_k (--experts and --top-k; got "
                 f"{num_experts!r}, {top_k!r})."
             )
-        if getattr(source_config, "mlp_bias", False):
+        if _mlp_has_biases(source_config):
             raise ValueError(
                 f"Sparse upcycling needs a bias-free MLP (HF experts have no biases), but "
                 f"{_config_file(source_config)} says mlp_bias=true: this model converts to dense DAR only (leave out "
@@ -192,6 +192,16 @@ def dar_moe_config_from_source(
             shared_expert_intermediate_size=0,
         )
     return validated_config(DARMoeConfig, {**fields, **dar_fields})
+
+
+def _mlp_has_biases(source_config: PreTrainedConfig) -> bool:
+    """Whether a dense source's MLP has biases: Llama's reads `mlp_bias`, while Mistral's and Qwen's have none whatever
+    their config.json says (a stray `mlp_bias: true` there is no reason to refuse). Asked of the family's own MLP,
+    built on the meta device."""
+    mlp_class = DAR_BRANCH_MODULES[SOURCE_FAMILIES[source_config.model_type]][1]
+    with torch.device("meta"):
+        mlp = mlp_class(source_config)
+    return any(name.rsplit(".", 1)[-1] == "bias" for name, _ in mlp.named_parameters())
 
 
 def _config_file(source_config: PreTrainedConfig) -> str:
