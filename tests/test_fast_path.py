@@ -237,6 +237,31 @@ def test_every_backend_keeps_the_depth_mixing_float32_under_bf16_autocast():
             torch.testing.assert_close(read.detach(), expected.detach(), rtol=0, atol=1e-5, msg=str(key))
 
 
+@pytest.mark.parametrize("implementation, overrides", [
+    ("fast", {}), ("two_phase", {}), ("fast", {"dar_training_kernel": "cpp"}),
+])
+def test_depth_weights_recorded_with_gradients_carry_the_references_gradient(implementation, overrides):
+    """The optimised backends returned the depth weights of `output_depth_weights=True` without gradients (marked
+    non-differentiable), the reference with them: a loss using them (here a depth-entropy regulariser) silently lost
+    that term, 0.34 relative off the reference's query gradient. Such a forward now takes the reference backend
+    whatever the config names; float64 gradients equal the reference's, and the term is not negligible (control)."""
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    gradients = {}
+    for name, config, weight in (("reference", {}, 0.1), (implementation, overrides, 0.1), ("reference", {}, 0.0)):
+        model = perturbed_tiny_dar(2, name, **config).double().train()
+        output = model(ids, labels=ids, output_depth_weights=True)
+        assert all(read.requires_grad for read in output.depth_weights)
+        entropy = -sum((read * read.clamp_min(1e-30).log()).sum() for read in output.depth_weights)
+        (output.loss + weight * entropy).backward()
+        gradients[name, weight] = {key: p.grad.clone() for key, p in model.named_parameters() if p.grad is not None}
+    expected, got, without = gradients["reference", 0.1], gradients[implementation, 0.1], gradients["reference", 0.0]
+    assert got.keys() == expected.keys()
+    for key, gradient in expected.items():
+        torch.testing.assert_close(got[key], gradient, rtol=1e-10, atol=1e-12, msg=key)
+    query = "model.layers.1.attn_residual.depth_attention.pseudo_query"
+    assert (without[query] - expected[query]).abs().max() > 1e-2 * expected[query].abs().max()
+
+
 def test_transport_write_gradcheck_and_plain_autograd():
     """The fused transport + write (its backward keeps P and y only) against gradcheck and autograd's own graph."""
     generator = torch.Generator().manual_seed(5)

@@ -94,6 +94,8 @@ def test_training_with_the_kernels_matches_the_reference_in_float64(counted_kern
 
 
 def test_depth_weights_recorded_in_training_are_the_references(counted_kernels):
+    """A training forward that records its depth weights takes the reference backend (they carry gradients there,
+    `depth_backend`): the kernels do not run, and the weights are the reference's."""
     input_ids = random_input_ids()
     recorded = []
     for implementation in ("reference", "fast"):
@@ -102,8 +104,9 @@ def test_depth_weights_recorded_in_training_are_the_references(counted_kernels):
         output.loss.backward()
         recorded.append(output.depth_weights)
     expected, weights = recorded
-    assert counted_kernels.calls["train_read"] == len(weights) == len(expected)
+    assert counted_kernels.calls.get("train_read", 0) == 0 and len(weights) == len(expected)
     for got, want in zip(weights, expected):
+        assert got.requires_grad
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 

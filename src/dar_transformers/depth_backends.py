@@ -82,10 +82,13 @@ from torch.nn.modules.module import (
 from torch.nn.utils.parametrize import is_parametrized
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint
+from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
 from .configuration_dar import dar_routing
 from .cpu_kernels import cpu_kernels
+
+logger = logging.get_logger(__name__)
 
 try:  # FSDP2's sharded parameters; a torch built without distributed support has none (isinstance(x, ()) is False)
     from torch.distributed.tensor import DTensor
@@ -2221,18 +2224,31 @@ class DARDepthBackendInterface(GeneralInterface):
 ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 
 
-def depth_backend(config, traced: bool = False):
+def depth_backend(config, traced: bool = False, recorded_weights: bool = False):
     """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
     shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
     the two-phase read keeps no state outside its inputs and outputs; so does an eager forward whose decoder layers
     are compiled on their own (`traced`: regional compilation traces the reads and writes), with gradients off too.
     Any other forward with gradients off, eager or traced as a whole, reads either as `InferenceDepthBackend`: the
     same two-phase equations without autograd, in fewer operations. (Its history entries are views of one buffer;
-    handed to a layer compiled for training, torch 2.13's dynamo fails building the recompiled graph's shape guards.)"""
+    handed to a layer compiled for training, torch 2.13's dynamo fails building the recompiled graph's shape guards.)
+
+    A forward with gradients on that records its depth weights (`output_depth_weights=True`, `recorded_weights`)
+    takes the reference backend, whatever the config names: the others return the weights without gradients (their
+    backward has no term for them), so a loss that used them (a depth-entropy regulariser) would silently lose its
+    gradient. As transformers' attention falls back to eager for `output_attentions`."""
     implementation = config.dar_implementation
     if implementation not in ALL_DEPTH_BACKENDS:  # a value set on the config after it was validated
         raise ValueError(f"config.dar_implementation must name a depth backend, one of {sorted(ALL_DEPTH_BACKENDS)}, "
                          f"got {implementation!r}.")
+    if recorded_weights and torch.is_grad_enabled():
+        if implementation != "reference":
+            logger.warning_once(
+                f"output_depth_weights=True with gradients on: this forward takes the reference depth backend (its depth "
+                f"weights are differentiable; dar_implementation={implementation!r} returns them without gradients), "
+                "which is slower. Record them under torch.no_grad() to keep the configured backend."
+            )
+        return ReferenceDepthBackend(config)
     if implementation in ("fast", "two_phase") and not torch.is_grad_enabled() and not traced:
         return InferenceDepthBackend(config)
     if implementation == "fast" and (traced or torch.compiler.is_compiling()):

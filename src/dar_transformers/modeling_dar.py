@@ -536,10 +536,11 @@ class DARModel(DARPreTrainedModel):
 
         self.post_init()
 
-    def initial_state(self, inputs_embeds: torch.Tensor, keep_depth_weights: bool = True) -> tuple:
+    def initial_state(self, inputs_embeds: torch.Tensor, keep_depth_weights: bool = False) -> tuple:
         """The DAR state before branch 0, flattened for the decoder layers (`DepthState.as_args`): no partial, and
         one committed entry per stream, the embedding (times 1/J for split writes), B^j_0 [B, T, J, D].
-        `keep_depth_weights=False` lets an inference backend skip forming depth weights nobody records."""
+        `keep_depth_weights=True` records every read's depth weights (`output_depth_weights`); with gradients on,
+        the reference backend then computes them (`depth_backend`), so that they are differentiable."""
         config = self.config
         refuse_forward_only_adapters(self)
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
@@ -554,7 +555,7 @@ class DARModel(DARPreTrainedModel):
         traced = compiled > 0
         if 2 * compiled > torch._dynamo.config.recompile_limit:  # a graph per layer, with gradients on and off
             warn_per_layer_graphs(compiled)
-        backend = depth_backend(config, traced=traced)
+        backend = depth_backend(config, traced=traced, recorded_weights=keep_depth_weights)
         return backend.start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
 
     @merge_with_config_defaults
