@@ -175,7 +175,9 @@ def test_training_under_bf16_autocast_with_the_kernels_matches_the_pytorch_path(
 @pytest.mark.parametrize("implementation,kernel", [("fast", "torch"), ("fast", "cpp"), ("two_phase", "torch")])
 def test_a_backward_called_inside_autocast_gives_the_gradients_of_one_called_outside(implementation, kernel):
     """`loss.backward()` within the `torch.autocast` block: the hand-written backwards run with autocast off, as
-    their forwards do (the PyTorch fast path's backward raised a dtype error on its float32 products before)."""
+    their forwards do, so the gradients are those of a backward called after the block, bit for bit (the PyTorch fast
+    path's backward raised a dtype error on its float32 products before; the two-phase read's backward mixed in bf16,
+    a read gate's gradient 0.24 relative off, inside the 2e-2 this test allowed then)."""
     input_ids = random_input_ids()
     results = []
     for inside in (False, True):
@@ -190,7 +192,9 @@ def test_a_backward_called_inside_autocast_gives_the_gradients_of_one_called_out
         results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
     (expected_loss, expected), (loss, gradients) = results
     assert loss == expected_loss
-    assert gradient_error(gradients, expected) <= 2e-2
+    assert gradients.keys() == expected.keys()
+    for name, gradient in expected.items():
+        torch.testing.assert_close(gradients[name], gradient, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -389,6 +389,30 @@ def gated_write(partial, rho, beta, branch_output):
 READ_BACKWARD_ENTRY_CHUNK = 8  # committed entries stacked at once by a read's backward
 
 
+def refuses_double_backward(backward):
+    """`once_differentiable` that refuses every second derivative: torch's attaches its error only when an incoming
+    gradient requires grad, but a hand-written backward also reads saved tensors that do (gates, queries, the shared
+    entry buffer), so a second derivative through it would otherwise be silently partial. Under `create_graph` the
+    incoming gradients are marked as requiring grad for that check (detached aliases; the values are unchanged).
+    A backward called inside an autocast region (`loss.backward()` within `torch.autocast`) runs with autocast off,
+    as its forward did: its products mix float32 operands that autocast would otherwise cast apart."""
+    checked = once_differentiable(backward)
+
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: the caller asks for a differentiable gradient
+            grads = tuple(
+                grad.detach().requires_grad_() if isinstance(grad, torch.Tensor) and grad.is_floating_point() else grad
+                for grad in grads
+            )
+        device_type = next((grad.device.type for grad in grads if isinstance(grad, torch.Tensor)), "cpu")
+        if torch.is_autocast_enabled(device_type):  # backward called inside autocast: the precision policy holds
+            with torch.autocast(device_type, enabled=False):
+                return checked(ctx, *grads)
+        return checked(ctx, *grads)
+
+    return wrapper
+
+
 class _TwoPhaseRead(torch.autograd.Function):
     """One branch's read (phase 2 on a phase 1 computed without autograd), with the gradient of the whole read.
 
@@ -411,7 +435,7 @@ class _TwoPhaseRead(torch.autograd.Function):
         return branch_input, weights
 
     @staticmethod
-    @once_differentiable  # the backward is hand-written: a second derivative through it would be silently wrong
+    @refuses_double_backward  # hand-written: a second derivative through it would be silently wrong
     def backward(ctx, grad_input, _grad_weights):
         routed, gate, weights, partial, partial_inv_rms, history_inv_rms, *entries = ctx.saved_tensors
         grad_routed, grad_gate, grad_partial, grad_chunks = read_gradients(
@@ -1703,30 +1727,6 @@ class InferenceDepthBackend:
 
 # ---------------------------------------------------------------------------------------------------------------
 # "fast": the fused eager path (one product per read over a depth-major buffer, shared entry gradients).
-
-
-def refuses_double_backward(backward):
-    """`once_differentiable` that refuses every second derivative: torch's attaches its error only when an incoming
-    gradient requires grad, but a hand-written backward also reads saved tensors that do (gates, queries, the shared
-    entry buffer), so a second derivative through it would otherwise be silently partial. Under `create_graph` the
-    incoming gradients are marked as requiring grad for that check (detached aliases; the values are unchanged).
-    A backward called inside an autocast region (`loss.backward()` within `torch.autocast`) runs with autocast off,
-    as its forward did: its products mix float32 operands that autocast would otherwise cast apart."""
-    checked = once_differentiable(backward)
-
-    def wrapper(ctx, *grads):
-        if torch.is_grad_enabled():  # create_graph=True: the caller asks for a differentiable gradient
-            grads = tuple(
-                grad.detach().requires_grad_() if isinstance(grad, torch.Tensor) and grad.is_floating_point() else grad
-                for grad in grads
-            )
-        device_type = next((grad.device.type for grad in grads if isinstance(grad, torch.Tensor)), "cpu")
-        if torch.is_autocast_enabled(device_type):  # backward called inside autocast: the precision policy holds
-            with torch.autocast(device_type, enabled=False):
-                return checked(ctx, *grads)
-        return checked(ctx, *grads)
-
-    return wrapper
 
 
 def _depth_read_forward(routed, gate, history, history_inv_rms, key_streams, value_streams):
