@@ -312,8 +312,9 @@ def _depth_softmax(key_dots, history_inv_rms, key_streams) -> tuple[torch.Tensor
     """Key dots [S, B, T, R, J] times the key stream's inverse RMS [S, B, T, J] -> softmax weights over depth
     [S, B, T, R, J] and the log-sum-exp L of the scores [B, T, R, J]."""
     scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)
-    log_sum_exp = scores.logsumexp(0)
-    return torch.exp(scores - log_sum_exp), log_sum_exp
+    # softmax, not exp(scores - L): those sum to 1 only to eps |L|, and a confident read's score gradient, a*(g.v -
+    # sum a g.v), cancels to that error (float32 gradients 80x the reference's off with scores of O(100))
+    return scores.softmax(0), scores.logsumexp(0)
 
 
 def _by_read(weights, log_sum_exp, means) -> list[PhaseOne]:
@@ -368,7 +369,8 @@ def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_strea
         share = torch.sigmoid(score - phase.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
         values = _streams(partial, value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
         extraction = torch.lerp(phase.mean, values, share.unsqueeze(-1))  # [B, T, J, D]
-        weights = torch.cat([phase.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
+        # the entries' share as sigmoid(L - z), not 1 - sigmoid(z - L), which cancels when the partial dominates
+        weights = torch.cat([phase.weights * torch.sigmoid(phase.log_sum_exp - score), share.unsqueeze(0)])
     branch_input = (extraction * gate.unsqueeze(-1)).sum(-2)  # [B, T, D]: sum_j gate_j x^j
     return branch_input, weights
 
@@ -1673,7 +1675,7 @@ class InferenceDepthBackend:
                 branch_input.addcmul_(differences[:, :, stream], coefficients[:, :, stream])
         weights = None
         if self.keep_weights:
-            weights = torch.cat([planned.weights * (1.0 - share), share.unsqueeze(0)])  # [N, B, T, J]
+            weights = torch.cat([planned.weights * torch.sigmoid(planned.log_sum_exp - score), share.unsqueeze(0)])
         return branch_input, weights
 
     @staticmethod
