@@ -8,6 +8,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +17,7 @@ from dar_transformers.conversion import output as output_module
 from dar_transformers.conversion import upcycle
 from dar_transformers.conversion.output import MANIFEST_NAME, check_output_folder, not_a_conversion_output
 
-from conftest import FAST, save_source
+from conftest import FAST, run_convert_in_process, save_source
 
 
 def test_existing_output_is_refused_unless_overwrite(tmp_path):
@@ -187,3 +188,43 @@ def test_a_staging_folder_of_a_live_run_whose_process_id_means_nothing_here_is_l
     finally:
         output_module._release_marker(staging)  # the run ends without cleaning up (SIGKILL): now stale
     assert output_module.remove_stale_runs(tmp_path) == [staging] and not staging.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
+                    reason="as root, permission bits need util-linux's setpriv to take effect")
+def test_a_failed_swap_with_a_read_only_output_leaves_no_staging_copy(tmp_path):
+    """`dar convert SRC out --overwrite` over a previous output its owner made read-only (chmod 555): the swap
+    cannot move that folder (moving a folder to another parent needs write permission on it), so the run fails with
+    the output unchanged. But the staging folder, holding the complete new model, had already taken over mode 555,
+    so its removal failed silently and it stayed behind without a marker, which no later run removed (16 GB at 8B)
+    while the error said "nothing was written". Run as a normal user's permission rules (root without override)."""
+    source = save_source(tmp_path / "source")
+    out = tmp_path / "out"
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+    def convert(*flags):
+        return subprocess.run([*drop, sys.executable, "-m", "dar_transformers.cli", "convert", str(source), str(out),
+                               "--max-new-tokens", "1", *flags], env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=300)
+
+    assert convert().returncode == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    os.chmod(out, 0o555)
+    try:
+        failed = convert("--overwrite")
+        assert failed.returncode == 1 and "Permission denied" in failed.stderr and "nothing was written" in failed.stderr
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "source"]  # no hidden copy left
+        assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    finally:
+        os.chmod(out, 0o755)
+
+
+def test_parent_folders_made_before_one_that_fails_are_removed(tmp_path):
+    """`dar convert SRC new/<300-character name>/out`: `new` was made, the next folder failed (name too long), and the
+    run said "nothing was written" with `new` left behind (so would a disk filling up between two folders)."""
+    source = save_source(tmp_path / "source")
+    out = tmp_path / "new" / ("x" * 300) / "out"
+    code, stderr = run_convert_in_process(source, out, "--max-new-tokens", "1", cwd=tmp_path)
+    assert code == 1 and "File name too long" in stderr and "nothing was written" in stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]

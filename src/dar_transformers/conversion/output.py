@@ -405,7 +405,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
         finally:
             with signals_held():
                 if staging is not None and os.path.lexists(staging):
-                    shutil.rmtree(staging, ignore_errors=True)
+                    _remove_own_folder(staging)
                 if staging is not None:
                     _release_marker(staging)
                 for folder in reversed(created):
@@ -414,6 +414,15 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
     except KeyboardInterrupt as interrupt:  # one held during the swap or the clean-up is raised after them
         interrupt.output_written = swapped
         raise
+
+
+def _remove_own_folder(folder: Path) -> None:
+    """Remove a folder this run created (its staging folder), writable first: it may have taken over the mode of a
+    read-only output it was to replace (`_take_over_metadata`) before that swap failed, and then neither `rmtree`
+    (without root's override) nor any later run (its marker is gone by then) would remove it."""
+    with contextlib.suppress(OSError):
+        os.chmod(folder, stat.S_IRWXU)  # a real folder: made by `tempfile.mkdtemp`
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:
@@ -444,14 +453,23 @@ def _describe(error: OSError) -> str:
 
 
 def _make_parents(folder: Path) -> list[Path]:
-    """mkdir -p `folder`; returns the folders it created, outermost first."""
+    """mkdir -p `folder`; returns the folders it created, outermost first. One that fails (a name too long, no
+    space) leaves none of those it made before it."""
     missing = []
     while not os.path.lexists(folder):
         missing.append(folder)
         folder = folder.parent
-    for path in reversed(missing):
-        path.mkdir()
-    return list(reversed(missing))
+    made: list[Path] = []
+    try:
+        for path in reversed(missing):
+            path.mkdir()
+            made.append(path)
+    except BaseException:
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
+    return made
 
 
 def _marked_folder(output: Path, suffix: str) -> Path:
