@@ -4,6 +4,7 @@ rescue-gain bookkeeping on a tiny model, and the summary plus PNGs of `analyze`.
 
 import fnmatch
 import json
+import re
 import math
 
 import pytest
@@ -208,8 +209,29 @@ def test_one_stream_model_skips_the_two_stream_analyses(tmp_path):
     assert {path.name for path in save_plots(summary, tmp_path)} >= {"depth_weights_stream0.png", "stream_balance.png"}
 
 
-def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
-    """`dar analyze` and `python -m dar_transformers.analysis` on a saved checkpoint with its tokenizer."""
+def test_overwrite_replaces_the_earlier_analysis_whole(tmp_path, capsys):
+    """`dar analyze --overwrite` of a one-stream model into the folder of a two-stream analysis left the earlier
+    cross_stream_cka.png, rescue_gain.png and depth_weights_stream1.png beside the new summary (which says one
+    stream): the folder mixed two analyses. The earlier analysis's files the new one does not write are removed; a file
+    of another name is not."""
+    arguments = saved_checkpoint_arguments(tmp_path)
+    folder = tmp_path / "analysis"
+    assert cli_main(["analyze", *arguments, "--out", str(folder)]) == 0
+    assert (folder / "cross_stream_cka.png").exists() and (folder / "depth_weights_stream1.png").exists()
+    (folder / "notes.txt").write_text("mine")
+    one_stream = trained_like_dar(dar_num_streams=1, dar_block_size=2)
+    one_stream.save_pretrained(tmp_path / "model")  # the same folder, its tokenizer kept
+    capsys.readouterr()
+    assert cli_main(["analyze", *arguments, "--out", str(folder), "--overwrite"]) == 0
+    written = int(re.search(r"and (\d+) PNGs", capsys.readouterr().out).group(1))
+    assert sorted(path.name for path in folder.glob("*.png")) == [
+        "depth_entropy.png", "depth_weights_stream0.png", "stream_balance.png"]
+    assert written == 3 and json.loads((folder / "summary.json").read_text())["num_streams"] == 1
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def saved_checkpoint_arguments(tmp_path) -> list[str]:
+    """A saved two-stream checkpoint with a word-level tokenizer, and a text: `dar analyze`'s arguments."""
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
@@ -222,8 +244,13 @@ def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "model")
     text = tmp_path / "text.txt"
     text.write_text(" ".join(words[(7 * index) % 90] for index in range(200)))
-    arguments = [str(tmp_path / "model"), "--text", str(text), "--seq-len", "16", "--num-sequences", "3",
-                 "--max-rescue-branches", "2"]
+    return [str(tmp_path / "model"), "--text", str(text), "--seq-len", "16", "--num-sequences", "3",
+            "--max-rescue-branches", "2"]
+
+
+def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
+    """`dar analyze` and `python -m dar_transformers.analysis` on a saved checkpoint with its tokenizer."""
+    arguments = saved_checkpoint_arguments(tmp_path)
     assert main([*arguments, "--out", str(tmp_path / "out")]) == 0  # python -m dar_transformers.analysis
     assert cli_main(["analyze", *arguments, "--out", str(tmp_path / "cli")]) == 0  # dar analyze
     assert (tmp_path / "cli" / "summary.json").exists()

@@ -551,13 +551,15 @@ ANALYSIS_FILES = ("summary.json", "depth_weights_stream*.png", "depth_entropy.pn
                   "rescue_gain.png", "stream_balance.png")
 
 
-def check_analysis_output(out: Path, overwrite: bool) -> None:
+def check_analysis_output(out: Path, overwrite: bool) -> list[str]:
     """Refuse an --out folder that already holds entries of the names an analysis writes (`ANALYSIS_FILES`: an
     earlier analysis's, or the user's own; symbolic links too, dangling or not), unless `overwrite`; before any work,
     naming them. With `overwrite`, such links are removed, so that the analysis writes new files in --out and never
-    through a link to a file elsewhere. Other entries are never touched."""
+    through a link to a file elsewhere, and the names are returned: those the new analysis does not write again
+    (another stream count, no rescue branches) are removed once it is written (`remove_stale_files`), so that the
+    folder holds one analysis. Other entries are never touched."""
     if not out.is_dir():
-        return
+        return []
     taken = sorted(name for name in os.listdir(out)
                    if any(fnmatch.fnmatch(name, pattern) for pattern in ANALYSIS_FILES))
     if taken and not overwrite:
@@ -566,6 +568,16 @@ def check_analysis_output(out: Path, overwrite: bool) -> None:
     for name in taken:
         if (out / name).is_symlink():
             (out / name).unlink()
+    return taken
+
+
+def remove_stale_files(out: Path, replaced: list[str], written: list[Path]) -> None:
+    """Remove the files of an earlier analysis (`replaced`, accepted with --overwrite) that this one did not write."""
+    for name in sorted(set(replaced) - {path.name for path in written}):
+        path = out / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+            logger.info(f"removed {path} (of the analysis this one replaces)")
 
 
 def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
@@ -574,7 +586,7 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
 
     from . import _register_auto_classes
 
-    check_analysis_output(args.out, args.overwrite)
+    replaced = check_analysis_output(args.out, args.overwrite)
     _register_auto_classes()
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
@@ -596,6 +608,7 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     for path in plots:
         logger.info(f"wrote {path}")
     logger.info(f"wrote {args.out / 'summary.json'}")
+    remove_stale_files(args.out, replaced, [args.out / "summary.json", *plots])
     return summary, plots
 
 
