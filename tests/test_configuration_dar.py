@@ -3,6 +3,7 @@
 defaults resolve as documented; a save/load round trip keeps every DAR field."""
 
 import math
+import re
 
 import pytest
 from conftest import tiny_dar_config
@@ -94,6 +95,24 @@ def test_an_unknown_implementation_set_after_loading_names_the_field_at_the_forw
     model.config.dar_implementation = "refernce"
     with pytest.raises(ValueError, match=r"config\.dar_implementation must name a depth backend, one of \['fast', "
                                          r"'reference', 'two_phase'\], got 'refernce'"):
+        model(torch.zeros(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("field, value", [("dar_inference_kernel", "c++"), ("dar_training_kernel", "CPP"),
+                                          ("dar_compiled_read", "operators"), ("dar_history_dtype", "bfloat16")])
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_unknown_option_set_after_loading_names_the_field_at_the_forward(field, value, grad):
+    """The README's recipe sets options on a built model (`model.config.dar_training_kernel = "cpp"`); a typo there
+    was read as the default by the backends' `==` checks, silently, until `save_pretrained` refused the config,
+    perhaps after a whole training run."""
+    import torch
+
+    from dar_transformers import DARForCausalLM
+
+    model = DARForCausalLM(tiny_dar_config()).train(grad)
+    setattr(model.config, field, value)
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=rf"config\.{field} must be one of \[.*\], got "
+                                                                       rf"'{re.escape(value)}'"):
         model(torch.zeros(1, 3, dtype=torch.long))
 
 

@@ -371,3 +371,48 @@ def test_finetune_example_rejects_a_missing_corpus(tmp_path):
     with pytest.raises(SystemExit):
         finetune.main(["--tiny", "--corpus-dir", str(tmp_path / "nothing")])
 
+
+
+@pytest.mark.parametrize("options", [{}, {"dar_implementation": "two_phase"}, {"dar_training_kernel": "cpp"}])
+def test_torch_func_grad_and_per_sample_gradients_give_backwards_gradients(options):
+    """`torch.func.grad` (and `vmap(grad(...))`, per-sample gradients for differential privacy) failed on every
+    optimised backend: their custom autograd functions define no `setup_context`, the two-phase read's saved-tensor
+    hooks are refused under `grad`. Under a torch.func transform a forward takes the reference backend; the
+    gradients are those `loss.backward()` gives with the configured backend (float64)."""
+    from torch.func import functional_call, grad, vmap
+
+    model = upcycled_dar(tiny_llama(dtype=torch.float64), dar_block_size=2, **options).train()
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    input_ids = random_input_ids()[:, :6]
+    parameters = {name: parameter.detach() for name, parameter in model.named_parameters()}
+
+    def loss(parameters, tokens):
+        return functional_call(model, parameters, (tokens[None],), {"labels": tokens[None]}).loss
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(parameters, input_ids)
+    for sample, tokens in enumerate(input_ids):
+        model.zero_grad()
+        model(tokens[None], labels=tokens[None]).loss.backward()
+        transformed = grad(loss)(parameters, tokens)
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(transformed[name], parameter.grad, rtol=1e-9, atol=1e-12, msg=name)
+            torch.testing.assert_close(per_sample[name][sample], parameter.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_vmapped_model_ensemble_with_the_cpp_inference_kernel_gives_each_models_logits():
+    """`vmap(functional_call)` over stacked parameters (`torch.func.stack_module_state`, a model ensemble) with
+    gradients off and `dar_inference_kernel="cpp"` died in the kernel ("Cannot access data pointer of Tensor that
+    doesn't have storage"): batched tensors reached C++."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    models = []
+    for seed in (1, 2):
+        model = upcycled_dar(tiny_llama(), dar_block_size=2, dar_inference_kernel="cpp").eval()
+        perturb_dar_parameters(model, scale=0.5, seed=seed)
+        models.append(model)
+    parameters, buffers = stack_module_state(models)
+    input_ids = random_input_ids()[:1, :6]
+    with torch.no_grad():
+        ensemble = vmap(lambda p, b: functional_call(models[0], (p, b), (input_ids,)).logits)(parameters, buffers)
+        for index, model in enumerate(models):
+            torch.testing.assert_close(ensemble[index], model(input_ids).logits, rtol=1e-5, atol=1e-5)
