@@ -239,6 +239,9 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_naming_both_sizes(tm
     ("--base-model", "/home/me/models/llama", "base_model must be the source's Hub id"),  # a path of this machine
     ("--max-shard-size", "0", "max_shard_size must be a positive size such as '2GB' or '500MB', or an int of bytes"),
     ("--max-shard-size", "big", "max_shard_size must be a size such as '2GB' or '500MB', or an int of bytes"),
+    # transformers reads a lowercase b as bits: 2gb was 250 MB shards
+    ("--max-shard-size", "2gb", "max_shard_size '2gb' ends in a lowercase b, which transformers reads as bits (an "
+                                "eighth of the bytes); write '2GB' for bytes."),
 ])
 def test_a_card_field_or_shard_size_that_is_not_what_it_names_is_refused(tmp_path, capsys, flag, value, message):
     source = save_source(tmp_path / "source")
@@ -275,6 +278,10 @@ def test_a_shard_size_of_zero_bytes_is_refused_not_one_shard_per_tensor():
     for size in (0, -1):
         with pytest.raises(ValueError, match=r"max_shard_size must be a positive size such as '2GB' or '500MB', or an "
                            r"int of bytes, got -?\d"):
+            ConversionOptions(max_shard_size=size)
+    for size in (True, 1.5):  # True was one-byte shards, 1.5 an AttributeError
+        with pytest.raises(ValueError, match=r"max_shard_size must be a size such as '2GB' or '500MB', or an int of "
+                           rf"bytes, got {size!r}"):
             ConversionOptions(max_shard_size=size)
 
 

@@ -58,6 +58,13 @@ def test_the_working_folder_as_output_is_refused_before_any_work(tmp_path, monke
         assert list(out.iterdir()) == [] and os.path.samefile(os.getcwd(), out)
     upcycle(source, "dar", tolerance=1e-5, **FAST)
     assert (out / "dar" / "config.json").is_file()
+    # `cd out/dar/sub && dar convert ../../../source .. --overwrite`: a working folder inside the output went with it
+    (out / "dar" / "sub").mkdir()
+    monkeypatch.chdir(out / "dar" / "sub")
+    before = sorted(path.name for path in (out / "dar").iterdir())
+    with pytest.raises(ValueError, match=r"Output folder \.\. \(resolved: .*dar\) holds the current working folder: "):
+        upcycle(source, "..", overwrite=True, progress=False)
+    assert sorted(path.name for path in (out / "dar").iterdir()) == before
 
 
 def _another_device(monkeypatch, folder):

@@ -37,9 +37,16 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def parse_size(size: str | int) -> int:
-    """'2GB' -> 2e9, '500MB', '40KB', or a positive int of bytes (as transformers' `max_shard_size`)."""
+    """'2GB' -> 2e9, '500MB', '40KB', '1GiB', or a positive int of bytes (as transformers' `max_shard_size`). A unit
+    with a lowercase b ('2gb', '500Mb') is refused: transformers reads it as bits (2gb: 250 MB shards), which no one
+    converting a checkpoint means."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"max_shard_size must be a size such as '2GB' or '500MB', or an int of bytes, got {size!r}.")
+    if isinstance(size, str) and size.strip().endswith("b") and not size.strip().upper().endswith("IB"):
+        raise ValueError(f"max_shard_size {size!r} ends in a lowercase b, which transformers reads as bits (an eighth "
+                         f"of the bytes); write {size.strip()[:-1].upper() + 'B'!r} for bytes.")
     try:
-        size_bytes = size if isinstance(size, int) and not isinstance(size, bool) else convert_file_size_to_int(size)
+        size_bytes = size if isinstance(size, int) else convert_file_size_to_int(size)
     except (ValueError, TypeError) as error:
         raise ValueError(
             f"max_shard_size must be a size such as '2GB' or '500MB', or an int of bytes, got {size!r}."

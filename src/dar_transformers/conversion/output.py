@@ -104,8 +104,10 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
             f"{output / _suggested_name(source)}."
         )
     if output.is_dir() and _is_working_folder(output):
+        where = "is the current working folder" if _is_working_folder(output, inside=False) else (
+            "holds the current working folder")
         raise ValueError(
-            f"Output folder {shown} is the current working folder: the conversion writes a staging folder beside it "
+            f"Output folder {shown} {where}: the conversion writes a staging folder beside it "
             f"and renames it into place, which would leave your shell in the replaced folder, removed (empty to ls, "
             f"the output beside it under the same name). Name a new folder, e.g. ./{_suggested_name(source)}, or run "
             f"the command from {output.parent}."
@@ -302,9 +304,12 @@ def _same(first: Path, second: Path) -> bool:
     return first == second or (identity is not None and identity == _identity(second))
 
 
-def _is_working_folder(folder: Path) -> bool:
+def _is_working_folder(folder: Path, inside: bool = True) -> bool:
+    """Whether `folder` is the current working folder or (`inside`) holds it: replacing it would leave the shell in a
+    removed folder."""
     try:
-        return _same(folder, Path.cwd())
+        working = Path.cwd()
+        return _same(folder, working) or (inside and _inside(working, folder))
     except OSError:  # the working folder was removed
         return False
 
