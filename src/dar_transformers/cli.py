@@ -146,10 +146,15 @@ def run_convert(args: argparse.Namespace) -> int:
     try:
         print(result.report.table())
         config = result.config
-        print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).")
+        print(f"\nWrote {result.output} (block size {config.dar_block_size} of {config.dar_num_branches} branches).",
+              flush=True)
     except KeyboardInterrupt as interrupt:
         interrupt.output_written = True
         raise
+    except BrokenPipeError:  # `dar convert ... | head`: the conversion is done and in place; only its report was cut
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        print(f"dar convert: wrote {result.output}; its report was not printed (standard output was closed).",
+              file=sys.stderr)
     return 0
 
 
@@ -235,6 +240,10 @@ def run_generate(args: argparse.Namespace) -> int:
         input_ids = chat_input_ids(tokenizer, args.prompt)
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    if input_ids.shape[-1] == 0:  # generate cannot start from nothing (a reshape error deep in it)
+        print("dar generate: error: --prompt gives no tokens (an empty prompt, and the tokenizer adds none): pass some "
+              "text.", file=sys.stderr)
+        return 1
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     model.generate(

@@ -39,6 +39,26 @@ def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
     expected = tokenizer.decode(dar.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:], skip_special_tokens=True)
     assert streamed.strip() == expected.strip()
 
+    # An empty prompt without a chat template gives no tokens: a reshape traceback from inside generate, now one line.
+    assert cli_main(["generate", str(out), "--prompt", "", "--no-chat-template"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "dar generate: error: --prompt gives no tokens (an empty prompt, and the tokenizer adds none): pass some text.")
+
+
+def test_a_conversion_whose_report_cannot_be_printed_exits_0_with_its_output_in_place(tmp_path):
+    """`dar convert SRC OUT | head -1`, or any reader that goes away: printing the report after the output was in
+    place raised BrokenPipeError, a traceback and exit 1, for a complete conversion (a retry then met "exists")."""
+    source = save_source(tmp_path / "source")
+    command = (f"{sys.executable} -m dar_transformers.cli convert {source} {tmp_path / 'out'} --max-new-tokens 1 "
+               "| true; exit ${PIPESTATUS[0]}")
+    done = subprocess.run(["bash", "-c", command], env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert f"dar convert: wrote {tmp_path / 'out'}; its report was not printed" in done.stderr
+    from dar_transformers.conversion.output import not_a_conversion_output
+    assert not_a_conversion_output(tmp_path / "out") is None
+
 
 @pytest.mark.parametrize(("arguments", "message"), [
     (["{missing}"], "dar generate: error: no folder {missing}"),  # was 40 s of Hub retries, then a connection error
