@@ -379,10 +379,10 @@ def test_negative_control_a_compiled_path_that_differs_is_caught(monkeypatch):
     tracing) must fail it."""
     eager_backend = depth_backends.depth_backend
 
-    def differs_when_compiled(config, traced=False):
+    def differs_when_compiled(config, **options):
         if torch.compiler.is_compiling():
             return _ReferenceWithoutCountScaling(config)
-        return eager_backend(config, traced=traced)
+        return eager_backend(config, **options)
 
     monkeypatch.setattr("dar_transformers.modeling_dar.depth_backend", differs_when_compiled)
     with pytest.raises(AssertionError):
