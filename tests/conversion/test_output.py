@@ -235,3 +235,17 @@ def test_parent_folders_made_before_one_that_fails_are_removed(tmp_path):
     code, stderr = run_convert_in_process(source, out, "--max-new-tokens", "1", cwd=tmp_path)
     assert code == 1 and "File name too long" in stderr and "nothing was written" in stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+def test_an_output_name_too_long_to_stage_beside_is_refused_naming_the_limit(tmp_path):
+    """A 240-character output name is legal, but the staging folder beside it (the name plus 18 characters) is not:
+    the run failed after starting, with "File name too long" naming the hidden staging folder."""
+    source = save_source(tmp_path / "source")
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    code, stderr = run_convert_in_process(source, tmp_path / ("x" * (limit - 15)), "--max-new-tokens", "1",
+                                          cwd=tmp_path)
+    assert code == 1 and f"choose a name of at most {limit - 18} bytes" in stderr and ".partial" not in stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+    code, stderr = run_convert_in_process(source, tmp_path / ("y" * (limit - 18)), "--max-new-tokens", "1",
+                                          cwd=tmp_path)
+    assert code == 0, stderr[-2000:]

@@ -96,6 +96,7 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
     blocking = _nearest_existing(output)
     if not blocking.is_dir():
         raise NotADirectoryError(f"Output {shown} lies under {blocking}, which is not a folder.")
+    _refuse_names_too_long_to_stage(output, shown, blocking)
     if output.is_dir() and _is_mount_point(output):
         raise ValueError(
             f"Output folder {shown} is a mount point (or lies on another file system than {output.parent}): the "
@@ -125,6 +126,23 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
                 "replaces only those. Choose a new or empty folder, or move this one away yourself."
             )
     return output
+
+
+def _refuse_names_too_long_to_stage(output: Path, shown: str, existing: Path) -> None:
+    """The run writes beside the output under its name plus 18 characters (`_marked_folder`: `.NAME.XXXXXXXX.partial`);
+    a name the file system takes but not that one failed only after the staging folder's creation, naming the hidden
+    folder instead of the output."""
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return
+    longest = max(len(os.fsencode(f".{output.name}.XXXXXXXX{suffix}")) for suffix in (STAGING_SUFFIX, RETIRED_SUFFIX))
+    if longest > limit:
+        raise ValueError(
+            f"Output {shown}: its name is {len(os.fsencode(output.name))} bytes long, and the conversion stages its "
+            f"folder beside it under a name {longest - len(os.fsencode(output.name))} bytes longer, beyond this file "
+            f"system's {limit}; choose a name of at most {limit - longest + len(os.fsencode(output.name))} bytes."
+        )
 
 
 def not_a_conversion_output(folder: Path) -> str | None:
