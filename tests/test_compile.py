@@ -518,3 +518,36 @@ def test_regional_compilation_gives_the_eager_gradients(implementation, compiled
     prompt = input_ids[:, :5]
     assert torch.equal(twin.generate(prompt, max_new_tokens=3, do_sample=False),
                        model.generate(prompt, max_new_tokens=3, do_sample=False))
+
+
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
+def test_a_compiled_training_forward_recording_depth_weights_is_one_graph_with_their_gradients(implementation):
+    """`output_depth_weights=True` in a whole-model compiled training forward: the eager fallback to the reference
+    backend (whose weights carry gradients) logged a warning while dynamo traced, which it cannot: fullgraph failed
+    and a partial graph broke at every call. A traced forward takes plain operations, whose weights carry gradients
+    already; no fallback there: one graph, and float64 gradients of a loss on the weights equal the eager reference's."""
+    from torch._dynamo.utils import counters
+
+    def loss_and_gradients(model, forward):
+        output = forward(input_ids=input_ids, labels=input_ids, output_depth_weights=True)
+        loss = output.loss + sum((read * read).sum() for read in output.depth_weights)
+        loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(dar_block_size=2, dar_implementation=implementation).train()
+    reference = copy.deepcopy(model)
+    reference.config.dar_implementation = "reference"
+    input_ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # transformers installs its output-capturing hooks at the first such call, eagerly
+        model(input_ids=input_ids, output_depth_weights=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    expected = loss_and_gradients(reference, reference)
+    for _ in range(2):
+        model.zero_grad()
+        gradients = loss_and_gradients(model, compiled)
+    assert counter.frame_count == 1 and not counters["graph_break"] and not counters["recompiles"]
+    for name, gradient in expected.items():
+        torch.testing.assert_close(gradients[name], gradient, rtol=1e-9, atol=1e-12, msg=name)

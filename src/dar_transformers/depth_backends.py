@@ -318,9 +318,13 @@ def _depth_softmax(key_dots, history_inv_rms, key_streams) -> tuple[torch.Tensor
     """Key dots [S, B, T, R, J] times the key stream's inverse RMS [S, B, T, J] -> softmax weights over depth
     [S, B, T, R, J] and the log-sum-exp L of the scores [B, T, R, J]."""
     scores = key_dots * _streams(history_inv_rms, key_streams, 3).unsqueeze(3)
-    # softmax, not exp(scores - L): those sum to 1 only to eps |L|, and a confident read's score gradient, a*(g.v -
-    # sum a g.v), cancels to that error (float32 gradients 80x the reference's off with scores of O(100))
-    return scores.softmax(0), scores.logsumexp(0)
+    # Softmax weights, not exp(scores - L): those sum to 1 only to eps |L|, and a confident read's score gradient,
+    # a (g.v - sum a g.v), cancels to that error (float32 gradients 80x the reference's off with scores of O(100)).
+    # L from the softmax's own max, exponentials and sum (inductor shares them): `logsumexp` beside `softmax` compiled
+    # to a second reduction and backward chain (+4 % on a compiled training step at hidden 256, this form within
+    # noise). The max is a constant of the gradient (it cancels from L), as in torch's logsumexp.
+    top = scores.detach().amax(0)
+    return scores.softmax(0), top + torch.log(torch.exp(scores - top).sum(0))
 
 
 def _by_read(weights, log_sum_exp, means) -> list[PhaseOne]:
@@ -2251,8 +2255,8 @@ def depth_backend(config, traced: bool = False, recorded_weights: bool = False):
     same two-phase equations without autograd, in fewer operations. (Its history entries are views of one buffer;
     handed to a layer compiled for training, torch 2.13's dynamo fails building the recompiled graph's shape guards.)
 
-    A forward with gradients on that records its depth weights (`output_depth_weights=True`, `recorded_weights`)
-    takes the reference backend, whatever the config names: the others return the weights without gradients (their
+    An eager forward with gradients on that records its depth weights (`output_depth_weights=True`,
+    `recorded_weights`) takes the reference backend, whatever the config names: the others return the weights without gradients (their
     backward has no term for them), so a loss that used them (a depth-entropy regulariser) would silently lose its
     gradient. As transformers' attention falls back to eager for `output_attentions`. So does a forward under a
     `torch.func` transform (`grad`, `vmap`)."""
@@ -2268,7 +2272,9 @@ def depth_backend(config, traced: bool = False, recorded_weights: bool = False):
         # autograd functions define no `setup_context`, their saved-tensor hooks are refused under `grad`, and the C++
         # kernels take no batched tensors; the reference backend is plain PyTorch operations, which the transforms take
         return ReferenceDepthBackend(config)
-    if recorded_weights and torch.is_grad_enabled():
+    if recorded_weights and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # (a forward traced whole takes plain operations, whose weights carry gradients: no fallback, and no log call,
+        # which dynamo cannot trace)
         if implementation != "reference":
             logger.warning_once(
                 f"output_depth_weights=True with gradients on: this forward takes the reference depth backend (its depth "
