@@ -219,13 +219,14 @@ def test_overwrite_replaces_the_earlier_analysis_whole(tmp_path, capsys):
     assert cli_main(["analyze", *arguments, "--out", str(folder)]) == 0
     assert (folder / "cross_stream_cka.png").exists() and (folder / "depth_weights_stream1.png").exists()
     (folder / "notes.txt").write_text("mine")
+    (folder / "depth_weights_stream0_annotated.png").write_bytes(b"mine")  # a name the analysis never writes
     one_stream = trained_like_dar(dar_num_streams=1, dar_block_size=2)
     one_stream.save_pretrained(tmp_path / "model")  # the same folder, its tokenizer kept
     capsys.readouterr()
     assert cli_main(["analyze", *arguments, "--out", str(folder), "--overwrite"]) == 0
     written = int(re.search(r"and (\d+) PNGs", capsys.readouterr().out).group(1))
     assert sorted(path.name for path in folder.glob("*.png")) == [
-        "depth_entropy.png", "depth_weights_stream0.png", "stream_balance.png"]
+        "depth_entropy.png", "depth_weights_stream0.png", "depth_weights_stream0_annotated.png", "stream_balance.png"]
     assert written == 3 and json.loads((folder / "summary.json").read_text())["num_streams"] == 1
     assert (folder / "notes.txt").read_text() == "mine"
 

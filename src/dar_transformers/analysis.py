@@ -547,7 +547,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 # What an analysis writes into --out: the summary and the plots of `save_plots`.
-ANALYSIS_FILES = ("summary.json", "depth_weights_stream*.png", "depth_entropy.png", "cross_stream_cka.png",
+ANALYSIS_FILES = ("summary.json", "depth_weights_stream[0-9].png", "depth_entropy.png", "cross_stream_cka.png",
                   "rescue_gain.png", "stream_balance.png")
 
 

@@ -153,8 +153,9 @@ def run_convert(args: argparse.Namespace) -> int:
         raise
     except BrokenPipeError:  # `dar convert ... | head`: the conversion is done and in place; only its report was cut
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
-        print(f"dar convert: wrote {result.output}; its report was not printed (standard output was closed).",
-              file=sys.stderr)
+        with contextlib.suppress(OSError):  # `2>&1 | reader`: standard error is the same closed pipe
+            print(f"dar convert: wrote {result.output}; its report was not printed (standard output was closed).",
+                  file=sys.stderr, flush=True)
     return 0
 
 

@@ -279,6 +279,9 @@ def test_a_shard_size_of_zero_bytes_is_refused_not_one_shard_per_tensor():
         with pytest.raises(ValueError, match=r"max_shard_size must be a positive size such as '2GB' or '500MB', or an "
                            r"int of bytes, got -?\d"):
             ConversionOptions(max_shard_size=size)
+    with pytest.raises(ValueError, match=r"'100b' ends in a lowercase b, which transformers reads as bits \(an eighth "
+                       r"of the bytes\); write a size such as '2GB' or '500MB', or a number of bytes\."):
+        ConversionOptions(max_shard_size="100b")  # no "write '100B'": transformers takes no bare B either
     for size in (True, 1.5):  # True was one-byte shards, 1.5 an AttributeError
         with pytest.raises(ValueError, match=r"max_shard_size must be a size such as '2GB' or '500MB', or an int of "
                            rf"bytes, got {size!r}"):

@@ -43,8 +43,14 @@ def parse_size(size: str | int) -> int:
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ValueError(f"max_shard_size must be a size such as '2GB' or '500MB', or an int of bytes, got {size!r}.")
     if isinstance(size, str) and size.strip().endswith("b") and not size.strip().upper().endswith("IB"):
+        in_bytes = size.strip()[:-1].upper() + "B"
+        try:
+            convert_file_size_to_int(in_bytes)
+            hint = f"write {in_bytes!r} for bytes"
+        except ValueError:  # "100b": no unit transformers reads as bytes either
+            hint = "write a size such as '2GB' or '500MB', or a number of bytes"
         raise ValueError(f"max_shard_size {size!r} ends in a lowercase b, which transformers reads as bits (an eighth "
-                         f"of the bytes); write {size.strip()[:-1].upper() + 'B'!r} for bytes.")
+                         f"of the bytes); {hint}.")
     try:
         size_bytes = size if isinstance(size, int) else convert_file_size_to_int(size)
     except (ValueError, TypeError) as error:
