@@ -4,8 +4,8 @@ rescue-gain bookkeeping on a tiny model, and the summary plus PNGs of `analyze`.
 
 import fnmatch
 import json
-import re
 import math
+import re
 
 import pytest
 import torch
