@@ -38,11 +38,13 @@ synchronise the device, and peak memory is the CUDA allocator's high-water mark 
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -265,7 +267,11 @@ def first_compiled_step_subprocess(name: str, shape_name: str, batch: int, seq: 
                                    device: str) -> float:
     """Seconds of the first compiled training step (compile included, cold caches) of a fresh process that builds
     only this model: in one process, a model compiled after others can take up to twice as long (dynamo's caches
-    of the shared forward code and the process's state carry over), so `--first-steps` compares models each alone."""
+    of the shared forward code and the process's state carry over), so `--first-steps` compares models each alone.
+    Each process gets an empty inductor cache folder of its own (`TORCHINDUCTOR_CACHE_DIR`): with graph caches off,
+    inductor still reuses the C++ kernels an earlier process built, so a model measured after Llama found the kernels
+    both share already built (a tiny shape: DAR alone and cold 36-37 s, after Llama 27 s). DAR's own C++ extension
+    (`dar_training_kernel="cpp"`) is built once per installation, outside that folder, and not counted."""
     code = f"""
 import sys, time, torch
 import torch._functorch.config, torch._inductor.config
@@ -279,7 +285,9 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 batch = torch.randint(0, 1000, ({batch}, {seq})).to({device!r})
 print(overhead.time_train_step(torch.compile(model), optimizer, batch))
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     return float(result.stdout.strip().splitlines()[-1])
 
 
