@@ -7,8 +7,10 @@ them): Llama, Block DAR (about 8 blocks) with the float32 state, Block DAR with 
 Measured, interleaved (Llama, DAR, DAR model-history, Llama, ...), medians of --repeats:
   - train step: forward + backward + AdamW step on [batch, seq] random tokens with labels;
   - decode: per-token time of greedy `generate` with the KV cache after a prompt, at batch 1 and at --decode-batch;
-  - saved activations: bytes autograd keeps in one training forward (deduplicated by storage);
-  - peak CUDA memory of one training step.
+  - saved activations: bytes autograd keeps in one training forward (deduplicated by storage, parameters left out,
+    as `overhead.py` counts them);
+  - peak CUDA memory of one training step above what was allocated before it (all three models' weights and the
+    optimiser states of the models warmed up so far stay on the device, and are not the step's).
 Shapes: SmolLM2-135M and Llama-3.2-1B (vocabulary kept; random weights, nothing downloaded).
 
     python benchmarks/gpu_ratios.py --output benchmarks/results/gpu_ratios.json   # about 5 minutes on an H100
@@ -78,7 +80,8 @@ def saved_bytes(model, batch) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(input_ids=batch, labels=batch).loss
     del loss
-    return sum(saved.values())
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    return sum(size for pointer, size in saved.items() if pointer not in parameters)
 
 
 def decode_per_token(model, prompt, new_tokens: int) -> float:
@@ -116,10 +119,13 @@ def main():
         for name, model in models.items():  # warm-up, memory
             model.train()
             train_step(model, optimizers[name], batch)
+            before = 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
             train_step(model, optimizers[name], batch)
-            record[name]["peak_train_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else float("nan")
+            record[name]["peak_train_mib"] = (
+                (torch.cuda.max_memory_allocated(device) - before) / 2**20 if cuda else float("nan"))
             record[name]["saved_activations_mib"] = saved_bytes(model, batch) / 2**20
         for _ in range(arguments.repeats):
             for name, model in models.items():  # interleaved

@@ -444,15 +444,16 @@ def main() -> None:
         model.train()
         results[name] = {key: statistics.median(values) for key, values in samples[name].items()}
         results[name].update(first[name] if args.compile else {})
-        if "train" in timed:
+        if "train" in timed and not args.compile:  # saved-tensor hooks do not see what a compiled graph keeps
             results[name]["saved_activation_mib"] = saved_activation_bytes(model, batch) / 2**20
-        if device.type == "cuda":
+        if device.type == "cuda":  # of the models timed: the compiled ones under --compile
+            runner = runners[name]
             if "train" in timed:
-                train_step = lambda: time_train_step(model, optimizers[name], batch)  # noqa: E731
+                train_step = lambda: time_train_step(runner, optimizers[name], batch)  # noqa: E731
                 results[name]["peak_cuda_train_mib"] = peak_cuda_mib(train_step)
             model.eval()
             if "prefill" in timed:
-                results[name]["peak_cuda_prefill_mib"] = peak_cuda_mib(lambda: time_prefill(model, prompt))
+                results[name]["peak_cuda_prefill_mib"] = peak_cuda_mib(lambda: time_prefill(runner, prompt))
         elif not args.no_rss:
             if "train" in timed:
                 results[name]["peak_rss_train_mib"] = peak_rss_subprocess(name, args.shape, "train", args.batch,
