@@ -77,9 +77,26 @@ ROUTING_KEY_VALUE_STREAMS = {
 }
 
 
-def _must_be_one_of(field: str, value, allowed) -> None:
+def _must_be_one_of(field: str, value, allowed, owner: str = "DARConfig") -> None:
     if value not in allowed:
-        raise ValueError(f"DARConfig.{field} must be one of {list(allowed)}, got {value!r}.")
+        raise ValueError(f"{owner}.{field} must be one of {list(allowed)}, got {value!r}.")
+
+
+# The options the depth backends read (with `==`: a typo would be a silent default), with their allowed values.
+DAR_BACKEND_OPTIONS = {
+    "dar_history_dtype": DAR_HISTORY_DTYPES,
+    "dar_compiled_read": DAR_COMPILED_READS,
+    "dar_inference_kernel": DAR_INFERENCE_KERNELS,
+    "dar_training_kernel": DAR_TRAINING_KERNELS,
+}
+
+
+def check_backend_options(config, owner: str = "DARConfig") -> None:
+    """Refuse a backend option outside its allowed values, naming the field as `owner.field`: at construction
+    (`validate_dar`) and at every forward (`depth_backends.depth_backend`, "config": a value set on a built model's
+    config)."""
+    for field, allowed in DAR_BACKEND_OPTIONS.items():
+        _must_be_one_of(field, getattr(config, field), allowed, owner)
 
 
 def dar_routing(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -150,10 +167,7 @@ class DARConfig(LlamaConfig):
         _must_be_one_of("dar_write_mode", self.dar_write_mode, DAR_WRITE_MODES)
         _must_be_one_of("dar_branch_family", self.dar_branch_family, DAR_BRANCH_FAMILIES)
         _must_be_one_of("dar_implementation", self.dar_implementation, DAR_IMPLEMENTATIONS)
-        _must_be_one_of("dar_history_dtype", self.dar_history_dtype, DAR_HISTORY_DTYPES)
-        _must_be_one_of("dar_compiled_read", self.dar_compiled_read, DAR_COMPILED_READS)
-        _must_be_one_of("dar_inference_kernel", self.dar_inference_kernel, DAR_INFERENCE_KERNELS)
-        _must_be_one_of("dar_training_kernel", self.dar_training_kernel, DAR_TRAINING_KERNELS)
+        check_backend_options(self)
         if self.dar_history_dtype == "model" and self.dar_implementation == "fast":
             raise ValueError(
                 "DARConfig.dar_history_dtype='model' needs dar_implementation 'two_phase' or 'reference' (the fused "

@@ -85,13 +85,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
-from .configuration_dar import (
-    DAR_COMPILED_READS,
-    DAR_HISTORY_DTYPES,
-    DAR_INFERENCE_KERNELS,
-    DAR_TRAINING_KERNELS,
-    dar_routing,
-)
+from .configuration_dar import check_backend_options, dar_routing
 from .cpu_kernels import cpu_kernels
 
 logger = logging.get_logger(__name__)
@@ -2236,16 +2230,6 @@ class DARDepthBackendInterface(GeneralInterface):
 ALL_DEPTH_BACKENDS = DARDepthBackendInterface()
 
 
-# The options the backends read besides `dar_implementation`, with their allowed values (DARConfig validates them at
-# construction; `depth_backend` again, for a value set on a built model's config).
-DEPTH_OPTIONS = {
-    "dar_history_dtype": DAR_HISTORY_DTYPES,
-    "dar_compiled_read": DAR_COMPILED_READS,
-    "dar_inference_kernel": DAR_INFERENCE_KERNELS,
-    "dar_training_kernel": DAR_TRAINING_KERNELS,
-}
-
-
 def depth_backend(config, traced: bool = False, recorded_weights: bool = False):
     """The backend of one forward. A forward traced by `torch.compile` reads "fast" as "two_phase": the fused path's
     shared gradient buffer is state between autograd nodes that a compiler cannot see (DESIGN.md section 6), while
@@ -2256,17 +2240,15 @@ def depth_backend(config, traced: bool = False, recorded_weights: bool = False):
     handed to a layer compiled for training, torch 2.13's dynamo fails building the recompiled graph's shape guards.)
 
     An eager forward with gradients on that records its depth weights (`output_depth_weights=True`,
-    `recorded_weights`) takes the reference backend, whatever the config names: the others return the weights without gradients (their
-    backward has no term for them), so a loss that used them (a depth-entropy regulariser) would silently lose its
-    gradient. As transformers' attention falls back to eager for `output_attentions`. So does a forward under a
+    `recorded_weights`) takes the reference backend, whatever the config names: the others return the weights
+    without gradients (their backward has no term for them), so a loss that used them (a depth-entropy regulariser)
+    would silently lose its gradient. As transformers' attention falls back to eager for `output_attentions`. So does a forward under a
     `torch.func` transform (`grad`, `vmap`)."""
     implementation = config.dar_implementation
     if implementation not in ALL_DEPTH_BACKENDS:  # a value set on the config after it was validated
         raise ValueError(f"config.dar_implementation must name a depth backend, one of {sorted(ALL_DEPTH_BACKENDS)}, "
                          f"got {implementation!r}.")
-    for field, allowed in DEPTH_OPTIONS.items():  # read with `==` by the backends: a typo would be a silent default
-        if getattr(config, field) not in allowed:
-            raise ValueError(f"config.{field} must be one of {list(allowed)}, got {getattr(config, field)!r}.")
+    check_backend_options(config, owner="config")  # values set on a built model's config
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         # torch.func transforms (grad, vmap: per-sample gradients, model ensembles): the optimised backends' custom
         # autograd functions define no `setup_context`, their saved-tensor hooks are refused under `grad`, and the C++
