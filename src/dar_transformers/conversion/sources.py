@@ -5,6 +5,7 @@
 before any weight (`load_source_config`); `load_source` loads a whole model instead (examples, fine-tuning).
 """
 
+import collections
 import copy
 import dataclasses
 import fnmatch
@@ -295,10 +296,7 @@ def gguf_tensor_types(reader) -> str:
 
 def counted(names) -> str:
     """"Q4_1 x 210, F32 x 61": each name with how often it occurs, most frequent first (ties in first-seen order)."""
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    return ", ".join(f"{name} x {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return ", ".join(f"{name} x {count}" for name, count in collections.Counter(names).most_common())
 
 
 def gguf_license(fields) -> dict[str, str]:
