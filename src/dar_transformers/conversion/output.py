@@ -104,14 +104,13 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
             f"which cannot replace a mount point. Choose a new folder inside it, e.g. "
             f"{output / _suggested_name(source)}."
         )
-    if output.is_dir() and _is_working_folder(output):
-        where = "is the current working folder" if _is_working_folder(output, inside=False) else (
-            "holds the current working folder")
+    working = _working_folder_relation(output) if output.is_dir() else None
+    if working is not None:
         raise ValueError(
-            f"Output folder {shown} {where}: the conversion writes a staging folder beside it "
-            f"and renames it into place, which would leave your shell in the replaced folder, removed (empty to ls, "
-            f"the output beside it under the same name). Name a new folder, e.g. ./{_suggested_name(source)}, or run "
-            f"the command from {output.parent}."
+            f"Output folder {shown} {working} the current working folder: the conversion writes a staging folder "
+            "beside it and renames it into place, which would leave your shell in the replaced folder, removed (empty "
+            f"to ls, the output beside it under the same name). Name a new folder, e.g. ./{_suggested_name(source)}, "
+            f"or run the command from {output.parent}."
         )
     if output.is_dir() and any(output.iterdir()):
         if not overwrite:
@@ -136,12 +135,13 @@ def _refuse_names_too_long_to_stage(output: Path, shown: str, existing: Path) ->
         limit = os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
         return
-    longest = max(len(os.fsencode(f".{output.name}.XXXXXXXX{suffix}")) for suffix in (STAGING_SUFFIX, RETIRED_SUFFIX))
-    if longest > limit:
+    name = len(os.fsencode(output.name))
+    added = len(".." + "X" * 8) + max(len(STAGING_SUFFIX), len(RETIRED_SUFFIX))  # mkdtemp's 8 random characters
+    if name + added > limit:
         raise ValueError(
-            f"Output {shown}: its name is {len(os.fsencode(output.name))} bytes long, and the conversion stages its "
-            f"folder beside it under a name {longest - len(os.fsencode(output.name))} bytes longer, beyond this file "
-            f"system's {limit}; choose a name of at most {limit - longest + len(os.fsencode(output.name))} bytes."
+            f"Output {shown}: its name is {name} bytes long, and the conversion stages its folder beside it under a "
+            f"name {added} bytes longer, beyond this file system's {limit}; choose a name of at most {limit - added} "
+            "bytes."
         )
 
 
@@ -322,14 +322,14 @@ def _same(first: Path, second: Path) -> bool:
     return first == second or (identity is not None and identity == _identity(second))
 
 
-def _is_working_folder(folder: Path, inside: bool = True) -> bool:
-    """Whether `folder` is the current working folder or (`inside`) holds it: replacing it would leave the shell in a
-    removed folder."""
+def _working_folder_relation(folder: Path) -> str | None:
+    """"is" where `folder` is the current working folder, "holds" where it holds it (replacing it would leave the shell
+    in a removed folder), else None."""
     try:
         working = Path.cwd()
-        return _same(folder, working) or (inside and _inside(working, folder))
     except OSError:  # the working folder was removed
-        return False
+        return None
+    return "is" if _same(folder, working) else "holds" if _inside(working, folder) else None
 
 
 def _inside(inner: Path, outer: Path) -> bool:
