@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 
 from conftest import run_convert_in_process
 from dar_transformers.conversion import api as api_module
+from dar_transformers.conversion import write as conversion_write
 from dar_transformers.conversion import output as output_module
 from dar_transformers.conversion.output import MANIFEST_NAME, STAGING_MARKER, check_output_folder, write_manifest
 
@@ -642,3 +643,175 @@ def test_property_the_source_is_never_touched(tmp_path_factory, tiny_source, sou
         } | {str(parent.relative_to(root)): "dir" for parent in resolved_output.parents if root in parent.parents}
     assert code == (0 if expected else 1), (source, output, overwrite, stderr)
     shutil.rmtree(root)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Failures at the swap, after it and in the clean-up; read errors that are not the output's, and the output's own.
+
+
+def _dead_pid() -> int:
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    return finished.pid
+
+
+def test_a_swap_that_cannot_move_the_old_output_back_names_where_it_is_and_no_run_removes_it(
+    tmp_path, tiny_source, monkeypatch
+):
+    """Another process puts a folder at the output between the two renames of `--overwrite`: the new output cannot
+    take the place, nor can the old one go back. The error says where the old output is; its folder is unmarked, so
+    that no later run removes it (one did: it found a folder at the output and took the old one for replaced)."""
+    out = tmp_path / "out"
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    before = tree_state(out)
+    replace = os.replace
+
+    def racing_replace(source, destination):
+        if Path(source).name.endswith(".partial") and Path(destination) == out:
+            out.mkdir()
+            (out / "theirs.txt").write_text("another process's")
+        return replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", racing_replace)
+    code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    monkeypatch.setattr(os, "replace", replace)
+    assert code == 1
+    (retired,) = tmp_path.glob(".out.*.old")
+    (line,) = messages(stderr)
+    assert line.startswith(f"dar convert: error: Could not write {out}: Directory not empty")
+    assert line.endswith(f"nothing was written. The existing output could not be moved back (Directory not empty "
+                         f"({retired / 'out'} -> {out})): it is now {retired / 'out'}; move it back yourself.")
+    assert tree_state(retired / "out") == before and not (retired / STAGING_MARKER).exists()
+    assert leftovers(tmp_path) == [retired.name]
+    assert run_convert_in_process(tiny_source, tmp_path / "other", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert tree_state(retired / "out") == before
+
+
+def test_a_stale_retired_folder_is_removed_only_where_its_own_new_output_took_the_place(tmp_path, caplog):
+    """A run killed after its swap leaves the replaced output in its marked retired folder: the next run removes it,
+    but only if the output is the folder that run renamed into place (its identity, in the marker). Any other folder
+    there (another process's, or a marker written before the identity was recorded) leaves it alone, named."""
+    out = tmp_path / "out"
+    out.mkdir()
+    identity = os.lstat(out)
+    marker = {"pid": _dead_pid(), "host": output_module.socket.gethostname(), "output": str(out)}
+    cases = {"replaced": [identity.st_dev, identity.st_ino], "another folder": [identity.st_dev, identity.st_ino + 1],
+             "no identity": None}
+    for case, replacement in cases.items():
+        retired = tmp_path / f".out.{case.replace(' ', '-')}.old"
+        (retired / "out").mkdir(parents=True)
+        (retired / "out" / "weights").write_text(case)
+        fields = {} if replacement is None else {"replacement": replacement}
+        (retired / STAGING_MARKER).write_text(json.dumps({**marker, **fields}))
+    removed = output_module.remove_stale_runs(tmp_path)
+    assert [path.name for path in removed] == [".out.replaced.old"]
+    assert leftovers(tmp_path) == [".out.another-folder.old", ".out.no-identity.old"]
+    for kept in leftovers(tmp_path):
+        assert f"{tmp_path / kept / 'out'} is the previous {out}, moved aside by a conversion that did not finish" \
+            in caplog.text
+
+
+def test_an_error_after_the_swap_is_a_warning_not_nothing_was_written(tmp_path, tiny_source, monkeypatch, caplog):
+    """The new output is in place: an error checking the replaced one (EIO) keeps that one, unmarked, and says so;
+    the run succeeds (it said 'nothing was written' with the new output in place)."""
+    out = tmp_path / "out"
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    previous = os.lstat(out).st_ino
+
+    def unreadable(folder):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(folder))
+
+    monkeypatch.setattr(output_module, "_changed_since_checked", unreadable)
+    code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr
+    assert_complete_output(out)
+    (retired,) = tmp_path.glob(".out.*.old")
+    assert os.lstat(retired / "out").st_ino == previous and os.lstat(out).st_ino != previous
+    assert_complete_output(retired / "out")
+    assert not (retired / STAGING_MARKER).exists()
+    assert f"Wrote {out}. The folder it replaced changed while it was being replaced (it could not be read: " \
+           f"Input/output error" in caplog.text and f"so it was kept, not removed: {retired / 'out'}" in caplog.text
+
+
+def test_a_staging_folder_that_cannot_be_removed_is_named_and_stays_marked(tmp_path, tiny_source, monkeypatch,
+                                                                            caplog):
+    """The write fails and so does the clean-up (a file system gone read-only): the log names the staging folder
+    (it was removed silently, or not at all, with its marker gone first), whose marker is removed last, so that a
+    later run, once the process is gone, removes it."""
+
+    def full(folder):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model-00001-of-00002.safetensors"))
+
+    unlink = os.unlink
+
+    def read_only(path, *args, **kwargs):
+        if Path(path).name == "tokenizer.json":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(output_module, "_apply_umask", full)
+    monkeypatch.setattr(os, "unlink", read_only)
+    code, stderr = run_convert_in_process(tiny_source, tmp_path / "out", cwd=tmp_path)
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert code == 1 and "No space left on device" in stderr
+    (staging,) = tmp_path.glob(".out.*.partial")
+    assert f"The staging folder {staging} could not be removed (Read-only file system" in caplog.text
+    assert "remove it yourself" in caplog.text
+    marker = json.loads((staging / STAGING_MARKER).read_text())
+    (staging / STAGING_MARKER).write_text(json.dumps({**marker, "pid": _dead_pid()}))  # as after the process ended
+    assert output_module.remove_stale_runs(tmp_path) == [staging] and leftovers(tmp_path) == []
+
+
+def test_a_read_error_on_the_written_shards_is_a_write_error_naming_the_output(tmp_path, tiny_source, monkeypatch):
+    """EIO while verification reads the staging folder's shards back: the disk written to failed, so the message is
+    the output's (it blamed 'the source file' at a hidden path that no longer existed, or called the shard invalid)."""
+    preadv = os.preadv
+
+    def failing_disk(fd, buffers, offset, *args):
+        if ".partial" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", failing_disk)
+    out = tmp_path / "out"
+    code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 1
+    (line,) = messages(stderr)
+    assert re.fullmatch(rf"dar convert: error: Could not write {re.escape(str(out))}: Input/output error reading back "
+                        r"the written model-\d+-of-\d+\.safetensors to verify it; nothing was written\.", line), line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", ["unreadable", "deleted while converting"])
+def test_a_side_file_that_cannot_be_read_is_named_as_the_source_s(tmp_path, tiny_source, monkeypatch, failure):
+    """A license or vocabulary file the output copies as it is: one this user may not read is refused before the
+    conversion's work, one that goes away meanwhile when it is copied; both name the source file (they read as a
+    failure to write the output)."""
+    source = tmp_path / "source"
+    shutil.copytree(tiny_source, source)
+    license_file = source / "LICENSE"
+    license_file.write_text("terms")
+    if failure == "unreadable":
+        os_open = os.open
+
+        def denied(path, flags, *args, **kwargs):
+            if Path(path) == license_file:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return os_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", denied)
+        reason = "Permission denied"
+    else:
+        write_tokenizer = conversion_write.write_tokenizer
+
+        def then_delete(*args, **kwargs):
+            write_tokenizer(*args, **kwargs)
+            license_file.unlink()
+
+        monkeypatch.setattr(conversion_write, "write_tokenizer", then_delete)
+        reason = "No such file or directory"
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 1
+    (line,) = messages(stderr)
+    assert line == f"dar convert: error: Could not read the source file {license_file}: {reason}."
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 from dar_transformers import DARForCausalLM
 from dar_transformers.conversion import (
+    ConversionOptions,
     VerificationError,
     VerificationReport,
     api as conversion_api,
@@ -25,6 +26,7 @@ from dar_transformers.conversion import (
 from dar_transformers.conversion.checkpoints import SafetensorsCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.report import PromptCheck
+from dar_transformers.conversion.verify import raise_unless_passed
 from dar_transformers.conversion import streamed
 from dar_transformers.conversion.streamed import StreamedModel, streamed_hidden_states, streamed_logits, token_budget_groups
 
@@ -154,6 +156,19 @@ def test_a_verification_that_compared_nothing_is_not_passed():
     assert decided.verified and "\nPASSED: " in decided.table()
     nan = VerificationReport("float32", 2e-4, 2e-4, 0, [PromptCheck("p", 5, 3.0, math.nan, 5, 5, None, [], [])])
     assert not nan.passed and math.isnan(nan.max_abs_logit_difference)
+    # No prompt: no claim that greedy continuations ran, and the refusal says nothing was verified, not that the
+    # model differs.
+    assert not empty.greedy_ran and "no full greedy continuations" in empty.table()
+    with pytest.raises(VerificationError) as refused:
+        raise_unless_passed(empty, torch.float32)
+    assert str(refused.value).startswith("The converted model could not be verified (no prompt was run); nothing was")
+    with pytest.raises(VerificationError, match="^The converted model does not reproduce the source;"):
+        raise_unless_passed(nan, torch.float32)
+
+
+def test_an_empty_list_of_prompts_is_refused_before_any_work():
+    with pytest.raises(ValueError, match=r"prompts must hold at least one text \(None: the default prompts\), got \[\]"):
+        ConversionOptions(prompts=[])
 
 
 def overflowing_source(folder):

@@ -63,8 +63,13 @@ def pread_exact(fd: int, length: int, offset: int, path: Path | None = None) -> 
         reason = error.strerror or str(error)
         if error.errno is None:
             reason += " (the file is shorter than its header says: truncated, or changed while being read)"
-        raise OSError(f"Could not read the source file {path}: {reason}.") from error
+        raise source_read_error(path, reason) from error
     return buffer
+
+
+def source_read_error(path: Path, reason: str) -> OSError:
+    """A failed read of a source file, in one line without an errno: the output's writer passes it on as it is."""
+    return OSError(f"Could not read the source file {path}: {reason}.")
 
 
 def _tensor_from_bytes(buffer: bytearray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -178,8 +183,12 @@ class SafetensorsCheckpoint(Checkpoint):
     """A folder's safetensors files, read through their headers: those of its index, else model.safetensors (as
     transformers reads a folder), else every `*.safetensors`."""
 
-    def __init__(self, folder: str | os.PathLike, files: Sequence[str] | None = None):
+    def __init__(self, folder: str | os.PathLike, files: Sequence[str] | None = None, written: bool = False):
+        """`written`: the folder is the converter's own output, read back to verify it: an OS error reading it is
+        one of the disk written to, passed on with its errno (reported as a write error naming the output), not a
+        read of the source."""
         self.folder = Path(folder)
+        self.written = written
         self.description = f"safetensors in {self.folder}"
         if files is None:
             index = self.folder / INDEX_NAME
@@ -275,6 +284,8 @@ class SafetensorsCheckpoint(Checkpoint):
                 "lists the shards to read)."
             ) from None
         except (ValueError, KeyError, TypeError, OSError, UnicodeDecodeError, struct.error) as error:
+            if self.written and isinstance(error, OSError) and error.errno is not None:
+                raise self._read_back_error(error, path) from error
             raise ValueError(f"Could not load the weights in {self.folder}: {path.name} is not a valid safetensors "
                              f"file ({error}).") from error
 
@@ -284,11 +295,25 @@ class SafetensorsCheckpoint(Checkpoint):
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         fd, offset, info = self._entries[name]
         if rows is None or not info.shape:
-            return _tensor_from_bytes(pread_exact(fd, info.nbytes, offset, self._files[fd]), info.dtype, info.shape)
+            return _tensor_from_bytes(self._pread(fd, info.nbytes, offset), info.dtype, info.shape)
         start, stop, _ = rows.indices(info.shape[0])
         row_bytes = info.nbytes // max(info.shape[0], 1)
-        buffer = pread_exact(fd, (stop - start) * row_bytes, offset + start * row_bytes, self._files[fd])
+        buffer = self._pread(fd, (stop - start) * row_bytes, offset + start * row_bytes)
         return _tensor_from_bytes(buffer, info.dtype, (stop - start, *info.shape[1:]))
+
+    def _pread(self, fd: int, length: int, offset: int) -> bytearray:
+        if not self.written:
+            return pread_exact(fd, length, offset, self._files[fd])  # its errors name the source file
+        try:
+            return pread_exact(fd, length, offset)
+        except OSError as error:
+            if error.errno is None:  # shorter than its header says
+                raise
+            raise self._read_back_error(error, self._files[fd]) from error
+
+    @staticmethod
+    def _read_back_error(error: OSError, path: Path) -> OSError:
+        return OSError(error.errno, f"{error.strerror or error} reading back the written {path.name} to verify it")
 
     def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         self.check_rows(name, indices)

@@ -106,6 +106,8 @@ class ConversionOptions:
                                          or not all(isinstance(text, str) for text in self.prompts)):
             # a str is a Sequence too: each of its characters was verified as a one-token prompt
             raise ValueError(f"prompts must be a list of texts (str), got {self.prompts!r}.")
+        if self.prompts is not None and not self.prompts:
+            raise ValueError("prompts must hold at least one text (None: the default prompts), got [].")
         resolve_dtype(self.dtype)
         if self.verify_dtype is not None and resolve_dtype(self.verify_dtype) not in (torch.float32, torch.float64):
             raise ValueError(f"verify_dtype must be 'float32' or 'float64', got {self.verify_dtype!r}.")

@@ -419,7 +419,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
         except OSError as error:
             if error.errno is None:  # one of this module's own refusals, already one line
                 raise
-            raise _write_error(output, error.errno, _describe(error)) from error
+            raise _write_error(output, error.errno, _describe(error), getattr(error, "kept", None)) from error
         except Exception as error:  # Rust writers (tokenizers) report an OS error as a bare Exception "(os error N)"
             os_error = re.search(r"\(os error (\d+)\)", str(error))
             if os_error is None or type(error) is not Exception:
@@ -442,10 +442,15 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
 def _remove_own_folder(folder: Path) -> None:
     """Remove a folder this run created (its staging folder), writable first: it may have taken over the mode of a
     read-only output it was to replace (`_take_over_metadata`) before that swap failed, and then neither `rmtree`
-    (without root's override) nor any later run (its marker is gone by then) would remove it."""
+    (without root's override) nor any later run (its marker is gone by then) would remove it. Its marker goes last
+    (`_remove_marked`), so that what cannot be removed (a file system gone read-only) stays recognisable to a later
+    run, and the log names it."""
     with contextlib.suppress(OSError):
         os.chmod(folder, stat.S_IRWXU)  # a real folder: made by `tempfile.mkdtemp`
-    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        _remove_marked(folder)
+    except OSError as error:
+        logger.warning(f"The staging folder {folder} could not be removed ({_describe(error)}); remove it yourself.")
 
 
 def _fsync(path: Path) -> None:
@@ -462,8 +467,16 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def _write_error(output: Path, errno: int, description: str) -> OutputWriteError:
-    error = OutputWriteError(f"Could not write {output}: {description}; nothing was written.")
+def _write_error(
+    output: Path, errno: int, description: str, kept: tuple[Path, str] | None = None
+) -> OutputWriteError:
+    """One line naming the output; `kept`: where the output that was to be replaced is now, and why it is not back
+    in place (`_retire`)."""
+    message = f"Could not write {output}: {description}; nothing was written."
+    if kept is not None:
+        message += (f" The existing output could not be moved back ({kept[1]}): it is now {kept[0]}; move it back "
+                    "yourself.")
+    error = OutputWriteError(message)
     error.errno = errno
     return error
 
@@ -495,8 +508,9 @@ def _make_parents(folder: Path) -> list[Path]:
     return made
 
 
-def _marked_folder(output: Path, suffix: str) -> Path:
-    """A new hidden folder next to `output` holding the marker of this run (call with signals held)."""
+def _marked_folder(output: Path, suffix: str, **fields) -> Path:
+    """A new hidden folder next to `output` holding the marker of this run, with `fields` (call with signals
+    held)."""
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=suffix, dir=output.parent))
     # Locked before it names anyone (an empty marker is no marker), until `_release_marker`: the lock, not the process
     # id, tells another run that this one is alive, even one whose process ids are another namespace's.
@@ -505,7 +519,7 @@ def _marked_folder(output: Path, suffix: str) -> Path:
         if fcntl is not None:
             with contextlib.suppress(OSError):  # a file system without locks: the process id alone, as before
                 fcntl.flock(_MARKER_LOCKS[folder], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        marker = {"pid": os.getpid(), "host": socket.gethostname(), "output": str(output)}
+        marker = {"pid": os.getpid(), "host": socket.gethostname(), "output": str(output), **fields}
         (folder / STAGING_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
     except BaseException:  # no space for the marker, say: nothing of this run is left behind
         _release_marker(folder)
@@ -558,7 +572,8 @@ def _move_into_place(staging: Path, output: Path) -> None:
                            f"({_describe(error)}): a crash soon may undo the rename.")
         return
     _take_over_metadata(staging, existing)
-    retired = _marked_folder(output, RETIRED_SUFFIX)
+    replacement = os.stat(staging)  # a rename keeps a folder's identity: what the output becomes (`_replaced_by`)
+    retired = _marked_folder(output, RETIRED_SUFFIX, replacement=[replacement.st_dev, replacement.st_ino])
     try:
         _retire(staging, output, retired)
     finally:
@@ -567,7 +582,10 @@ def _move_into_place(staging: Path, output: Path) -> None:
 
 def _retire(staging: Path, output: Path, retired: Path) -> None:
     """`_move_into_place` with an existing output: moved into the marked `retired` folder, the staging folder renamed
-    into place, the retired one removed (or kept, `_changed_since_checked`)."""
+    into place, the retired one removed (or kept, `_changed_since_checked`). Once the new output is in place, nothing
+    raises: what could not be done is a warning. If the rename into place fails and the old output cannot be moved
+    back (another process put a folder at `output` meanwhile), the retired folder is unmarked, so that no run removes
+    it, and the error says where the old output is (`kept`)."""
     try:
         os.replace(output, retired / output.name)
     except OSError:
@@ -575,13 +593,23 @@ def _retire(staging: Path, output: Path, retired: Path) -> None:
         raise
     try:
         os.replace(staging, output)
-    except OSError:
-        os.replace(retired / output.name, output)
+    except OSError as error:
+        try:
+            os.replace(retired / output.name, output)
+        except OSError as back:
+            with contextlib.suppress(OSError):
+                (retired / STAGING_MARKER).unlink()
+            error.kept = (retired / output.name, _describe(back))
+            raise error from back
         shutil.rmtree(retired, ignore_errors=True)
         raise
-    changed = _changed_since_checked(retired / output.name)
+    try:
+        changed = _changed_since_checked(retired / output.name)
+    except OSError as error:
+        changed = f"it could not be read: {_describe(error)}"
     if changed:  # written to between the last check and the swap (a Trainer saving into it): never removed
-        (retired / STAGING_MARKER).unlink()  # unmarked, so no later run removes it either
+        with contextlib.suppress(OSError):
+            (retired / STAGING_MARKER).unlink()  # unmarked, so no later run removes it either
         logger.warning(f"Wrote {output}. The folder it replaced changed while it was being replaced ({changed}), so "
                        f"it was kept, not removed: {retired / output.name}")
         return
@@ -646,9 +674,10 @@ def remove_stale_runs(parent: Path) -> list[Path]:
                            "left alone.")
             continue
         kept = entry / output.name
-        if entry.name.endswith(RETIRED_SUFFIX) and os.path.lexists(kept) and not os.path.lexists(output):
-            logger.warning(f"{kept} is the previous {output}, moved aside by a conversion that was killed (process "
-                           f"{pid}); left alone: move it back or remove it yourself.")
+        if entry.name.endswith(RETIRED_SUFFIX) and os.path.lexists(kept) and not _replaced_by(output, marker):
+            logger.warning(f"{kept} is the previous {output}, moved aside by a conversion that did not finish "
+                           f"(process {pid}), and {output} is not the folder that conversion wrote: left alone, move "
+                           "it back or remove it yourself.")
             continue
         logger.warning(f"Removing {entry}, left behind by an earlier conversion (process {pid}, no longer running).")
         try:
@@ -659,6 +688,17 @@ def remove_stale_runs(parent: Path) -> list[Path]:
             continue
         removed.append(entry)
     return removed
+
+
+def _replaced_by(output: Path, marker: dict) -> bool:
+    """Whether `output` is the folder that the run of a retired folder's `marker` renamed into place (the same file
+    system identity): only then is the retired folder a replaced output, not the only copy of one. A marker without
+    it (written before the identity was recorded) is never taken as replaced."""
+    try:
+        now = os.lstat(output)
+    except OSError:
+        return False
+    return marker.get("replacement") == [now.st_dev, now.st_ino]
 
 
 def _remove_marked(folder: Path) -> None:

@@ -103,7 +103,7 @@ class VerificationReport:
 
     @property
     def greedy_ran(self) -> bool:
-        return all(check.greedy_identical is not None for check in self.checks)
+        return bool(self.checks) and all(check.greedy_identical is not None for check in self.checks)
 
     @property
     def greedy_identical(self) -> bool:

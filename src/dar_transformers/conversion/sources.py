@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging
 
 from .checkpoints import (
-    Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors,
+    Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors, source_read_error,
 )
 from .families import ALL_SOURCE_FAMILIES, architecture_fields, check_model_type, one_line, source_family
 
@@ -412,6 +412,11 @@ def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, 
                     copied.update(path for path in (Path(root) / name for name in names) if path.is_file())
         elif tokenizer_from_folder and entry.name in TOKENIZER_SIDE_FILES and entry.is_file():
             copied.add(entry)
+    for path in copied:  # one this user may not read: said now, naming it, not after the conversion's work
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+        except OSError as error:
+            raise source_read_error(path, error.strerror or str(error)) from error
     return tuple(sorted(copied))
 
 

@@ -398,7 +398,7 @@ def verify_written(
     default_tolerance = DEFAULT_TOLERANCES[dtype]
     tolerance = default_tolerance if options.tolerance is None else options.tolerance
     full_greedy, max_new_tokens = options.full_greedy, options.max_new_tokens
-    written = SafetensorsCheckpoint(folder)
+    written = SafetensorsCheckpoint(folder, written=True)
     try:
         target_config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
         source_meta = meta_model(AutoModelForCausalLM, plain_config(source.config))
@@ -495,9 +495,10 @@ def raise_unless_passed(
             f"\nThe weights were rounded to {str(storage_dtype).removeprefix('torch.')}, which moves the logits beyond "
             "the bar; pass a larger tolerance (--tolerance) to accept a lower bar, which the model card records."
         )
-    raise VerificationError(
-        f"The converted model does not reproduce the source; nothing was written.\n{report.table()}{hint}", report
-    )
+    headline = "The converted model does not reproduce the source"
+    if report.nothing_compared:
+        headline = f"The converted model could not be verified ({report.nothing_compared})"
+    raise VerificationError(f"{headline}; nothing was written.\n{report.table()}{hint}", report)
 
 
 

@@ -11,7 +11,6 @@ its source is copied by the kernel (`os.copy_file_range`).
 import copy
 import json
 import os
-import shutil
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -20,7 +19,9 @@ import torch
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
-from .checkpoints import INDEX_NAME, SAFETENSORS_NAMES, Checkpoint, FiniteCheckpoint, pread_exact, require_finite_cast
+from .checkpoints import (
+    INDEX_NAME, SAFETENSORS_NAMES, Checkpoint, FiniteCheckpoint, pread_exact, require_finite_cast, source_read_error,
+)
 from .keymaps import TensorInfo, TensorPlan
 from .plan import materialise, meta_model
 from .sources import Source
@@ -171,7 +172,25 @@ def write_converted_folder(folder, target, config, plans, new_names, source: Sou
         copied = folder / path.relative_to(source.folder)
         if not copied.exists():
             copied.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, copied)
+            copy_source_file(path, copied)
+
+
+def copy_source_file(path: Path, copied: Path) -> None:
+    """Copy a source file as it is; an error reading it (gone, unreadable) names the source file, as `pread_exact`'s
+    do, so that the output's writer passes it on instead of reporting a write error."""
+    try:
+        source_file = open(path, "rb")
+    except OSError as error:
+        raise source_read_error(path, error.strerror or str(error)) from error
+    with source_file, open(copied, "wb") as target:
+        while True:
+            try:
+                chunk = source_file.read(CHUNK_BYTES)
+            except OSError as error:
+                raise source_read_error(path, error.strerror or str(error)) from error
+            if not chunk:
+                return
+            target.write(chunk)
 
 
 def write_tokenizer(folder: Path, tokenizer) -> None:
