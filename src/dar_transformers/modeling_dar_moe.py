@@ -145,6 +145,13 @@ class DARMoePreTrainedModel(DARPreTrainedModel, Qwen3MoePreTrainedModel):
         # silently run the eager experts loop.
         return True
 
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # transformers' default `grouped_mm` takes float32/bf16/fp16 only: a float64 model built without a request (a
+        # float64 folder the converter wrote, loaded by `from_pretrained`) takes `batched_mm`, its float64 peer.
+        if requested_experts is None and torch.get_default_dtype() == torch.float64:
+            requested_experts = "batched_mm"
+        return super().get_correct_experts_implementation(requested_experts)
+
 
 class DARMoeModel(DARMoePreTrainedModel, DARModel):
     """`DARModel` with the MoE decoder layer; `_can_record_outputs` adds the router logits to its output when
@@ -195,8 +202,9 @@ class DARMoeForCausalLM(DARMoePreTrainedModel, DARForCausalLM):
         # Padded tokens (attention_mask 0) are left out of the routing fractions and probabilities. A cached step's
         # mask covers the past tokens too, its router logits the new ones only: the mask's last columns are theirs
         # (a batched, padded `generate` with output_router_logits died here, as transformers' own MoE models do).
-        mask = attention_mask
-        if mask is not None and mask.dim() == 2 and outputs.router_logits:
+        # A 4-D mask (static-cache `generate` passes the prepared one) names no padded token per row: no mask then.
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if mask is not None and outputs.router_logits:
             mask = mask[:, mask.shape[1] - outputs.router_logits[0].shape[0] // mask.shape[0]:]
         aux_loss = load_balancing_loss_func(
             outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, mask

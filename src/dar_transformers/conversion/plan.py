@@ -27,10 +27,12 @@ HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def meta_model(model_class: type[PreTrainedModel], config: PreTrainedConfig) -> PreTrainedModel:
-    """The model of `config` on the meta device (no memory; an 8B model builds in well under a second)."""
+    """The model of `config` on the meta device (no memory; an 8B model builds in well under a second), in eval mode
+    as `from_pretrained` returns one: the layer-streamed verification runs its layers, and in training mode a source's
+    dropout or router jitter (Mixtral's) made a valid conversion fail."""
     build = model_class._from_config if issubclass(model_class, PreTrainedModel) else model_class.from_config
     with torch.device("meta"):
-        return build(config, attn_implementation="sdpa")
+        return build(config, attn_implementation="sdpa").eval()
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
