@@ -21,8 +21,9 @@ Qwen-MoE classes it subclasses) and its flat siblings, so no generated flat file
 
 Known limit, shared with HF's Mixtral/Qwen3-MoE: router logits are recorded by output hooks, so under *reentrant*
 gradient checkpointing (whose first forward runs without grad) the aux loss gets no gradient; the default
-non-reentrant checkpointing is exact. `grouped_mm` experts take float32/bf16/fp16 only: run a float64 model with
-`set_experts_implementation("batched_mm")` (the converter does so).
+non-reentrant checkpointing is exact. `grouped_mm` experts take float32/bf16/fp16 only: a float64 model built without
+an experts implementation requested takes `batched_mm` (`get_correct_experts_implementation`); one cast to float64
+later needs `set_experts_implementation("batched_mm")`.
 
 Shape legend: N tokens (B * T flattened), D hidden, E experts, k experts per token.
 """
