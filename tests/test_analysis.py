@@ -160,6 +160,38 @@ def test_rescue_gain_follows_the_read_gate():
     assert entry["loss_restore0"] == pytest.approx(entry["loss_clean"], abs=1e-6)
 
 
+def test_rescue_gain_summaries_are_the_true_median_and_keep_float64():
+    """With an even number of reads the median is the mean of the two middle gains (torch's `nanmedian` gave the lower
+    one: SmolLM2's 8 reads read 0.60 / 0.61 for 0.61 / 0.62); a float64 model's losses and gains stay float64 (its
+    logits were cast to float32: loss gains 2e-3 relative off)."""
+    model = trained_like_dar(dar_block_size=2).double()
+    input_ids = token_batch(batch=4)
+    names = ["L0.mlp", "L1.attn", "L1.mlp", "readout"]
+    result = rescue_gain(model, input_ids, names)
+    for stream in (0, 1):
+        gains = sorted(result["branches"][name][f"rescue_gain{stream}"] for name in names)
+        assert result["median_rescue_gain"][stream] == pytest.approx((gains[1] + gains[2]) / 2, rel=1e-12)
+        assert gains[1] != pytest.approx(gains[2], rel=1e-6)  # the two middle values differ: the test can fail
+    logits = model(input_ids=input_ids).logits
+    assert logits.dtype == torch.float64
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+    assert result["branches"]["readout"]["loss_clean"] == pytest.approx(loss.item(), rel=1e-13)
+
+
+def test_a_corruption_that_changes_nothing_gives_no_gain_and_the_summary_stays_json(tmp_path):
+    """Identical sequences: the donor is the sequence itself, the corrupted run differs from the clean one by
+    rounding only; its gains were ratios of rounding noise (0.23, -0.57) and summary.json held bare NaN (not JSON).
+    Now the gains are undefined, and the file has null for them."""
+    model = trained_like_dar(dar_block_size=2)
+    input_ids = token_batch(batch=1).repeat(3, 1)
+    result = rescue_gain(model, input_ids, ["L1.attn", "readout"])
+    for entry in result["branches"].values():
+        assert all(math.isnan(entry[f"rescue_gain{key}"]) for key in ("0", "1", "_loss0", "_loss1"))
+    assert all(math.isnan(value) for value in result["pooled_rescue_gain"])
+    from dar_transformers.analysis import _nan_to_none
+    json.dumps(_nan_to_none(analyze(model, input_ids)), allow_nan=False)  # raises on any NaN left
+
+
 def test_rescue_gain_needs_two_sequences():
     with pytest.raises(ValueError, match="at least 2"):
         rescue_gain(trained_like_dar(), token_batch(batch=1))
@@ -273,6 +305,7 @@ def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
     assert cli_main(["analyze", *arguments, "--out", str(user), "--overwrite"]) == 0
     assert "wrote " + str(user) + "/summary.json and 6 PNGs" in capsys.readouterr().out
     assert json.loads((user / "summary.json").read_text())["batch"] == [3, 16]
+
     assert (user / "photo.png").read_bytes() == b"mine"
     # Links of those names, dangling or to a file elsewhere: refused like files (a dangling one was not seen, and the
     # summary written through it outside --out); with --overwrite the links are replaced, their targets untouched.
@@ -291,3 +324,41 @@ def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
             cli_main(["analyze", *arguments, "--out", str(tmp_path / "bad"), option, value])
         assert f"argument {option}: {value} is below {least}, the least it takes" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_command_line_without_matplotlib_says_so_before_any_work(tmp_path, capsys, monkeypatch):
+    """matplotlib is an extra (`dar-transformers[analysis]`): without it the command died with a traceback after the
+    whole analysis, having written a summary.json beside an earlier run's plots."""
+    import builtins
+
+    arguments = saved_checkpoint_arguments(tmp_path)
+    capsys.readouterr()
+    real_import = builtins.__import__
+
+    def without_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_matplotlib)
+    assert cli_main(["analyze", *arguments, "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == ("dar analyze: error: the plots need matplotlib, which is not installed: pip "
+                                       "install matplotlib (or the package's extra, dar-transformers[analysis])\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_text_of_long_tokens_is_read_far_enough(tmp_path):
+    """The analysis tokenised only num_sequences x seq_len x 16 characters of the text: a text of long words (a
+    token each) was refused as too short although it held enough tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from dar_transformers.analysis import text_batch
+
+    words = [f"{'x' * 60}{index}" for index in range(50)]
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({word: i for i, word in enumerate(words)} | {"[UNK]": 50},
+                                                               unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    batch = text_batch(tokenizer, " ".join(words[index % 50] for index in range(500)), 4, 16)
+    assert batch.shape == (4, 16) and batch[0, 0].item() == 0 and batch[3, 15].item() == 63 % 50

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging
@@ -40,6 +41,9 @@ from .modeling_dar import DARDepthAttention, DARReadGate, DARWriteGate
 logger = logging.get_logger(__name__)
 
 READOUT = "readout"
+# A corruption whose logit distance is below this fraction of the clean logits' squared norm changed nothing but
+# rounding (a donor sequence equal to its own): its rescue gains are NaN, not a ratio of rounding noise.
+DEGENERATE_CORRUPTION = 1e-10
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,7 +198,7 @@ def record_depth_reads(
 
 def token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy per predicted token: logits [B, T, V], input_ids [B, T] -> [B, T - 1]."""
-    return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), input_ids[:, 1:], reduction="none")
+    return F.cross_entropy(_upcast(logits[:, :-1].transpose(1, 2)), input_ids[:, 1:], reduction="none")
 
 
 def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModules], config: DARConfig) -> dict:
@@ -281,8 +285,9 @@ def rescue_gain(
         raise ValueError("rescue_gain needs a batch of at least 2 sequences (the donor is another sequence).")
     if clean_logits is None or clean_reads is None:
         with record_depth_reads(model) as clean_reads:
-            clean_logits = model(input_ids=input_ids).logits.float()
+            clean_logits = _upcast(model(input_ids=input_ids).logits)
     clean_loss = token_losses(clean_logits, input_ids).mean().item()
+    clean_scale = clean_logits[:, :-1].pow(2).sum(-1).mean().item()  # d's scale: the clean logits' own squared norm
     names = branch_names or [branch.name for branch in dar_branches(model)]
     results = {}
     for name in names:
@@ -299,12 +304,14 @@ def rescue_gain(
         outcome = {}
         for label, streams in (("corrupted", (0, 1)), ("restore0", (1,)), ("restore1", (0,))):
             with record_depth_reads(model, {name: corrupt(streams)}):
-                logits = model(input_ids=input_ids).logits.float()
+                logits = _upcast(model(input_ids=input_ids).logits)
             outcome[label] = (
                 (logits - clean_logits)[:, :-1].pow(2).sum(-1).mean().item(),
                 token_losses(logits, input_ids).mean().item(),
             )
         corrupted_distance, corrupted_loss = outcome["corrupted"]
+        if corrupted_distance <= DEGENERATE_CORRUPTION * clean_scale:  # the donor's state changed nothing (identical
+            corrupted_distance = 0.0  # sequences): each ratio would be rounding noise over rounding noise
         entry = {
             "logit_distance_corrupted": corrupted_distance, "loss_clean": clean_loss, "loss_corrupted": corrupted_loss
         }
@@ -315,19 +322,22 @@ def rescue_gain(
             gain = 1.0 - distance / corrupted_distance if corrupted_distance > 0 else float("nan")
             entry[f"rescue_gain{stream}"] = gain
             damage = corrupted_loss - clean_loss
-            entry[f"rescue_gain_loss{stream}"] = (corrupted_loss - loss) / damage if damage != 0 else float("nan")
+            entry[f"rescue_gain_loss{stream}"] = (
+                (corrupted_loss - loss) / damage if damage != 0 and corrupted_distance > 0 else float("nan")
+            )
         results[name] = entry
-    gains = torch.tensor([[results[n]["rescue_gain0"], results[n]["rescue_gain1"]] for n in names])  # [M', 2]
-    corrupted = torch.tensor([results[n]["logit_distance_corrupted"] for n in names])  # [M']
-    restored = torch.tensor([[results[n][f"logit_distance_restore{j}"] for j in (0, 1)] for n in names])  # [M', 2]
+    exact = dict(dtype=torch.float64)  # the per-read figures are Python floats: no float32 rounding of them here
+    gains = torch.tensor([[results[n]["rescue_gain0"], results[n]["rescue_gain1"]] for n in names], **exact)  # [M', 2]
+    corrupted = torch.tensor([results[n]["logit_distance_corrupted"] for n in names], **exact)  # [M']
+    restored = torch.tensor([[results[n][f"logit_distance_restore{j}"] for j in (0, 1)] for n in names], **exact)
     # Pooled over reads: 1 - sum_m d_m(restore j) / sum_m d_m(corrupted). Reads whose corruption barely moves the
     # output (where the per-read ratio is noise) weigh little; this is the headline number.
-    pooled = 1.0 - restored.sum(0) / corrupted.sum()  # [2]
+    pooled = 1.0 - restored.sum(0) / corrupted.sum() if corrupted.sum() > 0 else torch.full((2,), math.nan)  # [2]
     return {
         "definition": "rescue_gain_j = 1 - d(restore j)/d(corrupted), d = mean squared logit distance to the clean run",
         "branches": results,
         "mean_rescue_gain": gains.nanmean(0).tolist(),
-        "median_rescue_gain": gains.nanmedian(0).values.tolist(),
+        "median_rescue_gain": numpy.nanmedian(gains.numpy(), axis=0).tolist(),  # torch's: the lower middle value
         "pooled_rescue_gain": pooled.tolist(),
         # balance in [0, 1]: 1 when both streams rescue equally, 0 when one stream rescues nothing.
         "pooled_balance": float((pooled.min() / pooled.max().clamp_min(1e-12)).clamp(0, 1)),
@@ -374,7 +384,7 @@ def _analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: l
     config = model.config
     branches = dar_branches(model)
     with record_depth_reads(model) as reads:
-        logits = model(input_ids=input_ids).logits.float()
+        logits = _upcast(model(input_ids=input_ids).logits)
     summary = {
         "model_type": config.model_type,
         "num_streams": config.dar_num_streams,
@@ -503,7 +513,12 @@ def evenly_spaced(names: list[str], count: int) -> list[str]:
 
 def text_batch(tokenizer, text: str, num_sequences: int, seq_len: int) -> torch.Tensor:
     """The first num_sequences x seq_len tokens of `text` as [B, T] (fewer sequences if the text is short)."""
-    ids = tokenizer(text[: num_sequences * seq_len * 16], add_special_tokens=False)["input_ids"]
+    window = num_sequences * seq_len * 16  # characters: enough for most tokenizers; grown where tokens are longer
+    while True:
+        ids = tokenizer(text[:window], add_special_tokens=False)["input_ids"]
+        if len(ids) > num_sequences * seq_len or window >= len(text):
+            break
+        window *= 4
     available = len(ids) // seq_len
     if available < 2:
         raise ValueError(f"The text gives {len(ids)} tokens; the analysis needs at least 2 x {seq_len}.")
@@ -586,6 +601,11 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
 
     from . import _register_auto_classes
 
+    try:  # the plots come last, after minutes of work: a missing matplotlib is said before any
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ValueError("the plots need matplotlib, which is not installed: pip install matplotlib (or the "
+                         "package's extra, dar-transformers[analysis])") from error
     replaced = check_analysis_output(args.out, args.overwrite)
     _register_auto_classes()
     model = AutoModelForCausalLM.from_pretrained(
@@ -603,7 +623,7 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     summary["model"] = str(args.model)
     summary["text"] = str(args.text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=True))
+    (args.out / "summary.json").write_text(json.dumps(_nan_to_none(summary), indent=1, allow_nan=False))
     plots = save_plots(summary, args.out)
     for path in plots:
         logger.info(f"wrote {path}")
@@ -632,9 +652,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _nan_to_none(values):
+    """NaN -> None (JSON null; bare NaN is not JSON) in nested lists and dicts."""
+    if isinstance(values, dict):
+        return {key: _nan_to_none(value) for key, value in values.items()}
     if isinstance(values, list):
         return [_nan_to_none(value) for value in values]
     return None if isinstance(values, float) and math.isnan(values) else values
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 at least: a float64 model's stay float64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 if __name__ == "__main__":
