@@ -9,5 +9,5 @@ GGUF=$(.venv/bin/python -c "import importlib.util, pathlib; print(next(pathlib.P
 OUT=experiments/results/checkpoints/smollm2-135m-instruct-dar
 [ -f "$OUT/config.json" ] || .venv/bin/dar convert "$GGUF" "$OUT" --max-new-tokens 8 || exit 1
 TEXT=${TEXT:-data/corpus/validation.txt}
-.venv/bin/dar analyze "$OUT" --text "$TEXT" --out experiments/results/analysis/smollm2-135m-instruct-dar \
+.venv/bin/dar analyze "$OUT" --text "$TEXT" --out docs/results/analysis/smollm2-135m-instruct-dar --overwrite \
     --seq-len 128 --num-sequences 4 --max-rescue-branches 8

@@ -11,9 +11,10 @@ for a given seed, the same batches (paired runs); only the residual path differs
   two_stream_one_block   two streams, one block over the whole depth (K = 2 * layers): no depth selection,
                          the mHC-like control
 
-One command runs everything, resumably: a run whose key (variant, seed, budget) is already in the results JSONL
-is skipped; each finished run appends one line. Data: the corpus of scripts/prepare_corpus.py (train.jsonl,
-validation.jsonl), a byte-level BPE trained on the training split, token arrays cached beside the results.
+One command runs everything, resumably: a run whose key (variant, seed, budget, corpus) is already in the results
+JSONL is skipped; each finished run appends one line. Data: the corpus of scripts/prepare_corpus.py (train.jsonl,
+validation.jsonl), a byte-level BPE trained on the training split, token arrays cached beside the results (by
+vocabulary size and a hash of the corpus: another corpus is tokenised anew).
 
   python experiments/replicate.py --corpus-dir data/corpus --train-tokens 600000 --seeds 0 1 2 --jobs 2
   python experiments/summarize.py            # table, curves, docs/results/replication_summary.json
@@ -23,6 +24,7 @@ Each run uses one thread (torch.set_num_threads(1)); `--jobs` runs that many at 
 
 import argparse
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -77,11 +79,30 @@ FULL_VARIANTS = ("attnres_full", "dar_full")
 # Data
 
 
-def prepare_data(corpus_dir: Path, vocab_size: int) -> Path:
-    """Train the BPE on the training split and cache both splits as uint16 token arrays; returns the cache dir."""
+def corpus_tag(corpus_dir: Path) -> str:
+    """A short hash of the corpus's two splits (their bytes): the token cache and every run key carry it, so that
+    another corpus (or an edited one) is tokenised and trained on anew instead of reusing another's tokens and runs.
+    "missing" where a split is not there (a dry run needs no corpus)."""
+    digest = hashlib.sha256()
+    for split in ("train", "validation"):
+        try:
+            with open(corpus_dir / f"{split}.jsonl", "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 24), b""):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            return "missing"
+    return digest.hexdigest()[:12]
+
+
+def data_cache(args: argparse.Namespace) -> Path:
+    """Where the tokenizer and token arrays of this corpus and vocabulary size are cached."""
+    return RESULTS / f"data-bpe{args.vocab_size}-{args.corpus_tag}"
+
+
+def prepare_data(corpus_dir: Path, cache: Path, vocab_size: int) -> Path:
+    """Train the BPE on the training split and cache both splits as uint16 token arrays in `cache`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    cache = RESULTS / f"data-bpe{vocab_size}"
     if (cache / "validation.npy").exists():
         return cache
     cache.mkdir(parents=True, exist_ok=True)
@@ -193,12 +214,13 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> 
 
 
 def run_key(variant: str, seed: int, args: argparse.Namespace) -> str:
-    return f"{variant}/seed{seed}/tok{args.train_tokens}/bs{args.batch_size}x{args.seq_len}/lr{args.lr}"
+    return (f"{variant}/seed{seed}/tok{args.train_tokens}/bs{args.batch_size}x{args.seq_len}/lr{args.lr}"
+            f"/corpus{args.corpus_tag}")
 
 
 def train_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
-    cache = RESULTS / f"data-bpe{args.vocab_size}"
+    cache = data_cache(args)
     train = np.load(cache / "train.npy", mmap_mode="r")
     validation = np.load(cache / "validation.npy", mmap_mode="r")
     final_windows = validation_windows(validation, args.seq_len, args.val_windows)
@@ -272,7 +294,7 @@ def save_checkpoint(model: torch.nn.Module, variant: str, seed: int, args: argpa
     directory = RESULTS / "checkpoints" / f"{variant}-seed{seed}-tok{args.train_tokens}"
     model.save_pretrained(directory)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_file=str(RESULTS / f"data-bpe{args.vocab_size}" / "tokenizer.json"),
+        tokenizer_file=str(data_cache(args) / "tokenizer.json"),
         eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
     )
     tokenizer.save_pretrained(directory)
@@ -344,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.corpus_tag = corpus_tag(args.corpus_dir)
 
     if args.run_one:
         variant, seed = args.run_one.split("/")
@@ -353,7 +376,6 @@ def main(argv: list[str] | None = None) -> None:
               f"{record['wall_seconds']:.0f} s", flush=True)
         return
 
-    prepare_data(args.corpus_dir, args.vocab_size)
     done = finished_keys(args.results)
     todo = [(v, s) for v, s in planned_runs(args) if run_key(v, s, args) not in done]
     print(f"{len(todo)} runs to do ({len(done)} keys already in {args.results})", flush=True)
@@ -361,6 +383,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {run_key(variant, seed, args)}", flush=True)
     if args.dry_run:
         return
+    if args.corpus_tag == "missing":
+        raise SystemExit(f"replicate.py: error: {args.corpus_dir} has no train.jsonl and validation.jsonl (make them "
+                         "with scripts/prepare_corpus.py).")
+    prepare_data(args.corpus_dir, data_cache(args), args.vocab_size)
     forwarded = [a for a in argv if a != "--dry-run"]
     running: list[tuple[subprocess.Popen, str]] = []
     while todo or running:
