@@ -4,6 +4,8 @@ loop: the fused depth read's hand-written backward (gradcheck in float64, every 
 partial), the fused transport + write, their refusal of double backward, and the inference memo of parameter-derived
 tensors."""
 
+import copy
+
 import pytest
 import torch
 
@@ -370,6 +372,31 @@ def test_second_backward_with_a_frozen_embedding(block_size, implementation):
             torch.testing.assert_close(parameter.grad, first[name], rtol=0, atol=0, msg=name)
     assert model.model.embed_tokens.weight.grad is None
     assert first["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("frozen, block_size", [("embedding and the first layer", 4), ("all but the MLPs", 3)])
+@pytest.mark.parametrize("implementation", ["fast", "fast+cpp", "two_phase"])
+def test_gradients_where_a_block_starts_with_frozen_branches(implementation, frozen, block_size):
+    """The lean backward rebuilds a block's partials by replaying its writes from the first: with the embedding and a
+    block's first branch frozen (LoRA on the MLPs only, frozen bottom layers) that write kept no gradient and was not
+    recorded, so the next write opened a block of its own, replayed from no partial: gradients 4e-2 (MLP-only) to
+    0.8 (frozen first layer) relative off the reference. Float64."""
+    model = _perturbed_with_option(block_size, implementation).double().train()
+    reference = copy.deepcopy(model)
+    reference.config.dar_implementation = "reference"
+    for network in (model, reference):
+        for name, parameter in network.named_parameters():
+            trainable = (".mlp." in name if frozen == "all but the MLPs" else
+                         not name.startswith(("model.embed_tokens", "model.layers.0.")))
+            parameter.requires_grad_(trainable)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
+    model(ids, labels=ids).loss.backward()
+    reference(ids, labels=ids).loss.backward()
+    trained = [(name, parameter, reference.get_parameter(name)) for name, parameter in model.named_parameters()
+               if parameter.requires_grad]
+    assert any(name.startswith("model.layers.1.mlp") for name, _, _ in trained)
+    for name, parameter, expected in trained:
+        torch.testing.assert_close(parameter.grad, expected.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def _refuses_a_second_derivative(first_derivative):

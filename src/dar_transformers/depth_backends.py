@@ -1053,6 +1053,10 @@ class _LeanPartials:
         self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
 
     def record(self, partial, beta, rho, branch_output, opens_block: bool, write: Callable | None = None) -> None:
+        """One write of a partial that is not committed: call for every one, those without gradients too (a block is
+        replayed from its first write; where the embedding and a block's first branches were frozen, as under LoRA on
+        the MLPs only, their writes went unrecorded and a later write was replayed from no partial: gradients 4e-2 to
+        0.8 off). Keeping a frozen branch's y costs a fraction of keeping the block's float32 partials."""
         if opens_block or self.block is None:
             self.block = _BlockPartials(write=write)
         index = self.block.add(beta, rho, branch_output)
@@ -1281,7 +1285,7 @@ class TwoPhaseDepthBackend:
             else:
                 partial = gated_write(state.partial, rho, beta, branch_output)  # [B, T, J, D], compute dtype
         lean = self.lean is not None and partial.requires_grad
-        if lean and not commits:
+        if self.lean is not None and not commits:
             self.lean.record(partial, beta, rho, branch_output, opens_block=state.partial is None)
         if commits:
             entry = partial.to(state.history[0].dtype)  # stored in the history's dtype (`dar_history_dtype`)
@@ -2210,7 +2214,7 @@ class FastDepthBackend:
                 partial = _TransportWrite.apply(state.partial, rho, beta, branch_output)  # [B, T, J, D]
             else:
                 partial = cast_gated_write(state.partial, rho, beta, branch_output)
-            if self.lean is not None and not commits and partial.requires_grad:
+            if self.lean is not None and not commits:
                 self.lean.record(partial, beta, rho, branch_output, state.partial is None, self._replayed_write)
         if commits:
             return DepthState(self, None, (*state.history, self._commit(partial, len(state.history))))
