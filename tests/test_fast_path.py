@@ -17,6 +17,7 @@ from conftest import (
     memo_free_logits,
     perturbed_tiny_dar,
 )
+from dar_transformers import depth_backends
 from dar_transformers.depth_backends import (
     DepthGradients,
     add_entry_gradients,
@@ -136,6 +137,54 @@ def test_parameter_memo_follows_in_place_updates(block_size, implementation):
         after_load = model(ids).logits
     torch.testing.assert_close(after_load, memo_free_logits(model, ids), rtol=0, atol=0)
     assert (after_load - memoised).abs().max() > 1e-4  # the load changed the function, and the memo saw it
+
+
+@pytest.mark.parametrize("write", ["through .data", "through another view of the storage"])
+def test_parameter_memo_sees_writes_that_bump_no_version_counter(write, monkeypatch):
+    """A hand-written SGD or EMA step through `.data`, or parameters that are views of a flat buffer written in place,
+    bump no parameter's version counter: the memo's stamp stayed as it was, and no-grad forwards (evaluation,
+    `generate`) kept the old gates and queries (logits 3e-2 and 4e-1 off). The memo now compares the values."""
+    model = perturbed_tiny_dar(3, "fast")
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    parameters = [p for name, p in model.named_parameters() if "_residual" in name or "final_readout" in name]
+    if write != "through .data":
+        flat = torch.cat([p.detach().reshape(-1) for p in parameters])
+        offset = 0
+        for parameter in parameters:
+            parameter.data = flat[offset : offset + parameter.numel()].view_as(parameter)
+            offset += parameter.numel()
+    with torch.no_grad():
+        before = model(ids).logits  # fills the memo
+    if write == "through .data":
+        for parameter in parameters:
+            parameter.data.add_(torch.randn_like(parameter), alpha=0.3)
+    else:
+        flat.mul_(-1.5)
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, memo_free_logits(model, ids), rtol=0, atol=0)
+    assert (after - before).abs().max() > 1e-3  # the write changed the function
+    # Negative control: without the comparison the memo serves the old values.
+    monkeypatch.setattr(depth_backends._Contents, "unchanged", lambda self: True)
+    with torch.no_grad():
+        model(ids)
+        for written in [parameter.data for parameter in parameters] if write == "through .data" else [flat]:
+            written.mul_(2.0)
+        stale = model(ids).logits
+    assert (stale - memo_free_logits(model, ids)).abs().max() > 1e-4
+
+
+def test_parameter_memo_filled_in_inference_mode_serves_no_grad_forwards():
+    """A memo filled by a `torch.inference_mode()` forward (its copies were inference tensors) then checked by a
+    no-grad forward (`generate`): the check wrote into an inference tensor outside inference mode and raised."""
+    model = perturbed_tiny_dar(3, "fast")
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        first = model(ids).logits
+    with torch.no_grad():
+        again = model(ids).logits
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (2, 9)
 
 
 @pytest.mark.parametrize("change", ["replaced submodule", "direct _modules write", "parametrization",
