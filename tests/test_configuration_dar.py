@@ -49,6 +49,34 @@ def test_bad_value_assigned_after_construction_is_refused_by_validate():
         config.validate()
 
 
+@pytest.mark.parametrize("field, value", [("dar_routing", "crossv"), ("dar_block_size", 2), ("rms_norm_eps", 1e-3),
+                                          ("dar_count_scaling", False)])
+def test_a_layout_field_changed_on_a_built_model_is_refused_at_its_forward(field, value):
+    """The modules read these fields when the model is built, the depth backends at each forward: a sweep that reused
+    one config object (or an edit of model.config) had a model compute another function with gradients off (logits
+    0.1-0.3 off the reference) and raise an IndexError for a larger block. A backend option still changes freely."""
+    import torch
+
+    from dar_transformers import DARForCausalLM
+
+    config = tiny_dar_config(dar_block_size=1)
+    model = DARForCausalLM(config).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    model.config.dar_implementation = "two_phase"  # a backend option: read at each forward
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected)
+    was = getattr(config, field)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=re.escape(f"DARConfig.{field} was changed on a built model ({was!r} -> "
+                                                   f"{value!r}); its modules were built for {was!r}.")):
+        model(ids)
+    setattr(config, field, was)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected)
+
+
 @pytest.mark.parametrize("num_layers", [1, 2, 4, 5, 8, 12])
 def test_default_block_size_is_about_eight_blocks(num_layers):
     config = tiny_dar_config(num_hidden_layers=num_layers)

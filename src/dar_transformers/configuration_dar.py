@@ -99,6 +99,29 @@ def check_backend_options(config, owner: str = "DARConfig") -> None:
         _must_be_one_of(field, getattr(config, field), allowed, owner)
 
 
+# The fields a DAR model's modules read when it is built (streams, gates, which branch commits or reads the partial,
+# epsilons) and its depth backends read again at each forward: a value changed on a built model's config would have
+# the two disagree (`check_layout_unchanged`). The backend options above may change at any forward.
+DAR_LAYOUT_FIELDS = ("rms_norm_eps", "dar_num_streams", "dar_block_size", "dar_routing", "dar_write_mode",
+                     "dar_include_partial", "dar_count_scaling", "dar_branch_family")
+
+
+def dar_layout(config) -> tuple:
+    return tuple(getattr(config, field) for field in DAR_LAYOUT_FIELDS)
+
+
+def check_layout_unchanged(config, built: tuple) -> None:
+    """Refuse a forward whose config's layout fields differ from those the model was built with (`dar_layout`): the
+    modules would compute one model and the backends another (wrong values, or an IndexError for a larger block)."""
+    now = dar_layout(config)
+    if now != built:
+        field, was, value = next((f, b, n) for f, b, n in zip(DAR_LAYOUT_FIELDS, built, now) if b != n)
+        raise ValueError(
+            f"DARConfig.{field} was changed on a built model ({was!r} -> {value!r}); its modules were built for "
+            f"{was!r}. Set it back, or build a new model from the changed config."
+        )
+
+
 def dar_routing(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(key streams kappa(j), value streams nu(j)) indexed by target stream j (DESIGN.md section 2, "routing")."""
     if config.dar_num_streams == 1:

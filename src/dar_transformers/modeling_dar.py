@@ -59,7 +59,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_dar import DARConfig, dar_routing
+from .configuration_dar import DARConfig, check_layout_unchanged, dar_layout, dar_routing
 from .depth_backends import DepthState, dar_compute_dtype, dar_history_dtype, depth_backend, module_registrations
 
 logger = logging.get_logger(__name__)
@@ -533,6 +533,7 @@ class DARModel(DARPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.dar_layout = dar_layout(config)  # what the modules were built for (`check_layout_unchanged`)
 
         self.post_init()
 
@@ -542,6 +543,7 @@ class DARModel(DARPreTrainedModel):
         `keep_depth_weights=True` records every read's depth weights (`output_depth_weights`); with gradients on,
         the reference backend then computes them (`depth_backend`), so that they are differentiable."""
         config = self.config
+        check_layout_unchanged(config, self.dar_layout)
         refuse_forward_only_adapters(self)
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
