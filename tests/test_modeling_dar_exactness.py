@@ -257,7 +257,8 @@ def _assert_fp32_error_within_the_references(probe, fields, implementation, scal
         )
 
     reference_error = _max_relative_diff(reference_logits, exact_logits)
-    assert 0.0 < reference_error < 1e-5  # fp32 rounding, measurable and small
+    # fp32 rounding, measurable and small (confident reads on an AMD EPYC's BLAS: 1.006e-5 for the reference itself)
+    assert 0.0 < reference_error < 1e-4
     assert _max_relative_diff(fast_logits, exact_logits) <= 10 * reference_error + 1e-7
     assert gradient_error(fast_gradients) <= 10 * gradient_error(reference_gradients) + 1e-6
 
