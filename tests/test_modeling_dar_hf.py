@@ -569,3 +569,20 @@ def test_the_kv_cache_is_taken_under_either_name():
             model(step, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
     torch.testing.assert_close(logits["cache"], logits["past_key_values"], rtol=0, atol=0)
     torch.testing.assert_close(logits["cache"], full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_runs_on_a_torch_whose_dynamo_config_predates_recompile_limit(monkeypatch):
+    """torch before 2.7 names the limit `cache_size_limit`: every DAR forward (compiled or not) read
+    `torch._dynamo.config.recompile_limit` and failed there, on the torch versions setup.cfg allows."""
+    from types import SimpleNamespace
+
+    from dar_transformers.modeling_dar import recompile_limit
+
+    model = DARForCausalLM(tiny_dar_config()).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    monkeypatch.setattr(torch._dynamo, "config", SimpleNamespace(cache_size_limit=8))
+    assert recompile_limit() == 8
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)

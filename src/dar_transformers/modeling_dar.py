@@ -354,6 +354,12 @@ def self_contained(layer: nn.Module) -> bool:
             and not compiled_alone(layer))
 
 
+def recompile_limit() -> int:
+    """dynamo's limit of graphs per frame: `recompile_limit` since torch 2.7, `cache_size_limit` before."""
+    config = torch._dynamo.config
+    return getattr(config, "recompile_limit", None) or config.cache_size_limit
+
+
 def warn_per_layer_graphs(compiled: int) -> None:
     """Regional compilation of DAR traces one graph per decoder layer: each layer's place in the depth history (its
     entry count, whether its branches open, read or commit a block's partial) is Python state its graph guards on,
@@ -362,7 +368,7 @@ def warn_per_layer_graphs(compiled: int) -> None:
     logger.warning_once(
         f"{compiled} DAR decoder layers are compiled on their own (regional compilation). Each has its own place in "
         "the depth history, so dynamo traces one graph per layer (not one for all, as for Llama), and past "
-        f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) it runs the remaining layers "
+        f"torch._dynamo.config.recompile_limit ({recompile_limit()}) it runs the remaining layers "
         f"eagerly. Set torch._dynamo.config.recompile_limit = {2 * compiled} (one graph per layer with gradients on "
         "and one with them off), or compile the whole model (torch.compile(model): one graph)."
     )
@@ -555,7 +561,7 @@ class DARModel(DARPreTrainedModel):
         # Layers compiled on their own trace the backend's reads and writes: it must be one a compiler can trace.
         compiled = sum(compiled_alone(layer) for layer in layers)
         traced = compiled > 0
-        if 2 * compiled > torch._dynamo.config.recompile_limit:  # a graph per layer, with gradients on and off
+        if compiled and 2 * compiled > recompile_limit():  # a graph per layer, with gradients on and off
             warn_per_layer_graphs(compiled)
         backend = depth_backend(config, traced=traced, recorded_weights=keep_depth_weights)
         return backend.start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
