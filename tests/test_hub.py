@@ -163,3 +163,24 @@ def test_model_and_tokenizer_push_to_hub_upload_the_same_repo_layout(tmp_path, p
     assert "auto_map" in json.loads((uploaded[0] / "config.json").read_text())
     assert "library_name: transformers" in (uploaded[0] / "README.md").read_text()
     assert {"tokenizer.json", "tokenizer_config.json"} <= {path.name for path in uploaded[1].iterdir()}
+
+
+def test_a_dar_moe_saved_from_a_dense_dar_folder_names_its_own_classes_in_auto_map(tmp_path):
+    """`DARMoeForCausalLM.from_pretrained(dense_dar_folder, num_experts=...)` keeps the dense folder's `auto_map`;
+    its save replaced only its own entry, so `AutoModel` and the heads still named the dense classes and a process
+    without the package could not load them (vLLM builds `AutoModel`)."""
+    import json
+
+    from conftest import tiny_dar_config
+
+    from dar_transformers import DARForCausalLM, DARMoeForCausalLM
+
+    torch.manual_seed(0)
+    DARForCausalLM(tiny_dar_config()).save_pretrained(tmp_path / "dense")
+    moe = DARMoeForCausalLM.from_pretrained(tmp_path / "dense", num_experts=4, num_experts_per_tok=2)
+    moe.save_pretrained(tmp_path / "moe")
+    auto_map = json.loads((tmp_path / "moe" / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoConfig"] == "configuration_dar_moe.DARMoeConfig"
+    for auto_class in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+                       "AutoModelForTokenClassification", "AutoModelForQuestionAnswering"):
+        assert auto_map[auto_class].startswith("modeling_dar_moe.DARMoe"), (auto_class, auto_map[auto_class])

@@ -228,8 +228,8 @@ class DARConfig(LlamaConfig):
         if getattr(self, "auto_map", None):  # not a declared field: transformers adds it when it writes code
             written = {path.stem for path in Path(save_directory).glob("*.py")}
             for auto_class, reference in self.remote_code_auto_map.items():
-                if reference.split(".")[0] in written:
-                    self.auto_map.setdefault(auto_class, reference)
+                if reference.split(".")[0] in written:  # replaced: an entry of another model type (a DAR-MoE loaded
+                    self.auto_map[auto_class] = reference  # from a dense DAR folder) names classes of the wrong config
         return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     @property
