@@ -106,6 +106,31 @@ def test_demo_runs_in_its_tiny_mode(tmp_path):
     assert "PASSED" in completed.stdout and "identical answers: True" in completed.stdout
 
 
+def test_a_hub_cache_snapshot_is_named_by_its_repo_id_in_the_card(tmp_path):
+    """The folder `hf download` returns is `.../models--{org}--{name}/snapshots/{commit}`: the card's title and source
+    sentence named the commit hash."""
+    snapshot = save_source(tmp_path / "hub" / "models--SomeOrg--Tiny-Thing" / "snapshots" / ("ab12" * 10))
+    assert run_convert_in_process(snapshot, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "# SomeOrg/Tiny-Thing + DAR" in card and "`SomeOrg/Tiny-Thing` (HF folder SomeOrg/Tiny-Thing)" in card
+    assert "ab12ab12" not in card
+
+
+@pytest.mark.parametrize("flags, says, not_said", [
+    ((), "two residual streams and a softmax attention over depth with reciprocal cross-stream addressing", None),
+    (("--routing", "selfkv"), "with each stream addressing its own history", "reciprocal"),
+    (("--streams", "1"), "one-stream special case (Attention Residuals)", "two residual streams"),
+])
+def test_the_card_describes_the_streams_and_routing_of_the_model(tmp_path, flags, says, not_said):
+    """The card said "two residual streams ... reciprocal cross-stream addressing ... read and write gates" for every
+    conversion, one-stream and `selfkv` ones too."""
+    source = save_source(tmp_path / "source")
+    assert run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", *flags, cwd=tmp_path)[0] == 0
+    card = " ".join((tmp_path / "out" / "README.md").read_text().split())
+    assert says in card
+    assert not_said is None or not_said not in card
+
+
 def test_a_source_named_dot_is_named_by_its_folder_in_the_card(tmp_path):
     """`dar convert . ../out` from inside the source folder: `Path(".").name` is empty, so the card read "#  + DAR" and
     "`` (HF folder )", naming no source. The folder's own name, as for any other spelling of the path."""

@@ -18,9 +18,7 @@ CARD_TEMPLATE = """---
 {source_sentence} converted into **{kind}** (DAR; Yu, Li, Liu et al., arXiv 2607.18730) with
 [dar-transformers](https://pypi.org/project/dar-transformers/) {package_version}.
 
-DAR replaces the residual add around every attention and MLP branch with two residual streams and a
-softmax attention over depth with reciprocal cross-stream addressing. The new parameters (depth queries,
-key norms, read and write gates, transport) are initialised so that every depth read is the standard residual
+{architecture_sentence} are initialised so that every depth read is the standard residual
 sum: {function_sentence} Training (fine-tuning
 or continued pre-training) is what lets the depth attention depart from the plain residual stream.
 
@@ -156,6 +154,25 @@ def _function_sentence(exact: bool, report, source) -> str:
     return f"**at conversion the model computes {function}**, verified below.{caveat}"
 
 
+ROUTING_DESCRIPTIONS = {  # DESIGN.md section 2: which stream's history keys and values a stream reads
+    "dar": "reciprocal cross-stream addressing (keys from the other stream, values from its own)",
+    "selfkv": "each stream addressing its own history (keys and values from itself)",
+    "crossv": "keys from its own stream and values from the other",
+    "fixedkv": "keys and values from fixed streams",
+}
+
+
+def _architecture_sentence(config) -> str:
+    """What the model's config makes of the residual path, and the parameters that adds (no gates for one stream)."""
+    if config.dar_num_streams == 1:
+        return ("This model runs DAR's one-stream special case (Attention Residuals): the residual add around every "
+                "attention and MLP branch becomes a softmax attention over depth of one residual stream. The new "
+                "parameters (depth queries and key norms)")
+    return ("DAR replaces the residual add around every attention and MLP branch with two residual streams and a "
+            f"softmax attention over depth with {ROUTING_DESCRIPTIONS[config.dar_routing]}. The new parameters "
+            "(depth queries, key norms, read and write gates, transport)")
+
+
 def render_model_card(
     config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None,
     exact: bool = True, kept_dtypes: str = ""
@@ -190,6 +207,7 @@ def render_model_card(
         )
     return CARD_TEMPLATE.format(
         chat_check=chat_check,
+        architecture_sentence=_architecture_sentence(config),
         function_sentence=_function_sentence(exact, report, source),
         front_matter="\n".join(front_matter),
         title=f"{base_model or source.name} + DAR",

@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -107,15 +108,22 @@ class Source:
 
 
 def display_name(name_or_path: str) -> str:
-    """A source's name for cards and configs: a Hub id as is, a local path by its last component only."""
+    """A source's name for cards and configs: a Hub id as is, a local path by its last component only (`folder_name`:
+    a Hub cache snapshot by its repo id)."""
     if os.path.isabs(name_or_path) or os.path.exists(name_or_path):
-        return Path(name_or_path).name
+        return folder_name(Path(name_or_path))
     return name_or_path
 
 
 def folder_name(path: Path) -> str:
-    """A source folder's own name, also when it is given as ".", ".." or "dir/." (whose `Path.name` is empty)."""
-    return Path(os.path.abspath(path)).name
+    """A source folder's own name, also when it is given as ".", ".." or "dir/." (whose `Path.name` is empty); a
+    snapshot in the Hub cache (`.../models--{org}--{name}/snapshots/{commit}`, what `hf download` returns) by its
+    repo id, not by its commit hash."""
+    path = Path(os.path.abspath(path))
+    cached = re.fullmatch(r"models--(.+?)--(.+)", path.parent.parent.name)
+    if path.parent.name == "snapshots" and cached:
+        return f"{cached.group(1)}/{cached.group(2)}"
+    return path.name
 
 
 def _gguf_location(path: Path) -> tuple[str, str]:
