@@ -319,7 +319,7 @@ def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
     assert cli_main(["analyze", *arguments, "--out", str(linked), "--overwrite"]) == 0
     assert (tmp_path / "victim.txt").read_text() == "elsewhere" and not (tmp_path / "not_yet.png").exists()
     assert not (linked / "summary.json").is_symlink() and json.loads((linked / "summary.json").read_text())
-    for option, value, least in (("--seq-len", "0", 1), ("--num-sequences", "1", 2)):
+    for option, value, least in (("--seq-len", "0", 2), ("--num-sequences", "1", 2)):
         with pytest.raises(SystemExit):  # were a ZeroDivisionError and "The text gives 0 tokens"
             cli_main(["analyze", *arguments, "--out", str(tmp_path / "bad"), option, value])
         assert f"argument {option}: {value} is below {least}, the least it takes" in capsys.readouterr().err
@@ -362,3 +362,25 @@ def test_a_text_of_long_tokens_is_read_far_enough(tmp_path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
     batch = text_batch(tokenizer, " ".join(words[index % 50] for index in range(500)), 4, 16)
     assert batch.shape == (4, 16) and batch[0, 0].item() == 0 and batch[3, 15].item() == 63 % 50
+
+
+def test_command_line_refuses_bad_paths_and_lengths_before_any_work(tmp_path, capsys):
+    """An --out that is a file was refused after the whole analysis as "[Errno 17] File exists"; an unreadable --text
+    after the model loaded, without naming the flag; a local model path that is not there as a malformed Hub id; and
+    --seq-len 1 gave a NaN loss (a next-token loss needs two tokens)."""
+    arguments = saved_checkpoint_arguments(tmp_path)
+    (tmp_path / "file").write_text("x")
+    capsys.readouterr()
+    for changed, message in (
+        (["--out", str(tmp_path / "file")], f"--out {tmp_path / 'file'} exists and is not a folder"),
+        (["--text", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o")],
+         f"--text {tmp_path / 'none.txt'}: No such file or directory"),
+    ):
+        assert cli_main(["analyze", *arguments, *changed]) == 1
+        assert capsys.readouterr().err == f"dar analyze: error: {message}\n"
+    assert cli_main(["analyze", str(tmp_path / "no-model"), *arguments[1:], "--out", str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err == f"dar analyze: error: no folder {tmp_path / 'no-model'}\n"
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", *arguments, "--out", str(tmp_path / "o"), "--seq-len", "1"])
+    assert "argument --seq-len: 1 is below 2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

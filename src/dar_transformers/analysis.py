@@ -550,7 +550,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--text", type=Path, required=True, help="a UTF-8 text file to run the model on")
     parser.add_argument("--out", type=Path, required=True, help="output directory for summary.json and the PNGs")
     parser.add_argument("--tokenizer", help="tokenizer location if the checkpoint has none")
-    parser.add_argument("--seq-len", type=at_least(1), default=256)
+    parser.add_argument("--seq-len", type=at_least(2), default=256, help="at least 2 (a next-token loss)")
     parser.add_argument("--num-sequences", type=at_least(2), default=8, help="at least 2 (rescue gain compares them)")
     parser.add_argument("--max-rescue-branches", type=at_least(0), default=16,
                         help="rescue gain at this many depth reads spread over the depth (0 = all)")
@@ -573,6 +573,8 @@ def check_analysis_output(out: Path, overwrite: bool) -> list[str]:
     through a link to a file elsewhere, and the names are returned: those the new analysis does not write again
     (another stream count, no rescue branches) are removed once it is written (`remove_stale_files`), so that the
     folder holds one analysis. Other entries are never touched."""
+    if os.path.lexists(out) and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
     if not out.is_dir():
         return []
     taken = sorted(name for name in os.listdir(out)
@@ -606,6 +608,15 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     except ImportError as error:
         raise ValueError("the plots need matplotlib, which is not installed: pip install matplotlib (or the "
                          "package's extra, dar-transformers[analysis])") from error
+    from .cli import missing_model_folder
+
+    problem = missing_model_folder(str(args.model))
+    if problem is not None:
+        raise ValueError(problem)
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--text {args.text}: {getattr(error, 'strerror', None) or error}") from error
     replaced = check_analysis_output(args.out, args.overwrite)
     _register_auto_classes()
     model = AutoModelForCausalLM.from_pretrained(
@@ -617,7 +628,7 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
         hint = "" if args.tokenizer else " (a checkpoint saved without one: pass --tokenizer)"
         raise ValueError(f"cannot load a tokenizer from {args.tokenizer or args.model}{hint}: "
                          f"{' '.join(str(error).split())}") from error
-    input_ids = text_batch(tokenizer, args.text.read_text(encoding="utf-8"), args.num_sequences, args.seq_len)
+    input_ids = text_batch(tokenizer, text, args.num_sequences, args.seq_len)
     names = evenly_spaced([branch.name for branch in dar_branches(model)], args.max_rescue_branches)
     summary = analyze(model, input_ids, rescue_branches=names)
     summary["model"] = str(args.model)
@@ -638,7 +649,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         summary, plots = run_from_arguments(args)
     except (TypeError, ValueError, OSError) as error:
-        print(f"dar analyze: error: {error}", file=sys.stderr)
+        print(f"dar analyze: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     print(f"loss {summary['loss']:.4f} on {summary['tokens']} tokens; wrote {args.out}/summary.json and "
           f"{len(plots)} PNGs")

@@ -5,7 +5,8 @@
 `convert` upcycles an HF folder or a GGUF file into DAR as a file operation (see `dar_transformers.convert`),
 verifies the written folder layer by layer, prints the verification table and moves the Hub-ready folder into place; `generate` streams a (chat) answer from any causal-LM folder.
 
-A user error is one line on stderr and exit code 1 (a failed verification: its table, exit code 2). SIGTERM and
+A user error is one line on stderr and exit code 1 (a failed verification: its table, exit code 2; a flag value of
+the wrong type or outside its choices: argparse's usage line and error, exit code 2). SIGTERM and
 SIGHUP interrupt like Ctrl-C (SIGINT): the staging folder is removed, one line says so, and the exit code is 128 +
 the signal's number.
 """
@@ -152,7 +153,7 @@ def run_convert(args: argparse.Namespace) -> int:
         interrupt.output_written = True
         raise
     except BrokenPipeError:  # `dar convert ... | head`: the conversion is done and in place; only its report was cut
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        stdout_closed()
         with contextlib.suppress(OSError):  # `2>&1 | reader`: standard error is the same closed pipe
             print(f"dar convert: wrote {result.output}; its report was not printed (standard output was closed).",
                   file=sys.stderr, flush=True)
@@ -210,26 +211,42 @@ def _cached_on_the_hub(name: str) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def missing_model_folder(name: str, needs_tokenizer: bool = False) -> str | None:
+    """Why `name` cannot be the model folder a command loads (None: an existing folder, or a Hub id): a file (a GGUF,
+    a config.json: from_pretrained would say "not a valid JSON file"), a path that is not there, read as a path not a
+    Hub id (absolute, relative to ".", ".." or "~", deeper than org/name, or "org/name" where "org" is a folder here,
+    `outputs/model-dar` mistyped, and no Hub model of that name is cached: no Hub retries), a folder without
+    config.json, or, with `needs_tokenizer`, one without tokenizer files."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return f"{name} is a file; pass a model folder (a GGUF file: convert it with `dar convert` first)"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return f"{name} holds no config.json: not a model folder"
+        if needs_tokenizer and not any((path / file).is_file() for file in TOKENIZER_FILES):
+            return f"{name} holds no tokenizer ({', '.join(TOKENIZER_FILES)})"
+        return None
+    first = name.split("/", 1)[0]
+    in_local_folder = ("/" in name and first not in ("", ".", "..", "~") and os.path.isdir(first)
+                       and not _cached_on_the_hub(name))
+    if os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or in_local_folder:
+        return f"no folder {name}" + (f" ({first}/ is a folder here, so it names a path, not a Hub id)"
+                                      if in_local_folder else "")
+    return None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
     from .conversion.verify import has_default_chat_template
     from .convert import chat_input_ids, resolve_dtype
 
-    model_path = Path(args.model).expanduser()
-    if model_path.is_file():  # a GGUF file, a config.json: from_pretrained would say "not a valid JSON file"
-        print(f"dar generate: error: {args.model} is a file; pass a model folder (a GGUF file: convert it with "
-              "`dar convert` first)", file=sys.stderr)
-        return 1
-    # A path, not a Hub id ("org/name"): absolute, relative to "." or "~", deeper than org/name, or "org/name" where
-    # "org" is a folder here (`outputs/model-dar` mistyped) and no Hub model of that name is cached. No Hub retries.
-    first = args.model.split("/", 1)[0]
-    in_local_folder = "/" in args.model and os.path.isdir(first) and not _cached_on_the_hub(args.model)
-    looks_local = (os.path.isabs(args.model) or args.model.startswith((".", "~")) or args.model.count("/") > 1
-                   or in_local_folder)
-    if not model_path.exists() and looks_local:
-        read_as_path = f" ({first}/ is a folder here, so it names a path, not a Hub id)" if in_local_folder else ""
-        print(f"dar generate: error: no folder {args.model}{read_as_path}", file=sys.stderr)
+    problem = missing_model_folder(args.model, needs_tokenizer=True)
+    if problem is not None:
+        print(f"dar generate: error: {problem}", file=sys.stderr)
         return 1
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -247,11 +264,20 @@ def run_generate(args: argparse.Namespace) -> int:
         return 1
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    model.generate(
-        input_ids, attention_mask=input_ids.new_ones(input_ids.shape), max_new_tokens=args.max_new_tokens,
-        streamer=streamer, **sampling,
-    )
+    try:
+        model.generate(
+            input_ids, attention_mask=input_ids.new_ones(input_ids.shape), max_new_tokens=args.max_new_tokens,
+            streamer=streamer, **sampling,
+        )
+    except BrokenPipeError:  # `dar generate ... | head`: the reader has what it wanted; stop as a filter does
+        stdout_closed()
     return 0
+
+
+def stdout_closed() -> None:
+    """Standard output was closed by its reader (`| head`): point it at /dev/null, so that Python's flush at exit
+    raises no second error."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def build_parser() -> argparse.ArgumentParser:

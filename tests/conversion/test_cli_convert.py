@@ -66,15 +66,34 @@ def test_a_conversion_whose_report_cannot_be_printed_exits_0_with_its_output_in_
     (["{folder}", "--max-new-tokens", "-1"], "argument --max-new-tokens: -1 is below 1"),  # was a traceback
     (["{folder}", "--temperature", "-1"], "argument --temperature: -1 is below 0.0"),  # was greedy, silently
     (["{folder}", "--temperature", "nan"], "argument --temperature: nan is not a finite number"),  # greedy, silently
+    (["{folder}"], "dar generate: error: {folder} holds no config.json: not a model folder"),  # blamed sentencepiece
+    (["{untokenized}"], "dar generate: error: {untokenized} holds no tokenizer (tokenizer.json, tokenizer_config.json, "
+                        "tokenizer.model, vocab.json)"),
+    (["./missing"], "dar generate: error: no folder ./missing\n"),  # said "(./ is a folder here, so it names a path")
 ])
-def test_dar_generate_refuses_bad_input_in_one_line(tmp_path, capsys, arguments, message):
-    paths = {"missing": str(tmp_path / "missing"), "file": str(tmp_path / "model.gguf"), "folder": str(tmp_path)}
+def test_dar_generate_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch, arguments, message):
+    paths = {"missing": str(tmp_path / "missing"), "file": str(tmp_path / "model.gguf"), "folder": str(tmp_path),
+             "untokenized": str(tmp_path / "untokenized")}
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "untokenized").mkdir()
+    (tmp_path / "untokenized" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
     try:
         code = cli_main(["generate", *(argument.format(**paths) for argument in arguments)])
     except SystemExit as exit_:  # argparse's usage error
         code = exit_.code
     assert code in (1, 2) and message.format(**paths) in capsys.readouterr().err
+
+
+def test_dar_generate_into_a_reader_that_goes_away_exits_quietly(tmp_path):
+    """`dar generate MODEL | head -1`: the streamer's write into the closed pipe was a BrokenPipeError traceback and
+    exit 1; a filter whose reader has what it wanted stops quietly."""
+    source = save_source(tmp_path / "source")
+    command = (f"{sys.executable} -m dar_transformers.cli generate {source} --no-chat-template --max-new-tokens 64 "
+               "| true; exit ${PIPESTATUS[0]}")
+    done = subprocess.run(["bash", "-c", command], env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def test_dar_generate_reads_a_missing_folder_inside_a_local_one_as_a_path(tmp_path, capsys, monkeypatch):
