@@ -387,11 +387,13 @@ def main():
                 f"{backward / 1024:.1f} | "
                 f"{first['llama_flops_per_branch'] / 1e6:.1f} | {first['llama_bytes_per_branch'] / 1024:.1f} | "
                 f"{first['train']:.3f}x | {decode} |")
-    print("Bytes per token per branch (KiB), bf16 model: counted (fused regions) against measured (dispatch mode)\n")
-    print("| shape | history | forward counted | forward measured | backward counted | backward measured (write "
-          "backward fused) | backward measured (eager autograd nodes) | largest region gap |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    print("\n".join(check_rows))
+    if arguments.measure:  # with --no-measure there is nothing to check the count against: no such table
+        print("Bytes per token per branch (KiB), bf16 model: counted (fused regions) against measured (dispatch "
+              "mode)\n")
+        print("| shape | history | forward counted | forward measured | backward counted | backward measured (write "
+              "backward fused) | backward measured (eager autograd nodes) | largest region gap |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(check_rows))
     batches = " | ".join(f"decode ratio, batch {batch}" for batch in arguments.decode_batch)
     print(f"\nProjection on an H100-class GPU ({H100['bandwidth'] / 1e12:.2f} TB/s, {H100['flops'] / 1e12:.0f} dense "
           f"bf16 TFLOP/s), {arguments.tokens_per_step} tokens per training step, context {arguments.context}\n")
