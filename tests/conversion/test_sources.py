@@ -346,7 +346,8 @@ def test_a_safetensors_header_whose_tensors_do_not_tile_the_data_is_refused_as_t
 
 
 @pytest.mark.parametrize("metadata, named", [
-    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, r"llama\.rope\.scaling\.type = 'linear'"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, r"llama\.rope\.scaling\.factor = 4\.0"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, r"llama\.rope\.scaling\.type = 'yarn'"),
     ({"llama.rope.scaling.factor": 4.0}, r"llama\.rope\.scaling\.factor = 4\.0"),
     ({"llama.attention.sliding_window": 16}, r"llama\.attention\.sliding_window = 16"),
     ({"llama.logit_scale": 0.25}, r"llama\.logit_scale = 0\.25"),
@@ -362,14 +363,30 @@ def test_gguf_metadata_that_transformers_drops_but_changes_the_function_is_refus
                                   r"llama\.cpp, and transformers' GGUF reader drops it", extra_metadata=metadata)
 
 
-def test_gguf_metadata_at_its_neutral_values_is_read_as_transformers_reads_it(tmp_path):
-    """The same keys at the values under which dropping them changes nothing (scaling "none", factor 1, window 0)."""
+@pytest.mark.parametrize("scaling", [
+    {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0},
+    {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0},  # "none" scales by nothing in llama.cpp
+    {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0},  # both were refused as changing the model
+    {"llama.rope.scaling.type": "linear"},
+])
+def test_gguf_metadata_at_its_neutral_values_is_read_as_transformers_reads_it(tmp_path, scaling):
+    """The same keys at the values under which dropping them changes nothing (scaling "none" whatever its factor,
+    linear by 1 or by no factor, window 0)."""
     (tmp_path / "gguf").mkdir()
-    neutral = {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0,
-               "llama.attention.sliding_window": 0, "llama.attention.key_length": 8, "llama.attention.causal": True}
+    neutral = {**scaling, "llama.attention.sliding_window": 0, "llama.attention.key_length": 8,
+               "llama.attention.causal": True}
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
                                 extra_metadata=neutral)
     assert load_source_config(gguf_path).model_type == "llama"
+
+
+def test_a_llama_gguf_without_head_count_kv_is_refused(tmp_path, monkeypatch):
+    """llama.cpp's converter writes no head_count_kv for a config.json without num_key_value_heads (Llama-1-era):
+    llama.cpp then takes as many key/value heads as heads, while transformers' reader leaves q and k in llama.cpp's
+    rotary layout. The conversion verified PASSED against that reading, 13.4 logits away from the file's model."""
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_head_count_kv", lambda self, count: None)
+    assert_gguf_refused(tmp_path, r"GGUF file .*tiny\.gguf has no llama\.attention\.head_count_kv: llama\.cpp then "
+                                  r"gives the model as many key/value heads as heads")
 
 
 def test_a_gguf_file_with_an_upper_case_suffix_converts_as_transformers_reads_it(tmp_path):

@@ -55,7 +55,9 @@ GGUF_ARCHITECTURE_ROUTING: dict[str, dict[str, object]] = {
 # nothing. Any other value means transformers' reading, and so a conversion verified against it, computes something
 # other than what the file's model computes in llama.cpp (issue: rope scaling x4 read as no scaling, PASSED).
 GGUF_DROPPED_METADATA: dict[str, tuple] = {
-    "rope.scaling.type": ("none",),  # linear, yarn, longrope: llama.cpp rescales the rotary frequencies
+    # yarn, longrope: llama.cpp rescales the rotary frequencies; linear (also without a type) by the factor, checked
+    # below; "none" scales by nothing whatever the factor (`check_gguf_metadata` then skips the factor)
+    "rope.scaling.type": ("none", "linear"),
     "rope.scaling.factor": (0.0, 1.0),  # applied as linear scaling even without a type (0: unset)
     "rope.scale_linear": (0.0, 1.0),  # the factor's older name
     "rope.scaling.attn_factor": (1.0,),  # scales every rotary cos/sin
@@ -252,11 +254,22 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
                 "so the model transformers reads routes tokens to its experts otherwise; nothing is converted. "
                 f"Convert the model's Hugging Face folder instead (its config.json carries {name})."
             )
+    if architecture == "llama" and f"{architecture}.attention.head_count_kv" not in reader.fields:
+        raise ValueError(
+            f"GGUF file {path} has no {architecture}.attention.head_count_kv: llama.cpp then gives the model as many "
+            "key/value heads as heads, but transformers' GGUF reader leaves the query and key weights in llama.cpp's "
+            "rotary layout, so the model transformers reads (and a conversion verified against it) is not this file's "
+            "model; nothing is converted. Convert the model's Hugging Face folder instead."
+        )
     carried = {key for key, field in GGUF_CONFIG_MAPPING.get(config.model_type, {}).items() if field is not None}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    scaling_type = reader.fields.get(f"{architecture}.rope.scaling.type")
+    unscaled = scaling_type is not None and scaling_type.contents() == "none"
     for key, field in reader.fields.items():
         setting = key.removeprefix(f"{architecture}.")
         if setting == key or setting in carried:
+            continue
+        if unscaled and setting in ("rope.scaling.factor", "rope.scale_linear"):
             continue
         value = field.contents()
         if setting in GGUF_CONFIG_FIELD_METADATA:
