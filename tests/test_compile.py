@@ -520,12 +520,16 @@ def test_regional_compilation_gives_the_eager_gradients(implementation, compiled
                        model.generate(prompt, max_new_tokens=3, do_sample=False))
 
 
-@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
-def test_a_compiled_training_forward_recording_depth_weights_is_one_graph_with_their_gradients(implementation):
+@pytest.mark.parametrize("implementation, compiled_read", [("fast", "inlined"), ("two_phase", "inlined"),
+                                                            ("fast", "operator")])
+def test_a_compiled_training_forward_recording_depth_weights_is_one_graph_with_their_gradients(implementation,
+                                                                                                compiled_read):
     """`output_depth_weights=True` in a whole-model compiled training forward: the eager fallback to the reference
     backend (whose weights carry gradients) logged a warning while dynamo traced, which it cannot: fullgraph failed
     and a partial graph broke at every call. A traced forward takes plain operations, whose weights carry gradients
-    already; no fallback there: one graph, and float64 gradients of a loss on the weights equal the eager reference's."""
+    already; no fallback there: one graph, and float64 gradients of a loss on the weights equal the eager reference's.
+    With `dar_compiled_read="operator"` too: its operators return the weights without a gradient, and the loss's term
+    on them was dropped (gradients 1.1 relative off); a forward recording them reads inline."""
     from torch._dynamo.utils import counters
 
     def loss_and_gradients(model, forward):
@@ -536,7 +540,7 @@ def test_a_compiled_training_forward_recording_depth_weights_is_one_graph_with_t
 
     torch._dynamo.reset()
     counters.clear()
-    model = tiny(dar_block_size=2, dar_implementation=implementation).train()
+    model = tiny(dar_block_size=2, dar_implementation=implementation, dar_compiled_read=compiled_read).train()
     reference = copy.deepcopy(model)
     reference.config.dar_implementation = "reference"
     input_ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0))

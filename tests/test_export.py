@@ -78,3 +78,33 @@ def test_exported_program_reads_the_dar_parameters():
         perturbed_logits = export_decoder(perturbed).module()(input_ids=PROMPT[:, :1], cache_position=torch.tensor([0]))
         plain_logits = export_decoder(plain).module()(input_ids=PROMPT[:, :1], cache_position=torch.tensor([0]))
     assert (perturbed_logits - plain_logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["llama", "dar"])
+def test_the_recipe_exports_with_gradients_on_as_documented(kind):
+    """transformers documents `TorchExportableModuleForDecoderOnlyLM(...).export(...)` without `torch.no_grad()`: with
+    gradients on, DAR's traced training reads ran in activation checkpoints, which strict export cannot trace
+    (`_checkpoint_context_fn`), where Llama exports. The exported step gives the eager logits."""
+    model = tiny_model(kind)
+    model.generation_config.cache_implementation = "static"
+    exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=MAX_CACHE_LEN)
+    program = exportable.export(input_ids=PROMPT[:, :1], cache_position=torch.tensor([0]))
+    with torch.no_grad():
+        step = program.module()(input_ids=PROMPT[:, :1], cache_position=torch.tensor([0]))
+        expected = model(PROMPT[:, :1]).logits
+    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_export_with_a_dynamic_length_runs_at_every_length_up_to_its_bound():
+    """A dynamic sequence length up to 2048: the inference backend's many-tokens test (`bytes_bound`) compared the
+    traced size before asking whether it was tracing, a shape guard that capped the length at 2^15 / (B D) tokens
+    (export failed: "Constraints violated (seq)"; compiled forwards recompiled past it)."""
+    model = tiny_model("dar")
+    seq = torch.export.Dim("seq", min=2, max=2048)
+    with torch.no_grad():
+        program = torch.export.export(model, (), {"input_ids": PROMPT, "use_cache": False}, strict=False,
+                                      dynamic_shapes={"input_ids": {1: seq}, "use_cache": None})
+        for length in (5, 1100):
+            input_ids = torch.randint(3, 97, (1, length), generator=torch.Generator().manual_seed(length))
+            torch.testing.assert_close(program.module()(input_ids=input_ids, use_cache=False).logits,
+                                       model(input_ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)

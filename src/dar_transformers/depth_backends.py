@@ -1305,11 +1305,12 @@ class TwoPhaseDepthBackend:
                     list(attention.key_streams), list(attention.value_streams), self.eps,
                 )
             if traced:
-                return checkpoint(
-                    _recomputed_read, planned.weights, planned.log_sum_exp, routed, gate,
-                    state.partial if read_partial else None, (attention.key_streams, attention.value_streams),
-                    self.eps, self.under_autocast, *state.history, use_reentrant=False,
-                )
+                arguments = (planned.weights, planned.log_sum_exp, routed, gate, state.partial if read_partial else None,
+                             (attention.key_streams, attention.value_streams), self.eps, self.under_autocast,
+                             *state.history)
+                if torch.compiler.is_exporting():  # strict `torch.export` (ExecuTorch's recipe) takes no checkpoint
+                    return _recomputed_read(*arguments)
+                return checkpoint(_recomputed_read, *arguments, use_reentrant=False)
             return two_phase_read(
                 routed, gate, state, state.partial if read_partial else None, planned, attention.key_streams,
                 attention.value_streams, self.eps,
@@ -1464,8 +1465,8 @@ class InferenceDepthBackend:
         """entry B_0 [B, T, J, D] in the history dtype; `keep_weights=False` when no caller records depth weights;
         `residuals`: the model's branch residuals in order (empty: phase 1 per decoder layer only)."""
         self.keep_weights, self.residuals = keep_weights, tuple(residuals)
-        self.bytes_bound = (entry.numel() // entry.shape[-2] >= BYTES_BOUND_ELEMENTS  # B T D
-                            and not torch.compiler.is_compiling())
+        self.bytes_bound = (not torch.compiler.is_compiling()  # first: a traced size comparison is a shape guard
+                            and entry.numel() // entry.shape[-2] >= BYTES_BOUND_ELEMENTS)  # B T D
         if self.wants_kernels and not keep_weights:
             self.kernels = eager_cpu_kernels(entry)
         compute_dtype = dar_compute_dtype(entry.dtype)
@@ -2321,6 +2322,11 @@ def depth_backend(config, traced: bool = False, recorded_weights: bool = False):
     backend = ALL_DEPTH_BACKENDS[implementation](config)
     if traced and isinstance(backend, TwoPhaseDepthBackend):
         backend.layers_traced = True
+    if recorded_weights and torch.is_grad_enabled() and isinstance(backend, TwoPhaseDepthBackend):
+        # The read operators (`dar_compiled_read="operator"`) return the depth weights without a gradient: a traced
+        # forward that records them reads inline, so that a loss on them (a depth-entropy regulariser) keeps its term
+        # (it was dropped: gradients 1.1 relative off)
+        backend.compiled_read = "inlined"
     return backend
 
 
