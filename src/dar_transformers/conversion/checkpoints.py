@@ -60,16 +60,14 @@ def pread_exact(fd: int, length: int, offset: int, path: Path | None = None) -> 
     except OSError as error:
         if path is None:
             raise
-        reason = error.strerror or str(error)
-        if error.errno is None:
-            reason += " (the file is shorter than its header says: truncated, or changed while being read)"
-        raise source_read_error(path, reason) from error
+        short = " (the file is shorter than its header says: truncated, or changed while being read)"
+        raise source_read_error(path, error, short if error.errno is None else "") from error
     return buffer
 
 
-def source_read_error(path: Path, reason: str) -> OSError:
+def source_read_error(path: Path, error: OSError, note: str = "") -> OSError:
     """A failed read of a source file, in one line without an errno: the output's writer passes it on as it is."""
-    return OSError(f"Could not read the source file {path}: {reason}.")
+    return OSError(f"Could not read the source file {path}: {error.strerror or error}{note}.")
 
 
 def _tensor_from_bytes(buffer: bytearray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

@@ -437,7 +437,7 @@ def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, 
         try:
             os.close(os.open(path, os.O_RDONLY))
         except OSError as error:
-            raise source_read_error(path, error.strerror or str(error)) from error
+            raise source_read_error(path, error) from error
     return tuple(sorted(copied))
 
 

@@ -181,13 +181,13 @@ def copy_source_file(path: Path, copied: Path) -> None:
     try:
         source_file = open(path, "rb")
     except OSError as error:
-        raise source_read_error(path, error.strerror or str(error)) from error
+        raise source_read_error(path, error) from error
     with source_file, open(copied, "wb") as target:
         while True:
             try:
                 chunk = source_file.read(CHUNK_BYTES)
             except OSError as error:
-                raise source_read_error(path, error.strerror or str(error)) from error
+                raise source_read_error(path, error) from error
             if not chunk:
                 return
             target.write(chunk)
