@@ -161,6 +161,27 @@ def test_gguf_file_converts_exactly_with_its_tokenizer_and_chat_template(tmp_pat
     assert tree_digest(tmp_path / "gguf") == before
 
 
+def test_a_gguf_files_end_of_turn_token_ends_generation_in_the_written_folder(tmp_path):
+    """llama.cpp stops at `tokenizer.ggml.eot_token_id` / `eom_token_id` as at the end-of-sequence token; transformers'
+    GGUF reader keeps only the last, so a converted chat model decoded past the end of its turn."""
+    from dar_transformers.conversion.sources import load_source
+
+    source_model, tokenizer = make_source("llama", tied=True), make_tokenizer()
+    (tmp_path / "gguf").mkdir()
+    metadata = {"tokenizer.ggml.eot_token_id": 4, "tokenizer.ggml.eom_token_id": 2}  # <|im_end|>; eom = eos
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", source_model, tokenizer, extra_metadata=metadata)
+    plain_path = write_tiny_gguf(tmp_path / "gguf" / "plain.gguf", source_model, tokenizer)
+    for path, ends in ((gguf_path, [2, 4]), (plain_path, 2)):
+        out = tmp_path / f"out-{path.stem}"
+        assert upcycle(path, out, dar_block_size=2, tolerance=1e-5, **FAST).report.passed
+        assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == ends
+        assert AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == ends
+        assert load_source(path, torch.float32).model.generation_config.eos_token_id == ends  # chat / fine-tune
+    far = write_tiny_gguf(tmp_path / "gguf" / "far.gguf", source_model, tokenizer,
+                          extra_metadata={"tokenizer.ggml.eot_token_id": 10**6})  # no such token: not added
+    assert load_source(far, torch.float32).model.generation_config.eos_token_id == 2
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_family_converts_exactly_with_its_own_branch_modules(family, tied):

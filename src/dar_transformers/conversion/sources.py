@@ -300,6 +300,28 @@ GGUF_LICENSE_FIELDS = {"general.license": "license", "general.license.name": "li
                        "general.license.link": "license_link"}
 
 
+# llama.cpp ends generation at the end-of-turn and end-of-message tokens as at the end-of-sequence token
+# (`llama_vocab_is_eog`); transformers' GGUF reader keeps only the last, so a chat model read from such a file would
+# decode past the end of its turn.
+GGUF_END_OF_GENERATION_FIELDS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def with_gguf_end_tokens(generation_config: GenerationConfig, vocab_size: int, fields) -> GenerationConfig:
+    """`generation_config` of a model read from a GGUF file (`fields` of its `gguf_reader`), with the file's
+    end-of-turn and end-of-message tokens (`GGUF_END_OF_GENERATION_FIELDS`) added to its `eos_token_id` where they are
+    other tokens of the vocabulary, so that `generate` stops where llama.cpp stops. Changed in place and returned."""
+    eos = generation_config.eos_token_id
+    ends = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    for key in GGUF_END_OF_GENERATION_FIELDS:
+        if key in fields:
+            token = int(fields[key].contents())
+            if token not in ends and 0 <= token < vocab_size:
+                ends.append(token)
+    if len(ends) > 1:
+        generation_config.eos_token_id = ends
+    return generation_config
+
+
 def gguf_reader(path: Path):
     """A GGUF file's reader (`gguf.GGUFReader`: its metadata parsed, its tensors memory-mapped), read once per source:
     parsing a 49k-token vocabulary takes about 2 s (SmolLM2's file)."""
@@ -468,8 +490,10 @@ def load_source(
     source_family(source_config)
     if path.is_file():
         folder, gguf_file = _gguf_location(path)
-        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file, gguf_reader(path).fields)
+        fields = gguf_reader(path).fields
+        loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file, fields)
         model = _load_gguf_model(path, dtype).eval()
+        with_gguf_end_tokens(model.generation_config, model.config.vocab_size, fields)
         return Source(model, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config=model.config)
     loaded_tokenizer = tokenizer or (_load_tokenizer(path) if need_tokenizer else None)
     model = _load_folder_model(path, dtype).eval()
@@ -515,7 +539,8 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
         except Exception as error:
             raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
         return Source(None, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config, checkpoint,
-                      GenerationConfig.from_model_config(config), license=gguf_license(reader.fields),
+                      with_gguf_end_tokens(GenerationConfig.from_model_config(config), config.vocab_size, reader.fields),
+                      license=gguf_license(reader.fields),
                       stored_as=gguf_tensor_types(reader))
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
