@@ -538,10 +538,10 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                 checkpoint = GGUFCheckpoint(path, config, meta)
         except Exception as error:
             raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
+        generation_config = with_gguf_end_tokens(GenerationConfig.from_model_config(config), config.vocab_size,
+                                                 reader.fields)
         return Source(None, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config, checkpoint,
-                      with_gguf_end_tokens(GenerationConfig.from_model_config(config), config.vocab_size, reader.fields),
-                      license=gguf_license(reader.fields),
-                      stored_as=gguf_tensor_types(reader))
+                      generation_config, license=gguf_license(reader.fields), stored_as=gguf_tensor_types(reader))
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
     if (path / "generation_config.json").is_file():
