@@ -163,6 +163,10 @@ def main() -> None:
     parser.add_argument("convert_args", nargs="*", help="extra `dar convert` options (after --)")
     args = parser.parse_args()
 
+    if args.workdir is not None:
+        if args.workdir.exists() and not args.workdir.is_dir():
+            parser.error(f"--workdir {args.workdir} is not a folder")
+        args.workdir.mkdir(parents=True, exist_ok=True)  # the run's own temporary folder goes inside it
     workdir = Path(tempfile.mkdtemp(prefix="dar-scale-", dir=args.workdir))
     try:
         source, output = workdir / f"{args.shape}-bf16", workdir / f"{args.shape}-dar"
