@@ -234,6 +234,14 @@ def test_analyze_writes_json_and_pngs(tmp_path):
     assert all(path.stat().st_size > 1000 for path in paths)
 
 
+def test_the_matched_depth_mean_leaves_out_the_read_of_the_embedding_alone():
+    """The first branch reads one source, the embedding, into both streams: CKA 1 by construction, not a finding."""
+    summary = analyze(trained_like_dar(dar_block_size=2), token_batch(batch=3))["cross_stream_cka"]
+    matched = summary["matched_depth"]
+    assert matched[0] == pytest.approx(1.0, abs=1e-9) and min(matched[1:]) < 0.999
+    assert summary["matched_depth_mean"] == pytest.approx(sum(matched[1:]) / len(matched[1:]), abs=1e-12)
+
+
 def test_one_stream_model_skips_the_two_stream_analyses(tmp_path):
     model = trained_like_dar(dar_num_streams=1, dar_block_size=2)
     summary = analyze(model, token_batch())

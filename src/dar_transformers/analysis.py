@@ -251,11 +251,15 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
     # The same comparison inside stream 0, the reference for "how similar are different depths anyway".
     within = cka_matrix([x[:, 0] for x in flat], [x[:, 0] for x in flat])  # [M + 1, M + 1]
     off = ~torch.eye(len(flat), dtype=torch.bool)
+    # A read of one source (the first branch's: the embedding alone) gives both streams the same entry, scaled: its
+    # CKA is 1 by construction, says nothing about the streams, and is left out of the mean.
+    mixed = torch.tensor([reads[branch.name].weights.shape[0] > 1 for branch in branches])
+    matched = matrix.diagonal()
     return {
         "tokens": int(flat[0].shape[0]),
         "matrix": _nan_to_none(matrix.tolist()),  # None: a read constant over the tokens (CKA undefined)
-        "matched_depth": _nan_to_none(matrix.diagonal().tolist()),
-        "matched_depth_mean": float(matrix.diagonal().nanmean()),
+        "matched_depth": _nan_to_none(matched.tolist()),
+        "matched_depth_mean": float(matched[mixed].nanmean()) if mixed.any() else float("nan"),  # reads of 2+ sources
         "off_diagonal_mean": float(matrix[off].nanmean()) if off.any() else float("nan"),
         "within_stream0_off_diagonal_mean": float(within[off].nanmean()) if off.any() else float("nan"),
     }
