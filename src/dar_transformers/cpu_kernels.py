@@ -16,7 +16,7 @@ same equations as `InferenceDepthBackend` (DESIGN.md section 7) in one call each
       in order) gets its Obar and L, which its `read_partial` merges, any other (R_g) its branch input
       sum_j gate_j Obar^j, and nothing else is written;
   read_partial(P, query, gate, mean, L, kappa, nu, eps, like) -> u [B, T, D] in like's dtype
-      phase 2 of a read of the partial: u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j),
+      phase 2 of a read of the partial: u = sum_j gate_j (sigmoid(L_j - z_j) Obar^j + sigmoid(z_j - L_j) P^{nu(j)}),
       rounded to the branch's dtype as `Tensor.to` rounds it;
   write_first(beta, y)                                        -> P [B, T, J, D]
       (6) at a block's first branch: P = beta * y;
@@ -249,7 +249,7 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
                        int64_t hidden, out_t* out) {
   const scalar_t offset = static_cast<scalar_t>(hidden * eps);
   at::parallel_for(0, rows, row_grain(streams * hidden), [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> scale(streams), coefficient(streams), u(hidden);
+    std::vector<scalar_t> scale(streams), share(streams), rest(streams), u(hidden);
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* p = partial + row * streams * hidden;
       for (int64_t s = 0; s < streams; ++s) {  // 1 / sqrt(sum_d P^2 + D eps): the inverse RMS over sqrt(D)
@@ -266,21 +266,18 @@ void read_partial_rows(const scalar_t* partial, const scalar_t* query, const sca
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < hidden; ++d) dot += x[d] * q[d];
         const scalar_t z = dot * scale[key_streams[j]] - log_sum_exp[row * streams + j];
-        coefficient[j] = gate[j] / (1 + std::exp(-z));
+        share[j] = gate[j] / (1 + std::exp(-z));
+        rest[j] = gate[j] / (1 + std::exp(z));  // the entries' share, not gate - share: no cancellation
       }
-      std::fill_n(u.data(), hidden, scalar_t(0));  // sum_j gate_j Obar^j, formed as phase_one forms it
+      // u = sum_j rest_j Obar^j + share_j P^{nu(j)}: not gate_j Obar^j + share_j (P^{nu(j)} - Obar^j), whose
+      // rounding is of the size of Obar where the partial dominates (`phase_two` in depth_backends.py)
+      std::fill_n(u.data(), hidden, scalar_t(0));
       for (int64_t j = 0; j < streams; ++j) {
-        const scalar_t c = gate[j];
-        const scalar_t* m = mean + (row * streams + j) * hidden;
-#pragma omp simd
-        for (int64_t d = 0; d < hidden; ++d) u[d] += c * m[d];
-      }
-      for (int64_t j = 0; j < streams; ++j) {
-        const scalar_t c = coefficient[j];
+        const scalar_t a = rest[j], b = share[j];
         const scalar_t* v = p + value_streams[j] * hidden;
         const scalar_t* m = mean + (row * streams + j) * hidden;
 #pragma omp simd
-        for (int64_t d = 0; d < hidden; ++d) u[d] += c * (v[d] - m[d]);
+        for (int64_t d = 0; d < hidden; ++d) u[d] += a * m[d] + b * v[d];
       }
       // u in the branch's dtype, rounded as Tensor.to rounds (to nearest even), so that no conversion follows the call
       out_t* o = out + row * hidden;

@@ -35,8 +35,8 @@ Backends (`ALL_DEPTH_BACKENDS`, keyed by `config.dar_implementation`):
     stream and kept in the state. Phase 1, once per decoder layer for the reads of that layer that
     see the same committed entries (the attention and MLP branches inside a block): the folded queries w * gamma of
     both branches meet the stacked history in one product (scores, log-sum-exp L, softmax-weighted value sum Obar).
-    Phase 2, per branch: the partial P joins by the log-sum-exp rule, x = N * lerp(Obar, P, sigmoid(z - L)), then
-    the read gate. Eagerly, phase 1 is computed without autograd; one `autograd.Function` per read
+    Phase 2, per branch: the partial P joins by the log-sum-exp rule, x = N * (sigmoid(L - z) Obar + sigmoid(z - L)
+    P), then the read gate. Eagerly, phase 1 is computed without autograd; one `autograd.Function` per read
     (`_TwoPhaseRead`) keeps per-token statistics only (softmax weights and key dots, [N, B, T, J]) besides the
     entries and the partial that are alive anyway, and rebuilds every gradient from them. The write is plain
     autograd with the branch output y kept in the model dtype. Phase 1 is per decoder layer rather than per block
@@ -371,10 +371,13 @@ def phase_two(phase: PhaseOne, routed, gate, partial, partial_inv_rms, key_strea
         partial_dots = key_dots_of(partial_rows, routed, neutral).view(batch, tokens, streams)  # [B, T, J]
         score = partial_dots * _streams(partial_inv_rms, key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - phase.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
+        # the entries' share as sigmoid(L - z), not 1 - sigmoid(z - L), and the mix as rest Obar + share P, not
+        # lerp(Obar, P, share) = Obar + share (P - Obar): both cancel when the partial dominates, leaving rounding of
+        # the size of Obar where the reference's is of the size of P (255x its float32 error with entries 1e4 P)
+        rest = torch.sigmoid(phase.log_sum_exp - score)  # [B, T, J]
         values = _streams(partial, value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
-        extraction = torch.lerp(phase.mean, values, share.unsqueeze(-1))  # [B, T, J, D]
-        # the entries' share as sigmoid(L - z), not 1 - sigmoid(z - L), which cancels when the partial dominates
-        weights = torch.cat([phase.weights * torch.sigmoid(phase.log_sum_exp - score), share.unsqueeze(0)])
+        extraction = torch.addcmul(phase.mean * rest.unsqueeze(-1), values, share.unsqueeze(-1))  # [B, T, J, D]
+        weights = torch.cat([phase.weights * rest, share.unsqueeze(0)])
     branch_input = (extraction * gate.unsqueeze(-1)).sum(-2)  # [B, T, D]: sum_j gate_j x^j
     return branch_input, weights
 
@@ -1431,11 +1434,12 @@ class InferenceDepthBackend:
       log-sum-exp, one batched value sum (traced: a sum over the entries, `_fused_value_sums`, which inductor fuses),
       and the read gate folded in, so a read that does not see the partial costs nothing more;
     - a read of the partial adds its score and the log-sum-exp merge,
-      u = sum_j gate_j Obar^j + sum_j gate_j sigmoid(z_j - L_j) (P^{nu(j)} - Obar^j);
+      u = sum_j gate_j (sigmoid(L_j - z_j) Obar^j + sigmoid(z_j - L_j) P^{nu(j)}) (not gate_j Obar^j plus a
+      correction, which cancels when the partial dominates: `phase_two`);
     - the depth weights are formed only when a caller records them (`keep_weights`);
     - an eager forward over many tokens (`bytes_bound`: prefill, where each pass over [B, T, D] operands costs its
-      bytes, and a fresh temporary its pages) forms a read of the partial as a traced forward does, from Obar and P
-      (phase 1 then sums gates only for the reads that do not see the partial), transports the partial without a
+      bytes, and a fresh temporary its pages) sums gates in phase 1 only for the reads that do not see the partial
+      (as a traced forward does; few tokens sum them for every read in one operation), transports the partial without a
       flipped copy, and takes key scales in one reduction; few tokens (decoding) take the forms with fewest calls;
     - with `config.dar_inference_kernel = "cpp"`, an eager forward on CPU that records no depth weights runs phase
       1, each read of the partial and each two-stream write as one C++ call each (`cpu_kernels.py`, same equations;
@@ -1717,31 +1721,25 @@ class InferenceDepthBackend:
             partial_dots = partial_dots.view(batch, tokens, streams)
         score = partial_dots * _streams(self._key_scale(partial), self.key_streams, 2)  # z [B, T, J]
         share = torch.sigmoid(score - planned.log_sum_exp)  # the partial's softmax weight e^z / (e^L + e^z)
+        rest = torch.sigmoid(planned.log_sum_exp - score)  # the entries' (not 1 - share: `phase_two`)
         values = _streams(partial, self.value_streams, 2)  # [B, T, J, D]: P^{nu(j)}
-        if planned.gated is None:  # traced, or many tokens: phase 1 left the gated sum to this read
-            branch_input = self._regrouped_branch_input(constants.gate, share, values, planned.mean)
-        else:
-            # u = sum_j gate_j Obar^j + sum_j gate_j share_j (P^{nu(j)} - Obar^j), one stream at a time (a batched
-            # product over the streams loops over tokens on CPU, and a sum over the strided stream axis is slower)
-            coefficients = (share * constants.gate).unsqueeze(-1)  # [B, T, J, 1]
-            differences = values - planned.mean  # [B, T, J, D]
-            branch_input = torch.addcmul(planned.gated, differences[:, :, 0], coefficients[:, :, 0])
-            for stream in range(1, streams):
-                branch_input.addcmul_(differences[:, :, stream], coefficients[:, :, stream])
+        branch_input = self._regrouped_branch_input(constants.gate, share, rest, values, planned.mean)
         weights = None
         if self.keep_weights:
-            weights = torch.cat([planned.weights * torch.sigmoid(planned.log_sum_exp - score), share.unsqueeze(0)])
+            weights = torch.cat([planned.weights * rest, share.unsqueeze(0)])
         return branch_input, weights
 
     @staticmethod
-    def _regrouped_branch_input(gate, share, values, mean) -> torch.Tensor:
-        """The branch input of a read of the partial in a traced or bytes-bound forward, from Obar and P alone (phase 1
-        wrote no gated sum for it: `_regrouped_plans`):
-          u = sum_j (gate_j - c_j) Obar^j + c_j P^{nu(j)},  c_j = gate_j share_j.
-        gate [J], share [B, T, J], values P^{nu(j)} and mean Obar [B, T, J, D] -> u [B, T, D]."""
-        partial_weight = share * gate  # c [B, T, J]
-        mean_weight = (gate - partial_weight).unsqueeze(-1)  # [B, T, J, 1]
-        partial_weight = partial_weight.unsqueeze(-1)
+    def _regrouped_branch_input(gate, share, rest, values, mean) -> torch.Tensor:
+        """The branch input of a read of the partial, from Obar and P (a gated sum of Obar would cancel against the
+        partial's term when the partial dominates: `phase_two`; so phase 1 of a traced or bytes-bound forward writes
+        none for it, `_regrouped_plans`):
+          u = sum_j gate_j rest_j Obar^j + gate_j share_j P^{nu(j)}.
+        gate [J], share and rest [B, T, J], values P^{nu(j)} and mean Obar [B, T, J, D] -> u [B, T, D]. One stream
+        at a time: a batched product over the streams loops over tokens on CPU, a sum over the strided stream axis is
+        slower."""
+        partial_weight = (share * gate).unsqueeze(-1)  # [B, T, J, 1]
+        mean_weight = (rest * gate).unsqueeze(-1)  # [B, T, J, 1]
         # accumulated in place: eagerly no temporary per term (a traced forward's functionalisation makes the same sums)
         branch_input = (mean[:, :, 0] * mean_weight[:, :, 0]).addcmul_(values[:, :, 0], partial_weight[:, :, 0])
         for stream in range(1, values.shape[2]):
