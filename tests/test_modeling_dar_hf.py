@@ -267,6 +267,35 @@ def test_static_cache_gives_the_tokens_of_dynamic_cache(dar):
 # Attention implementations and recorded outputs.
 
 
+@pytest.mark.parametrize("implementation", ["reference", "fast", "two_phase"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_prefix_of_the_layers_is_the_model_of_that_many_layers(implementation, grad):
+    """`config.num_hidden_layers` lowered after construction (what `generate(assistant_early_exit=L)` does to draft
+    tokens) runs the first L layers, as Llama does: the DAR model of L layers with the same weights, its last branch
+    committing the open block (K = 3 does not divide 2L = 4; before, that branch's output never reached the readout:
+    logits 0.08 off). Float64: logits to 1e-12 and, with gradients, every gradient of the shared parameters."""
+    def build(layers: int) -> DARForCausalLM:
+        config = tiny_dar_config(num_hidden_layers=layers, dar_block_size=3, dar_implementation=implementation)
+        return DARForCausalLM(config).double().eval()
+
+    torch.manual_seed(0)
+    full, short = build(4), build(2)
+    perturb_dar_parameters(full, scale=0.5, seed=1)
+    missing, unexpected = short.load_state_dict(full.state_dict(), strict=False)
+    assert not missing and unexpected and all(".layers.2." in key or ".layers.3." in key for key in unexpected)
+    full.config.num_hidden_layers = 2
+    input_ids = random_input_ids()
+    with torch.set_grad_enabled(grad):
+        truncated, expected = full(input_ids, labels=input_ids), short(input_ids, labels=input_ids)
+    torch.testing.assert_close(truncated.logits, expected.logits, rtol=0, atol=1e-12)
+    if grad:
+        truncated.loss.backward()
+        expected.loss.backward()
+        full_parameters = dict(full.named_parameters())
+        for name, parameter in short.named_parameters():
+            torch.testing.assert_close(full_parameters[name].grad, parameter.grad, rtol=0, atol=1e-12, msg=name)
+
+
 def test_eager_and_sdpa_attention_agree(dar):
     eager, sdpa = _copy_with(dar, attn_implementation="eager"), _copy_with(dar, attn_implementation="sdpa")
     assert (eager.config._attn_implementation, sdpa.config._attn_implementation) == ("eager", "sdpa")

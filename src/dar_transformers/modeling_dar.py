@@ -327,8 +327,10 @@ class DARBranchResidual(nn.Module):
         return self(state, dtype, planned)[0]
 
     def write(self, state: DepthState, branch_output: torch.Tensor) -> DepthState:
-        """y [B, T, D] in the model dtype -> the state after eq. (6)-(8)."""
-        return state.backend.write(self, state, branch_output, self.commits)
+        """y [B, T, D] in the model dtype -> the state after eq. (6)-(8). The last branch of a forward that runs a
+        prefix of the layers commits too (`DARModel.initial_state`)."""
+        commits = self.commits or self.branch_index == getattr(state.backend, "final_branch", None)
+        return state.backend.write(self, state, branch_output, commits)
 
 
 class DARReadout(nn.Module):
@@ -564,6 +566,10 @@ class DARModel(DARPreTrainedModel):
         if compiled and 2 * compiled > recompile_limit():  # a graph per layer, with gradients on and off
             warn_per_layer_graphs(compiled)
         backend = depth_backend(config, traced=traced, recorded_weights=keep_depth_weights)
+        if len(layers) < len(self.layers):
+            # A prefix of the layers (`config.num_hidden_layers` lowered, as `generate(assistant_early_exit=L)` does):
+            # its last branch commits the open block, as the last branch of a model of that many layers does.
+            backend.final_branch = 2 * len(layers) - 1
         return backend.start(entry, keep_weights=keep_depth_weights, residuals=residuals).as_args()
 
     @merge_with_config_defaults
