@@ -117,7 +117,8 @@ def test_a_gguf_tensor_read_in_row_chunks_is_dequantised_once(tmp_path, monkeypa
 
 def test_a_gguf_conversion_dequantises_each_tensor_once_before_verifying(tmp_path, monkeypatch):
     """The conversion write is the one read of the source (its NaN/inf check included): one dequantisation per GGUF
-    tensor up to the verification (which streams the source again, layer by layer)."""
+    tensor by the write, one more by the comparison of the written tensors with the source
+    (`check_written_tensors`), up to the verification (which streams the source again, layer by layer)."""
     (tmp_path / "gguf").mkdir()
     gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer())
     calls, at_verification = [], []
@@ -129,7 +130,7 @@ def test_a_gguf_conversion_dequantises_each_tensor_once_before_verifying(tmp_pat
     upcycle(gguf_path, tmp_path / "out", dar_block_size=2, tolerance=1e-5, full_greedy=False, prompts=["Hello"],
             progress=False)
     (dequantised, tensors, counted), = at_verification
-    assert tensors == 3 + 3 * 9 and dequantised == counted == tensors  # embedding, norm, head; 9 per layer (3)
+    assert tensors == 3 + 3 * 9 and dequantised == counted == 2 * tensors  # embedding, norm, head; 9 per layer (3)
 
 
 def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp_path):

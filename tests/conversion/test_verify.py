@@ -296,3 +296,78 @@ def test_a_written_tokenizer_that_loads_back_differently_is_refused_and_nothing_
     assert_nothing_written(tmp_path, before)
     monkeypatch.setattr(conversion_write, "write_tokenizer", write_tokenizer)  # the control: as written, it converts
     assert upcycle(source, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False).report.passed
+
+
+def corrupting_writes(monkeypatch, name: str, row: int, value: float = 5.0) -> None:
+    """After the write, row `row` of the written tensor `name` (float32, in one of the shards) holds `value`: a writer
+    that went wrong where no verification prompt looks."""
+    import struct
+
+    write_checkpoint = conversion_write.write_checkpoint
+
+    def corrupted(folder, plans, *args, **kwargs):
+        index = write_checkpoint(folder, plans, *args, **kwargs)
+        path = folder / index["weight_map"][name]
+        with open(path, "r+b") as shard:
+            (header_size,) = struct.unpack("<Q", shard.read(8))
+            entry = json.loads(shard.read(header_size))[name]
+            row_elements = math.prod(entry["shape"][1:])
+            assert entry["dtype"] == "F32"
+            shard.seek(8 + header_size + entry["data_offsets"][0] + row * row_elements * 4)
+            shard.write(torch.full((row_elements,), value).numpy().tobytes())
+        return index
+
+    monkeypatch.setattr(conversion_write, "write_checkpoint", corrupted)
+
+
+def test_an_embedding_row_no_prompt_reads_is_compared_and_a_corrupt_one_refused(tmp_path, monkeypatch):
+    """The logit check reads the embedding rows of its prompts' tokens only; every written tensor is also compared
+    with the source bit for bit (`check_written_tensors`), so a row of a token no prompt holds that was written wrong
+    fails the conversion, named, and nothing is written (it was reported PASSED at 3e-6 while that token's logits
+    were 3.3 off)."""
+    source = save_source(tmp_path / "source", tied=False)
+    prompt_tokens = set(IDS.reshape(-1).tolist())
+    tokenizer = make_tokenizer()
+    used = {token for text in FAST["prompts"] for token in tokenizer(text)["input_ids"]}
+    row = next(token for token in range(3, 300) if token not in used | prompt_tokens)
+    corrupting_writes(monkeypatch, "model.embed_tokens.weight", row)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(VerificationError, match=rf"'model.embed_tokens.weight'.*row {row}\b.*nothing was written"):
+        upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_every_expert_is_compared_whatever_the_prompts_routing_reaches(tmp_path, monkeypatch):
+    """Mixtral's per-expert tensors fused into one written tensor: a corrupt slice of it is named by the source
+    tensor it came from, whatever the prompts' routing reaches."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from conftest import SHAPE, VOCAB, spread_weights
+    from dar_transformers.conversion import upcycle_to_dar_moe
+
+    torch.manual_seed(0)
+    model = spread_weights(MixtralForCausalLM(MixtralConfig(**SHAPE, vocab_size=VOCAB, num_local_experts=4,
+                                                            num_experts_per_tok=2)))
+    model.save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    corrupting_writes(monkeypatch, "model.layers.1.mlp.experts.gate_up_proj", 2)  # [E, 2 I, D]: rows of expert 2
+    with pytest.raises(VerificationError, match=r"gate_up_proj'.*'model\.layers\.1\.block_sparse_moe\.experts\.2\.w1\."
+                                                r"weight', row 0\b"):
+        upcycle_to_dar_moe(tmp_path / "source", tmp_path / "out", dar_block_size=2, tolerance=1e-5, **FAST)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_computed_tensor_is_compared_again_whole(tmp_path, monkeypatch):
+    """Drop-Upcycling's noised experts (a transform of the source's MLP, seeded per layer) and DAR's new parameters
+    are computed again and compared whole: a corrupt one is refused too."""
+    from dar_transformers.conversion import upcycle_to_dar_moe
+
+    source = save_source(tmp_path / "source", tied=False)
+    corrupting_writes(monkeypatch, "model.layers.0.mlp.experts.down_proj", 1)
+    with pytest.raises(VerificationError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj'.*its computed values"):
+        upcycle_to_dar_moe(source, tmp_path / "out", num_experts=4, top_k=2, expert_noise=0.5, dar_block_size=2,
+                           tolerance=1e3, **FAST)
+    monkeypatch.undo()
+    corrupting_writes(monkeypatch, "model.layers.0.attn_residual.read_gate.logit", 0, 0.25)
+    with pytest.raises(VerificationError, match=r"read_gate\.logit'.*its computed values"):
+        upcycle(source, tmp_path / "out2", dar_block_size=2, **FAST)

@@ -36,6 +36,7 @@ from .sources import (
 from .targets import TargetKind, dar_moe_target_kind
 from .verify import (
     build_prompts,
+    check_written_tensors,
     check_written_tokenizer,
     raise_unless_passed,
     set_experts_for,
@@ -135,6 +136,7 @@ def upcycle(
                 check_written_tokenizer(folder, loaded.tokenizer, options.prompts)
                 if not options.verify:
                     return
+                check_written_tensors(folder, plans, loaded.checkpoint, options.progress)
                 report = verify_written(loaded, target, folder, prompt_ids, check_dtype, options)
                 if kept:
                     report.storage_dtype = " and ".join(str(dtype).removeprefix("torch.")

@@ -299,6 +299,13 @@ class SafetensorsCheckpoint(Checkpoint):
         buffer = self._pread(fd, (stop - start) * row_bytes, offset + start * row_bytes)
         return _tensor_from_bytes(buffer, info.dtype, (stop - start, *info.shape[1:]))
 
+    def read_bytes(self, name: str, begin: int, length: int) -> bytearray:
+        """`length` bytes of tensor `name`'s data from byte `begin` of it."""
+        fd, offset, info = self._entries[name]
+        if not 0 <= begin <= begin + length <= info.nbytes:
+            raise ValueError(f"bytes {begin}..{begin + length} are outside tensor {name!r} ({info.nbytes} bytes)")
+        return self._pread(fd, length, offset + begin)
+
     def _pread(self, fd: int, length: int, offset: int) -> bytearray:
         if not self.written:
             return pread_exact(fd, length, offset, self._files[fd])  # its errors name the source file

@@ -11,8 +11,9 @@ with the source's (`check_written_tokenizer`).
 
 import contextlib
 import copy
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -22,9 +23,9 @@ from transformers.utils import logging
 
 from .checkpoints import Checkpoint, SafetensorsCheckpoint
 from .families import one_line
-from .keymaps import to_model_layout
+from .keymaps import TensorPlan, to_model_layout
 from .options import ConversionOptions
-from .plan import cast_model, logging_level_error, meta_model
+from .plan import cast_model, logging_level_error, materialise, meta_model
 from .report import DEFAULT_TOLERANCES, PromptCheck, VerificationError, VerificationReport
 from .sources import Source, exact_storage_dtype, plain_config, rounded_tensors
 from .streamed import StreamedModel, all_finite, streamed_logit_statistics
@@ -447,6 +448,59 @@ def verify_written(
     )
 
 
+# Rows compared per step by `check_written_tensors`: not the writer's chunk (`write.CHUNK_BYTES`), so that a write
+# that went wrong at its chunk boundaries is not read back through the same boundaries.
+CHECK_CHUNK_BYTES = 24 * 2**20
+
+
+def check_written_tensors(folder: Path, plans: Mapping[str, TensorPlan], checkpoint: Checkpoint,
+                          progress: bool = False) -> None:
+    """Every tensor written to `folder` holds its plan's values bit for bit: each source part read again in row
+    chunks, cast to the storage dtype and compared byte by byte with the written file; a transformed or new tensor
+    computed again whole (as its write computes it). The logit check sees only what its prompts reach: embedding rows
+    of tokens no prompt holds, experts no prompt token is routed to. Raises `VerificationError` naming the tensor and
+    its first differing row."""
+    written = SafetensorsCheckpoint(folder, written=True)
+    bar = logging.tqdm(total=len(plans), desc="Comparing the written tensors", unit="tensor", disable=not progress)
+    try:
+        infos = checkpoint.infos()
+        for name, plan in plans.items():
+            bar.update()
+            if plan.value is not None or plan.transform is not None:
+                expected = materialise(plan, checkpoint).contiguous()
+                found = written.read(name)
+                if not torch.equal(expected.view(-1).view(torch.uint8), found.reshape(-1).view(torch.uint8)):
+                    _corrupt(name, plan, "its computed values")
+                continue
+            offset = 0  # into the written tensor's bytes: its parts one after another
+            for part in plan.parts:
+                info = infos[part]
+                rows = info.shape[0] if info.shape else 1
+                row_bytes = math.prod(info.shape[1:]) * plan.dtype.itemsize if info.shape else plan.dtype.itemsize
+                step = max(1, CHECK_CHUNK_BYTES // max(1, row_bytes))
+                for start in range(0, rows, step):
+                    expected = checkpoint.read(part, slice(start, start + step) if info.shape else None)
+                    expected = expected.to(plan.dtype).contiguous().reshape(-1).view(torch.uint8)
+                    if not expected.numel():
+                        continue
+                    found = torch.frombuffer(written.read_bytes(name, offset, expected.numel()), dtype=torch.uint8)
+                    if not torch.equal(expected, found):
+                        differing = int((expected != found).nonzero()[0]) // max(1, row_bytes)
+                        _corrupt(name, plan, f"source tensor {part!r}, row {start + differing}")
+                    offset += expected.numel()
+    finally:
+        bar.close()
+        written.close()
+
+
+def _corrupt(name: str, plan: TensorPlan, where: str) -> None:
+    raise VerificationError(
+        f"The written tensor {name!r} differs from the conversion's plan at {where} (read back from the output "
+        f"folder, {str(plan.dtype).removeprefix('torch.')}): the write is corrupt; nothing was written. This is a "
+        "bug or a fault of the disk; please report it.", None
+    )
+
+
 def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> list[list[list[int]]]:
     """Greedy continuations of the source and of the written folder loaded by `from_pretrained`, in `dtype`."""
     source_model = _load_full_source(source, dtype)
@@ -507,6 +561,7 @@ __all__ = [
     "build_prompts",
     "check_written_tokenizer",
     "chat_input_ids",
+    "check_written_tensors",
     "greedy_continuations",
     "norms_in_input_dtype",
     "raise_unless_passed",
