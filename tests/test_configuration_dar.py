@@ -114,6 +114,30 @@ def test_bad_value_given_to_from_pretrained_is_refused_naming_field(tmp_path, fi
         assert fragment in str(error.value)
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(dar_num_streams=1),  # routing derived from it: "selfkv"
+    dict(dar_routing="fixedkv"),  # gate spread derived from it: 0
+    dict(num_hidden_layers=2),  # block size derived from it: about 8 blocks of 4 branches -> 1
+    dict(num_hidden_layers=2, dar_block_size=2, dar_num_streams=1, dar_gate_delta=0.5),
+])
+def test_from_pretrained_overrides_give_the_config_the_constructor_gives(tmp_path, overrides):
+    """`from_pretrained(folder, **overrides)` of a Llama folder (the upcycling source) or of a DAR one equals
+    `DARConfig(**fields, **overrides)`: the defaults that depend on an overridden field follow it. HF sets overrides
+    after building the config, so `dar_num_streams=1` failed ("dar_routing must be one of ['selfkv']"),
+    `dar_routing="fixedkv"` failed on the gate spread, and `num_hidden_layers` kept the folder's block size."""
+    from transformers import LlamaConfig
+
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=16, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97)
+    LlamaConfig(**fields).save_pretrained(tmp_path / "llama")
+    expected = DARConfig(**{**fields, **overrides})
+    loaded = DARConfig.from_pretrained(tmp_path / "llama", **overrides)
+    for field in ("num_hidden_layers", "dar_block_size", "dar_num_streams", "dar_routing", "dar_gate_delta"):
+        assert getattr(loaded, field) == getattr(expected, field), field
+    DARConfig(**fields, dar_block_size=8).save_pretrained(tmp_path / "dar")  # a saved block size stays as saved
+    assert DARConfig.from_pretrained(tmp_path / "dar", num_hidden_layers=4).dar_block_size == 8
+
+
 def test_an_unknown_implementation_set_after_loading_names_the_field_at_the_forward():
     import torch
 

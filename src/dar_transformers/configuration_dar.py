@@ -210,11 +210,15 @@ class DARConfig(LlamaConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """HF's `from_dict`, then the DAR validation again: it sets keyword overrides (`from_pretrained(folder,
-        dar_block_size=0)`) on the built config one by one, which checks their types only, so a bad value loaded (a
-        block size beyond the layers re-initialised trained parameters as missing) or failed later without naming
-        its field."""
-        result = super().from_dict(config_dict, **kwargs)
+        """HF's `from_dict`, with the DAR fields and `num_hidden_layers` among the keyword overrides
+        (`from_pretrained(folder, dar_num_streams=1)`) built into the config as `DARConfig(...)` takes them: HF builds
+        the config from the file first and sets overrides on it after, when `__post_init__` has already derived the
+        defaults that depend on them (routing from the stream count, the gate spread from the routing, the block size
+        from the layers), so an override valid in `DARConfig(...)` failed, or got another default. Then the DAR
+        validation again: HF checks the types of the other overrides only, so a bad value loaded (a block size beyond
+        the layers re-initialised trained parameters as missing) or failed later without naming its field."""
+        built = {key: kwargs.pop(key) for key in list(kwargs) if key.startswith("dar_") or key == "num_hidden_layers"}
+        result = super().from_dict({**config_dict, **built}, **kwargs)
         (result[0] if isinstance(result, tuple) else result).validate()
         return result
 
