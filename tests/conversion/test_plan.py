@@ -66,3 +66,14 @@ def test_a_source_tensor_that_no_planned_tensor_is_made_from_is_refused_naming_i
     with pytest.raises(ValueError, match=r"^the source: 1 tensor\(s\) that no converted tensor is made from: "
                                          r"\['model\.norm\.weight'\]"):
         plan_conversion(dropping_norm, config, infos, torch.float32)
+
+
+def test_a_tied_checkpoint_that_stores_the_head_only_is_refused_saying_how_to_convert_it():
+    """A tied model whose checkpoint holds `lm_head.weight` and no embedding (transformers loads it, tying the
+    embedding to it): refused with what to do, not "missing ['model.embed_tokens.weight']"."""
+    source = make_source("llama", tied=True)
+    infos = {name: TensorInfo(tuple(tensor.shape), tensor.dtype) for name, tensor in source.state_dict().items()
+             if name != "model.embed_tokens.weight"}
+    config = DAR_TARGET.build_config(source.config, "llama", torch.float32, {})
+    with pytest.raises(ValueError, match=r"stores its tied embedding as lm_head\.weight only .* save it again"):
+        plan_conversion(DAR_TARGET, config, infos, torch.float32)

@@ -91,6 +91,12 @@ def plan_conversion(
     except ValueError as error:
         raise ValueError(f"{description}: {error}") from error
     expected = meta_model(target.model_class, config).state_dict()
+    if config.tie_word_embeddings and HEAD in source_infos and EMBEDDING not in source_infos:
+        raise ValueError(
+            f"{description} stores its tied embedding as {HEAD} only (tie_word_embeddings is true in {config_name}), "
+            f"where the converter reads it as {EMBEDDING}, as save_pretrained writes a tied model. Load the source "
+            "with transformers and save it again (save_pretrained), then convert that folder."
+        )
     if config.tie_word_embeddings:
         expected.pop(HEAD, None)
         shared.pop(HEAD, None)  # tied: as `save_pretrained`, the checkpoint holds the embedding only
