@@ -157,6 +157,41 @@ def test_trainer_builds_dar_groups_through_optimizer_factory(tmp_path):
     assert len(changed) == len(dar_before) - 3  # all but branch 0's inert read (see the next test)
 
 
+@pytest.mark.parametrize("optim,optim_args,expected", [
+    ("sgd", "momentum=0.9", (torch.optim.SGD, {"momentum": 0.9})),
+    ("adamw_torch", None, (torch.optim.AdamW, {"betas": (0.8, 0.9), "fused": None})),
+    ("adamw_torch_fused", None, (torch.optim.AdamW, {"betas": (0.8, 0.9), "fused": True})),
+])
+def test_both_optimiser_helpers_build_the_optimiser_args_name(tmp_path, optim, optim_args, expected):
+    """`args.optim` and `args.optim_args` choose the optimiser, as in a plain `Trainer` (the helpers built AdamW
+    whatever they said, an SGD or Adafactor run silently another optimiser), over DAR's groups."""
+    model = upcycled_dar(tiny_llama(), dar_block_size=2)
+    args = training_arguments(tmp_path, learning_rate=1e-3, weight_decay=0.1, optim=optim, optim_args=optim_args,
+                              adam_beta1=0.8, adam_beta2=0.9)
+    trainer = Trainer(model=model, args=args, train_dataset=labelled_dataset(), data_collator=default_data_collator,
+                      optimizer_cls_and_kwargs=dar_optimizer_cls_and_kwargs(args))
+    optimizers = [create_dar_optimizer(model, args)[0], trainer.create_optimizer()]
+    optimizer_class, settings = expected
+    for optimizer in optimizers:
+        assert type(optimizer) is optimizer_class
+        group = {group["name"]: group for group in optimizer.param_groups}
+        assert group["dar"]["weight_decay"] == 0.0 and group["decay"]["weight_decay"] == 0.1
+        assert all(group["dar"][key] == value for key, value in settings.items()), group["dar"]
+
+
+def test_an_optimiser_that_builds_its_own_groups_is_refused_naming_it(tmp_path, monkeypatch):
+    """GaLore, APOLLO, LOMO and the layer-wise optimisers take the model or their own groups from `Trainer`
+    (`params`, `model`, `optimizer_dict` among its keyword arguments; their packages are not installed here, so
+    `Trainer`'s answer for GaLore is given): DAR's groups cannot go to them, which is said, naming `optim`."""
+    monkeypatch.setattr(Trainer, "get_optimizer_cls_and_kwargs", staticmethod(
+        lambda args, model=None: (torch.optim.AdamW, {"lr": args.learning_rate, "params": [{"params": []}]})))
+    args = training_arguments(tmp_path, optim="galore_adamw", optim_target_modules=["mlp"])
+    model = upcycled_dar(tiny_llama(), dar_block_size=2)
+    for build in (lambda: create_dar_optimizer(model, args), lambda: dar_optimizer_cls_and_kwargs(args)):
+        with pytest.raises(ValueError, match=r"optim='galore_adamw' builds its own parameter groups \(params\)"):
+            build()
+
+
 def test_dar_parameters_must_stay_fp32():
     model = upcycled_dar(tiny_llama(), dar_block_size=2).to(torch.bfloat16)
     with pytest.raises(ValueError, match="must stay float32"):

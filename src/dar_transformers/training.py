@@ -105,24 +105,47 @@ def dar_parameter_groups(
     return result
 
 
-def _adamw_kwargs(args: TrainingArguments) -> dict:
-    return {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+# Keyword arguments of `Trainer.get_optimizer_cls_and_kwargs` that mean the optimiser builds its own parameter groups
+# (GaLore, APOLLO, LOMO, layer-wise optimisers), where DAR's groups cannot go.
+OWN_GROUP_KWARGS = ("params", "model", "optimizer_dict")
+
+
+def trainer_optimizer(args: TrainingArguments, model: nn.Module | None = None) -> tuple[type, dict]:
+    """The optimiser class and keyword arguments (learning rate left out) that `Trainer` builds from `args.optim` and
+    `args.optim_args` (AdamW, fused or not, by default; SGD, Adafactor, ...), for DAR's parameter groups."""
+    from transformers import Trainer
+
+    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    own = [key for key in OWN_GROUP_KWARGS if key in kwargs]
+    if own:
+        raise ValueError(
+            f"TrainingArguments.optim={getattr(args.optim, 'value', args.optim)!r} builds its own parameter groups ({', '.join(own)}), so "
+            "DAR's optimiser groups (no weight decay on DAR's parameters) cannot be given to it: choose an optimiser "
+            "over parameter groups (adamw_torch, adamw_torch_fused, sgd, adafactor, ...) or pass optimizer_class."
+        )
+    kwargs = dict(kwargs)
+    kwargs.pop("lr", None)
+    return optimizer_class, kwargs
 
 
 def create_dar_optimizer(
     model: nn.Module,
     args: TrainingArguments,
     dar_learning_rate: float | None = None,
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer_class: type[torch.optim.Optimizer] | None = None,
     **optimizer_kwargs,
 ) -> tuple[torch.optim.Optimizer, None]:
     """`(optimizer, None)` for `Trainer(optimizers=...)`: the Trainer still builds its usual LR scheduler.
 
-    Learning rate and weight decay come from `args`; AdamW also takes its betas and epsilon from `args` unless
-    `optimizer_kwargs` override them. The scheduler scales every group's own learning rate by the same factor.
+    Learning rate and weight decay come from `args`; so does the optimiser unless `optimizer_class` is given: the one
+    `Trainer` builds from `args.optim` and `args.optim_args` (`trainer_optimizer`), with `optimizer_kwargs` over its
+    settings (a named AdamW takes its betas and epsilon from `args` too). The scheduler scales every group's own learning rate by the same factor.
     """
-    if optimizer_class is torch.optim.AdamW:
-        optimizer_kwargs = {**_adamw_kwargs(args), **optimizer_kwargs}
+    if optimizer_class is None:
+        optimizer_class, settings = trainer_optimizer(args, model)
+        optimizer_kwargs = {**settings, **optimizer_kwargs}
+    elif optimizer_class is torch.optim.AdamW:  # named: its betas and epsilon from `args`, as Trainer's AdamW
+        optimizer_kwargs = {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, **optimizer_kwargs}
     groups = dar_parameter_groups(model, args.learning_rate, args.weight_decay, dar_learning_rate)
     return optimizer_class(groups, lr=args.learning_rate, **optimizer_kwargs), None
 
@@ -151,8 +174,11 @@ class DAROptimizerFactory:
 def dar_optimizer_cls_and_kwargs(
     args: TrainingArguments, dar_learning_rate: float | None = None
 ) -> tuple[type[DAROptimizerFactory], dict]:
-    """`(DAROptimizerFactory, kwargs)` for `Trainer(optimizer_cls_and_kwargs=...)`, AdamW settings from `args`."""
-    kwargs = {"learning_rate": args.learning_rate, "weight_decay": args.weight_decay, **_adamw_kwargs(args)}
+    """`(DAROptimizerFactory, kwargs)` for `Trainer(optimizer_cls_and_kwargs=...)`: the optimiser `Trainer` builds
+    from `args.optim` and `args.optim_args` (`trainer_optimizer`) over DAR's parameter groups."""
+    optimizer_class, settings = trainer_optimizer(args)
+    kwargs = {"learning_rate": args.learning_rate, "weight_decay": args.weight_decay,
+              "optimizer_class": optimizer_class, **settings}
     return DAROptimizerFactory, {**kwargs, "dar_learning_rate": dar_learning_rate}
 
 
@@ -163,6 +189,7 @@ __all__ = [
     "keep_dar_parameters_fp32",
     "dar_parameter_groups",
     "create_dar_optimizer",
+    "trainer_optimizer",
     "DAROptimizerFactory",
     "dar_optimizer_cls_and_kwargs",
 ]
