@@ -138,6 +138,34 @@ def test_from_pretrained_overrides_give_the_config_the_constructor_gives(tmp_pat
     assert DARConfig.from_pretrained(tmp_path / "dar", num_hidden_layers=4).dar_block_size == 8
 
 
+def test_a_mistyped_dar_keyword_stays_unused_and_is_refused_by_the_model(tmp_path):
+    """Only declared fields are built into the config: a typo (`dar_blocksize`) is handed back unused, and the model
+    refuses it, as before the overrides were built in (it was stored in the config and saved, silently)."""
+    import torch
+
+    from dar_transformers import DARForCausalLM
+
+    DARForCausalLM(tiny_dar_config()).save_pretrained(tmp_path)
+    config, unused = DARConfig.from_pretrained(tmp_path, dar_blocksize=1, return_unused_kwargs=True)
+    assert unused == {"dar_blocksize": 1} and not hasattr(config, "dar_blocksize")
+    with pytest.raises(TypeError, match="dar_blocksize"):
+        DARForCausalLM.from_pretrained(tmp_path, dar_blocksize=1, dtype=torch.float32)
+
+
+def test_dar_moe_overrides_give_the_config_the_constructor_gives(tmp_path):
+    """The expert width follows an `intermediate_size` override, as in `DARMoeConfig(...)`."""
+    from transformers import LlamaConfig
+
+    from dar_transformers import DARMoeConfig
+
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97)
+    LlamaConfig(**fields).save_pretrained(tmp_path)
+    loaded = DARMoeConfig.from_pretrained(tmp_path, intermediate_size=128, num_experts=4)
+    assert loaded.moe_intermediate_size == DARMoeConfig(**{**fields, "intermediate_size": 128}).moe_intermediate_size
+    assert loaded.moe_intermediate_size == 128 and loaded.num_experts == 4
+
+
 def test_an_unknown_implementation_set_after_loading_names_the_field_at_the_forward():
     import torch
 

@@ -167,6 +167,9 @@ class DARConfig(LlamaConfig):
     dar_training_kernel: str = "torch"
     sliding_window: int | None = None
 
+    # Fields besides the DAR ones that `__post_init__` derives defaults from: `from_dict` builds them in.
+    derivation_fields: ClassVar[tuple[str, ...]] = ("num_hidden_layers",)
+
     def __post_init__(self, **kwargs):
         num_branches = 2 * self.num_hidden_layers
         if self.dar_block_size is None:
@@ -210,14 +213,16 @@ class DARConfig(LlamaConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """HF's `from_dict`, with the DAR fields and `num_hidden_layers` among the keyword overrides
+        """HF's `from_dict`, with the DAR fields and `derivation_fields` among the keyword overrides
         (`from_pretrained(folder, dar_num_streams=1)`) built into the config as `DARConfig(...)` takes them: HF builds
         the config from the file first and sets overrides on it after, when `__post_init__` has already derived the
         defaults that depend on them (routing from the stream count, the gate spread from the routing, the block size
         from the layers), so an override valid in `DARConfig(...)` failed, or got another default. Then the DAR
         validation again: HF checks the types of the other overrides only, so a bad value loaded (a block size beyond
         the layers re-initialised trained parameters as missing) or failed later without naming its field."""
-        built = {key: kwargs.pop(key) for key in list(kwargs) if key.startswith("dar_") or key == "num_hidden_layers"}
+        fields = cls.__dataclass_fields__  # a name that is no field stays an unused keyword (a typo: refused by HF)
+        built = {key: kwargs.pop(key) for key in list(kwargs)
+                 if key in fields and (key.startswith("dar_") or key in cls.derivation_fields)}
         result = super().from_dict({**config_dict, **built}, **kwargs)
         (result[0] if isinstance(result, tuple) else result).validate()
         return result

@@ -20,6 +20,7 @@ configs bring attention fields of their own (sliding window, layer types) that D
 """
 
 import math
+from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
@@ -57,6 +58,11 @@ class DARMoeConfig(DARConfig):
     mlp_only_layers: list[int] | None = None
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
+
+    # `from_dict` builds these overrides in (`DARConfig.derivation_fields`): the expert width follows the MLP's.
+    derivation_fields: ClassVar[tuple[str, ...]] = (
+        *DARConfig.derivation_fields, "intermediate_size", "moe_intermediate_size", "mlp_only_layers",
+    )
 
     def __post_init__(self, **kwargs):
         if self.moe_intermediate_size is None:

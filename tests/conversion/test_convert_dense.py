@@ -182,6 +182,29 @@ def test_a_gguf_files_end_of_turn_token_ends_generation_in_the_written_folder(tm
     assert load_source(far, torch.float32).model.generation_config.eos_token_id == 2
 
 
+@pytest.mark.parametrize("eos,fields,expected", [
+    (None, {"tokenizer.ggml.eot_token_id": 5}, 5),  # no end-of-sequence token: the end of turn alone
+    (2, {"tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.eom_token_id": 6}, [2, 5, 6]),
+    ([2, 5], {"tokenizer.ggml.eot_token_id": 5}, [2, 5]),  # already there
+    (2, {"tokenizer.ggml.eot_token_id": 300}, 2),  # past the vocabulary: no such token
+])
+def test_the_gguf_end_tokens_join_the_generation_configs(eos, fields, expected):
+    from transformers import GenerationConfig
+
+    from dar_transformers.conversion.sources import with_gguf_end_tokens
+
+    class Field:
+        def __init__(self, value):
+            self.value = value
+
+        def contents(self):
+            return self.value
+
+    config = with_gguf_end_tokens(GenerationConfig(eos_token_id=eos), 256,
+                                  {key: Field(value) for key, value in fields.items()})
+    assert config.eos_token_id == expected
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_family_converts_exactly_with_its_own_branch_modules(family, tied):

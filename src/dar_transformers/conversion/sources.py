@@ -312,13 +312,15 @@ def with_gguf_end_tokens(generation_config: GenerationConfig, vocab_size: int, f
     other tokens of the vocabulary, so that `generate` stops where llama.cpp stops. Changed in place and returned."""
     eos = generation_config.eos_token_id
     ends = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    added = False
     for key in GGUF_END_OF_GENERATION_FIELDS:
         if key in fields:
             token = int(fields[key].contents())
             if token not in ends and 0 <= token < vocab_size:
                 ends.append(token)
-    if len(ends) > 1:
-        generation_config.eos_token_id = ends
+                added = True
+    if added:  # a file with an end-of-turn token and no end-of-sequence one stops at the former
+        generation_config.eos_token_id = ends if len(ends) > 1 else ends[0]
     return generation_config
 
 
