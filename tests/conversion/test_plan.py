@@ -77,3 +77,25 @@ def test_a_tied_checkpoint_that_stores_the_head_only_is_refused_saying_how_to_co
     config = DAR_TARGET.build_config(source.config, "llama", torch.float32, {})
     with pytest.raises(ValueError, match=r"stores its tied embedding as lm_head\.weight only .* save it again"):
         plan_conversion(DAR_TARGET, config, infos, torch.float32)
+
+
+def test_a_scalar_tensor_is_written_and_compared_in_any_dtype(tmp_path):
+    """A 0-dim source tensor cast on its way (the chunked write viewed it as bytes without flattening: "self.dim()
+    cannot be 0 to view Float as Byte") and compared back by `check_written_tensors`."""
+    from safetensors.torch import save_file
+
+    from dar_transformers.conversion.checkpoints import SafetensorsCheckpoint
+    from dar_transformers.conversion.keymaps import TensorPlan
+    from dar_transformers.conversion.verify import check_written_tensors
+    from dar_transformers.conversion.write import write_checkpoint
+
+    (tmp_path / "source").mkdir()
+    (tmp_path / "out").mkdir()
+    save_file({"scale": torch.tensor(3.5), "matrix": torch.randn(3, 2)}, tmp_path / "source" / "model.safetensors")
+    source = SafetensorsCheckpoint(tmp_path / "source")
+    plans = {"scale": TensorPlan((), torch.bfloat16, ("scale",)), "matrix": TensorPlan((3, 2), torch.bfloat16,
+                                                                                         ("matrix",))}
+    write_checkpoint(tmp_path / "out", plans, source, 2**30)
+    check_written_tensors(tmp_path / "out", plans, source)
+    written = SafetensorsCheckpoint(tmp_path / "out", written=True)
+    assert written.read("scale").dtype == torch.bfloat16 and written.read("scale").item() == 3.5

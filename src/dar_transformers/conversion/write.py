@@ -86,7 +86,7 @@ def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping
             for start in range(0, rows, step):
                 chunk = checkpoint.read(part, slice(start, start + step) if info.shape else None)
                 cast = _check_cast(chunk.to(plan.dtype), chunk, part, start)
-                target.write(memoryview(cast.contiguous().view(torch.uint8).numpy()))
+                target.write(memoryview(cast.contiguous().reshape(-1).view(torch.uint8).numpy()))
         return
     tensor = materialise(plan, checkpoint).contiguous()
     # the parts were finite as read: a cast or a transform (Drop-Upcycling) overflowed
