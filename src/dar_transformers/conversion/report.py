@@ -20,9 +20,10 @@ DEFAULT_TOLERANCES: dict[torch.dtype, float] = {
 
 
 class VerificationError(RuntimeError):
-    """The converted model does not reproduce the source within the tolerance; nothing was written."""
+    """The converted model does not reproduce the source within the tolerance, or a written tensor differs from the
+    source's (`verify.check_written_tensors`: `report` None); nothing was written."""
 
-    def __init__(self, message: str, report: "VerificationReport"):
+    def __init__(self, message: str, report: "VerificationReport | None"):
         super().__init__(message)
         self.report = report
 
