@@ -118,8 +118,9 @@ def trainer_optimizer(args: TrainingArguments, model: nn.Module | None = None) -
     optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     own = [key for key in OWN_GROUP_KWARGS if key in kwargs]
     if own:
+        name = getattr(args.optim, "value", args.optim)  # an `OptimizerNames` member, or a string
         raise ValueError(
-            f"TrainingArguments.optim={getattr(args.optim, 'value', args.optim)!r} builds its own parameter groups ({', '.join(own)}), so "
+            f"TrainingArguments.optim={name!r} builds its own parameter groups ({', '.join(own)}), so "
             "DAR's optimiser groups (no weight decay on DAR's parameters) cannot be given to it: choose an optimiser "
             "over parameter groups (adamw_torch, adamw_torch_fused, sgd, adafactor, ...) or pass optimizer_class."
         )
