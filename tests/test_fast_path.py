@@ -4,6 +4,7 @@ loop: the fused depth read's hand-written backward (gradcheck in float64, every 
 partial), the fused transport + write, their refusal of double backward, and the inference memo of parameter-derived
 tensors."""
 
+import contextlib
 import copy
 
 import pytest
@@ -226,6 +227,47 @@ def test_parameter_memo_follows_module_surgery_and_refuses_what_it_cannot_stamp(
     with torch.enable_grad():
         torch.testing.assert_close(after, model(ids).logits.detach(), rtol=0, atol=1e-6)
     assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
+def test_a_dar_parameter_frozen_as_a_buffer_is_read_at_every_forward(implementation):
+    """A DAR parameter made a buffer (to freeze it) and then changed in place: buffers were neither stamped nor
+    copied, so the memo served the old gates (logits 8e-2 off the reference). A derivation reading a non-parameter
+    keeps no memo now."""
+    model = perturbed_tiny_dar(2, implementation)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+    gate = model.model.layers[1].mlp_residual.write_gate
+    value = gate.logit.detach().clone()
+    del gate.logit
+    gate.register_buffer("logit", value)
+    with torch.no_grad():
+        before = model(ids).logits  # fills the memo, as before the fix
+        gate.logit.add_(1.0)
+        after = model(ids).logits
+        model.config.dar_implementation = "reference"
+        expected = model(ids).logits
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-5)
+    assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("reparametrise", ["weight_norm", "spectral_norm"])
+def test_a_legacy_hook_reparametrisation_of_a_dar_module_is_refused(reparametrise):
+    """`torch.nn.utils.weight_norm` / `spectral_norm` compute the parameter in the module's forward pre-hook, which the
+    optimised backends never call: they used the value of its last run (logits 0.18 off the reference, with gradients
+    on and off). Refused, naming the module and the parametrization form they read; the reference backend runs it."""
+    model = perturbed_tiny_dar(2, "fast")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    attention = model.model.layers[1].attn_residual.depth_attention
+    with pytest.warns(FutureWarning) if reparametrise == "weight_norm" else contextlib.nullcontext():
+        getattr(torch.nn.utils, reparametrise)(attention, "pseudo_query", dim=0)
+    with pytest.raises(ValueError, match=r"layers\.1\.attn_residual\.depth_attention is reparametrised by "
+                                         r"(Weight|Spectral)Norm .* torch\.nn\.utils\.parametrizations"):
+        model(ids)
+    model.config.dar_implementation = "reference"
+    model(ids)
+    model.config.dar_implementation = "two_phase"
+    with torch.no_grad(), pytest.raises(ValueError, match="reparametrised by"):
+        model(ids)
 
 
 class _Doubled(torch.nn.Module):

@@ -77,6 +77,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
+    register_module_buffer_registration_hook,
     register_module_parameter_registration_hook,
 )
 from torch.nn.utils.parametrize import is_parametrized
@@ -842,10 +843,10 @@ register_optimizer_step_post_hook(_OptimizerSteps.hook)
 
 
 class _Registrations:
-    """Counts every submodule and parameter registered in the process (global registration hooks, registered once):
-    part of every memo stamp, so that a submodule assigned after a memo was filled (module surgery, a
-    parametrization's `parametrizations` container, a parameter object replaced) makes each memoising module list
-    its submodules again (`_memo_stamp`). Models are built before they run, so forwards see the count change
+    """Counts every submodule, parameter and buffer registered in the process (global registration hooks, registered
+    once): part of every memo stamp, so that a submodule assigned after a memo was filled (module surgery, a
+    parametrization's `parametrizations` container, a parameter object replaced, a parameter frozen as a buffer)
+    makes each memoising module list its submodules again (`_memo_stamp`). Models are built before they run, so forwards see the count change
     rarely."""
 
     count = 0
@@ -858,6 +859,7 @@ class _Registrations:
 
 register_module_module_registration_hook(_Registrations.hook)
 register_module_parameter_registration_hook(_Registrations.hook)
+register_module_buffer_registration_hook(_Registrations.hook)
 
 
 def module_registrations() -> int:
@@ -931,12 +933,16 @@ def _derivation_parameters(module: torch.nn.Module) -> list:
 
 def _plain_submodules(module: torch.nn.Module) -> tuple | None:
     """`module` and its submodules when each is a plain module (attribute lookup as `nn.Module`'s, no
-    parametrization), whose parameters are exactly what a derivation reads; None where a wrapper or a
-    parametrization stands in between (then `_derivation_parameters` looks them up the way the derivation does)."""
+    parametrization) and what a derivation reads are its parameters; None where a wrapper or a parametrization stands
+    in between, or a derivation reads a tensor that is no parameter (one frozen as a buffer): then
+    `_derivation_parameters` looks them up the way the derivation does, and `_memo_stamp` keeps no memo of a
+    non-parameter."""
     submodules = tuple(module.modules())
     for submodule in submodules:
         if type(submodule).__getattr__ is not torch.nn.Module.__getattr__ or is_parametrized(submodule):
             return None
+    if not all(isinstance(tensor, torch.nn.Parameter) for tensor in _derivation_parameters(module)):
+        return None
     return submodules
 
 

@@ -36,6 +36,8 @@ from itertools import islice
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -378,7 +380,8 @@ def warn_per_layer_graphs(compiled: int) -> None:
 
 def refuse_forward_only_adapters(model: nn.Module) -> None:
     """Refuse a DAR module wrapped by an adapter that acts in the module's forward (PEFT's LoRA on parameters,
-    `LoraConfig(target_parameters=...)`: a `ParamWrapper` whose `base_layer` is the DAR module). The optimised and
+    `LoraConfig(target_parameters=...)`: a `ParamWrapper` whose `base_layer` is the DAR module), or reparametrised by
+    a forward pre-hook (the legacy `torch.nn.utils.weight_norm` / `spectral_norm`). The optimised and
     inference backends read the depth attentions' and gates' parameters directly and never call those forwards, so
     such an adapter was ignored with gradients off (logits unchanged) and training failed in an AttributeError. The
     reference backend calls them. An eager forward checks again only when modules were registered since
@@ -393,6 +396,20 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
                  for name in ("attn_residual", "mlp_residual")]
     for prefix, residual in [*residuals, ("final_readout", model._modules.get("final_readout"))]:
         for child in ("depth_attention", "read_gate", "write_gate"):
+            module = getattr(residual, child, None)
+            hooked = [] if module is None else [
+                hook for submodule in module.modules() for hook in submodule._forward_pre_hooks.values()
+                if isinstance(hook, (WeightNorm, SpectralNorm))
+            ]
+            if hooked:  # the legacy forms compute the parameter in a forward pre-hook; parametrizations are read
+                raise ValueError(
+                    f"{prefix}.{child} is reparametrised by {type(hooked[0]).__name__} "
+                    "(torch.nn.utils.weight_norm / spectral_norm), which computes the parameter in the module's "
+                    "forward pre-hook; DAR's 'fast' and 'two_phase' backends read the parameter directly and never "
+                    "call that forward, so they would use a stale value. Use torch.nn.utils.parametrizations."
+                    "weight_norm / spectral_norm (a parametrization, which they read), or set "
+                    "config.dar_implementation = 'reference' (which calls it; slower)."
+                )
             wrapper = getattr(residual, child, None)  # through a wrapper of the residual, what the backends reach
             if wrapper is not None and isinstance(wrapper._modules.get("base_layer"), DAR_PARAMETER_MODULES):
                 adapted = f"{prefix}.{child}.{getattr(wrapper, 'parameter_name', None) or 'base_layer'}"
