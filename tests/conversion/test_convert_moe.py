@@ -204,11 +204,10 @@ def test_a_bf16_upcycle_writes_its_new_routers_as_it_loads_them(tmp_path):
     """Sparse upcycling of a bf16 model: its new routers were written float32 (DAR's new parameters' dtype) though
     they are no DAR parameters and load as bf16, so the loaded model saved again changed them. They are written in
     the checkpoint's dtype (DAR's own parameters stay float32): loading and saving the folder changes no tensor."""
-    llama = dense_llama().to(torch.bfloat16)
-    for module in llama.modules():  # rotary frequencies as from_pretrained(dtype=bfloat16) keeps them
-        if hasattr(module, "inv_freq"):
-            module.inv_freq = module.inv_freq.float()
-            module.original_inv_freq = module.original_inv_freq.float()
+    dense_llama().save_pretrained(tmp_path / "float32")
+    # as from_pretrained(dtype=bfloat16) loads it: rotary frequencies float32 as computed (`.to(torch.bfloat16)`
+    # would round them, and the written model, checked against this object, then computes other rotations)
+    llama = LlamaForCausalLM.from_pretrained(tmp_path / "float32", dtype=torch.bfloat16).eval()
     result = upcycle_to_dar_moe(llama, tmp_path / "moe", tokenizer=word_tokenizer(), num_experts=4, top_k=2,
                                 prompts=PROMPTS, max_new_tokens=0, progress=False, dar_block_size=2)
     assert result.report.passed

@@ -99,3 +99,28 @@ def test_a_scalar_tensor_is_written_and_compared_in_any_dtype(tmp_path):
     check_written_tensors(tmp_path / "out", plans, source)
     written = SafetensorsCheckpoint(tmp_path / "out", written=True)
     assert written.read("scale").dtype == torch.bfloat16 and written.read("scale").item() == 3.5
+
+
+def test_in_memory_sources_as_users_hold_them(tmp_path):
+    """A model compiled by `torch.compile` converts as the model it compiles; a PEFT model (adapters unmerged) and
+    weights on the meta device (accelerate's offloading, a model built without weights) are refused saying what to
+    do, as is any other object (they failed inside pathlib, or on `.item()` of a meta tensor)."""
+    from peft import LoraConfig, get_peft_model
+
+    from dar_transformers.conversion import upcycle_model
+
+    source = make_source("llama", tied=False)
+    converted = upcycle_model(torch.compile(source), dar_block_size=2)
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (converted(ids).logits - source(ids).logits).abs().max() <= 1e-5
+    peft_model = get_peft_model(make_source("llama", tied=False), LoraConfig(target_modules=["q_proj"], r=2))
+    with pytest.raises(ValueError, match=r"PEFT adapters \(PeftModel\).*merge_and_unload"):
+        upcycle(peft_model, tmp_path / "out", tokenizer=None)
+    with torch.device("meta"):
+        empty = type(source)(source.config)
+    with pytest.raises(ValueError, match=r"weight\(s\) on the meta device .*offloaded by accelerate"):
+        upcycle_model(empty, dar_block_size=2)
+    with pytest.raises(TypeError, match="must be a transformers PreTrainedModel, an HF folder or a .gguf file"):
+        upcycle_model(torch.nn.Linear(2, 2))
+    assert not (tmp_path / "out").exists()

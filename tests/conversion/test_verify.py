@@ -371,3 +371,30 @@ def test_a_computed_tensor_is_compared_again_whole(tmp_path, monkeypatch):
     corrupting_writes(monkeypatch, "model.layers.0.attn_residual.read_gate.logit", 0, 0.25)
     with pytest.raises(VerificationError, match=r"read_gate\.logit'.*its computed values"):
         upcycle(source, tmp_path / "out2", dar_block_size=2, **FAST)
+
+
+@pytest.mark.parametrize("change", ["rms_norm_eps edited", "forward hook", "model.to(bfloat16)", "none"])
+def test_a_written_in_memory_source_is_checked_against_the_model_object_itself(tmp_path, change):
+    """An in-memory model written to a folder was checked against a model rebuilt from its config and state dict: a
+    model that computes something else (a config edited after construction, a forward hook, rotary frequencies
+    rounded by `model.to(dtype)`) was reported PASSED at 3e-6 while the written model was 2-3.4 logits (0.006 for the
+    rounding) away from the caller's. The check now runs the object itself (the in-memory path always did), and a
+    refusal names the likely causes; an unchanged model converts exactly."""
+    source = make_source("llama", tied=False)
+    if change == "rms_norm_eps edited":
+        source.config.rms_norm_eps = 0.5  # the norms keep the value of their construction
+    elif change == "forward hook":
+        source.model.layers[1].mlp.register_forward_hook(lambda module, args, output: 2 * output)
+    elif change == "model.to(bfloat16)":
+        source = source.to(torch.bfloat16)  # rounds the rotary inv_freq too
+    before = {name: tensor.clone() for name, tensor in source.state_dict().items()}
+    options = dict(tokenizer=make_tokenizer(), dar_block_size=2, full_greedy=False, prompts=FAST["prompts"],
+                   progress=False)
+    if change == "none":
+        assert upcycle(source, tmp_path / "out", **options).report.passed
+    else:
+        match = "rotary frequencies" if change == "model.to(bfloat16)" else "compared with the in-memory model itself"
+        with pytest.raises(VerificationError, match=match):
+            upcycle(source, tmp_path / "out", **options)
+        assert not (tmp_path / "out").exists()
+    assert all(torch.equal(tensor, source.state_dict()[name]) for name, tensor in before.items())

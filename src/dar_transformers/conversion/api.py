@@ -25,8 +25,8 @@ from .options import ConversionOptions
 from .output import check_output_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
 from .plan import (
-    cast_model, check_finite, check_tied_output_head, kept_source_dtypes, logging_level_error, plan_conversion,
-    upcycle_model,
+    cast_model, check_finite, check_tied_output_head, in_memory_source, kept_source_dtypes, logging_level_error,
+    plan_conversion, upcycle_model,
 )
 from .report import VerificationReport
 from .sources import (
@@ -90,6 +90,7 @@ def upcycle(
     """
     options = conversion_options(options, keywords)
     target = options.target
+    source = in_memory_source(source)
     if output is not None:
         output = check_output_folder(output, options.overwrite, source)
         if not options.verify:
@@ -143,7 +144,9 @@ def upcycle(
                                                         for dtype in (storage_dtype, *kept))
                 outcome["report"] = report
                 raise_unless_passed(report, storage_dtype, None if keep_source_dtypes else loaded.checkpoint,
-                                    moe_routing_hint(source_config, config, check_dtype))
+                                    moe_routing_hint(source_config, config, check_dtype) or
+                                    (rounded_rotary_hint(source) if in_memory else ""),
+                                    IN_MEMORY_SOURCE_NOTE if in_memory else "")
                 answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
                 card = render_model_card(config, report, loaded, base_model=options.base_model,
                                          kind=target.description, answers=answers, exact=target.exact,
@@ -177,6 +180,16 @@ def moe_routing_hint(source_config: PreTrainedConfig, config: PreTrainedConfig, 
             "float64 model, and DAR-MoE's renormalises them again in float64 (so that sparse upcycling of a dense "
             "model is exact in float64): the two differ by about 1e-7 of the logits, above the float64 bar. Verify "
             "in float32 (the default --verify-dtype), where they agree to float32 rounding.")
+
+
+# Why a written conversion of an in-memory model can fail where its weights would convert: it is checked against the
+# model object itself (`verify.in_memory_source_logits`), which may compute what its config and weights do not say.
+IN_MEMORY_SOURCE_NOTE = (
+    "The written model was compared with the in-memory model itself: a config field edited after the model was built "
+    "(rms_norm_eps, rope parameters: the modules keep the values of their construction), a forward hook or a replaced "
+    "module make it compute what its config and weights do not say, and no conversion of them reproduces it. "
+    "save_pretrained it and load it again to see what they compute."
+)
 
 
 def rounded_rotary_hint(source: PreTrainedModel) -> str:

@@ -8,6 +8,7 @@ gives them. `upcycle_model` runs the same plan in memory.
 import contextlib
 import copy
 import dataclasses
+import os
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -206,6 +207,38 @@ def materialise(plan: TensorPlan, checkpoint: Checkpoint) -> torch.Tensor:
 
 
 
+def in_memory_source(source):
+    """`source` as the converter reads it: a path as it is; a model compiled by `torch.compile` as the model it
+    compiles; an in-memory model whose weights are all here. Refused, saying what to do: a PEFT model or one with
+    adapters loaded (its adapter would be lost or its keys refused: merge it first), weights on the meta device
+    (offloaded by accelerate, or a model built without weights), any other object."""
+    if isinstance(source, (str, os.PathLike)):
+        return source
+    compiled = getattr(source, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if isinstance(source, torch.nn.Module) and isinstance(compiled, PreTrainedModel):
+        source = compiled
+    if hasattr(source, "peft_config") and (not isinstance(source, PreTrainedModel)
+                                           or getattr(source, "_hf_peft_config_loaded", False)):
+        raise ValueError(
+            f"The source is a model with PEFT adapters ({type(source).__name__}): converting it would drop them or "
+            "fail on their tensors. Merge them first (merged = model.merge_and_unload(), or "
+            "model.base_model.merge_and_unload() for transformers' own adapter integration) and convert the merged "
+            "model."
+        )
+    if not isinstance(source, PreTrainedModel):
+        raise TypeError(f"The source must be a transformers PreTrainedModel, an HF folder or a .gguf file; got "
+                        f"{type(source).__name__}.")
+    on_meta = [name for name, tensor in source.state_dict().items() if tensor.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"The in-memory model has {len(on_meta)} weight(s) on the meta device ({', '.join(on_meta[:2])}"
+            f"{', ...' if len(on_meta) > 2 else ''}): offloaded by accelerate (device_map with CPU or disk offload), "
+            "or a model built without weights. Convert its folder (the converter streams it), or load it without "
+            "offloading."
+        )
+    return source
+
+
 def upcycle_model(
     source_model: PreTrainedModel, kind: str = "dar", dtype: torch.dtype | None = None, **fields
 ) -> PreTrainedModel:
@@ -214,6 +247,7 @@ def upcycle_model(
     parameters float32 in a half-precision model, buffers (rotary `inv_freq`) as the class builds them. `dtype`
     None ("auto"): the model's dtype, each source tensor kept in the dtype the source holds it in (a mixed-precision
     model's float32 norms beside bf16 matrices stay float32, as a written conversion keeps them)."""
+    source_model = in_memory_source(source_model)
     target = target_kind(kind)
     keep_source_dtypes = dtype is None
     dtype = dtype or source_model.dtype
@@ -267,5 +301,5 @@ def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
 
 
 
-__all__ = ["cast_model", "check_finite", "check_tied_output_head", "kept_source_dtypes", "logging_level_error",
+__all__ = ["cast_model", "check_finite", "check_tied_output_head", "in_memory_source", "kept_source_dtypes", "logging_level_error",
            "materialise", "meta_model", "new_parameter_values", "plan_conversion", "upcycle_model"]

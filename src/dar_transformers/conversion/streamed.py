@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -269,23 +270,30 @@ def length_dependent_rope(config) -> bool:
 @torch.no_grad()
 def streamed_logit_statistics(
     source: StreamedModel, target: StreamedModel, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
-    progress: bool = False,
+    progress: bool = False, source_logits: Sequence[torch.Tensor] | None = None,
 ) -> StreamedComparison:
-    """Both sides' logits compared prompt by prompt, one side's layer in memory at a time."""
+    """Both sides' logits compared prompt by prompt, one side's layer in memory at a time. `source_logits` ([T_i, V]
+    per prompt, an in-memory source's own) stand for the source side's, which then does not run."""
     # The source (possibly GGUF: a layer read is a dequantisation) runs all prompts in one batch; DAR's activations
     # grow with its depth history (T x S x J x D), so it runs in groups, re-reading its written layers per group.
     # A rope whose frequencies depend on the sequence length (dynamic NTK, longrope) takes that length from the batch's
     # longest row: padding then changes every shorter prompt's positions, so such models run one prompt per batch.
     alone = length_dependent_rope(source.model.config) or length_dependent_rope(target.model.config)
-    source_hidden, source_nonfinite = streamed_hidden_states(source, prompts, dtype, progress, "source",
-                                                             1 if alone else None)
+    source_nonfinite = None
+    if source_logits is None:
+        source_hidden, source_nonfinite = streamed_hidden_states(source, prompts, dtype, progress, "source",
+                                                                 1 if alone else None)
     target_hidden, target_nonfinite = streamed_hidden_states(target, prompts, dtype, progress, "converted",
                                                              1 if alone else TARGET_BATCH_TOKENS)
     statistics = [LogitStatistics() for _ in prompts]
-    chunks = zip(lm_head_chunks(source, dtype), lm_head_chunks(target, dtype))
-    for (begin, source_rows), (_, target_rows) in chunks:
-        for stats, source_h, target_h in zip(statistics, source_hidden, target_hidden):
-            stats.update(begin, source_h[0] @ source_rows.T, target_h[0] @ target_rows.T)  # [T, C] each
+    source_chunks = lm_head_chunks(source, dtype) if source_logits is None else itertools.repeat(None)
+    for (begin, target_rows), source_chunk in zip(lm_head_chunks(target, dtype), source_chunks):
+        for index, (stats, target_h) in enumerate(zip(statistics, target_hidden)):
+            if source_logits is None:
+                source_part = source_hidden[index][0] @ source_chunk[1].T  # [T, C]
+            else:
+                source_part = source_logits[index][:, begin : begin + target_rows.shape[0]]
+            stats.update(begin, source_part, target_h[0] @ target_rows.T)
     first = (f"source {source_nonfinite}" if source_nonfinite
              else f"converted {target_nonfinite}" if target_nonfinite else None)
     if first is None and any(stats.nonfinite for stats in statistics):

@@ -407,6 +407,9 @@ def verify_written(
         for model in (source_meta, target_meta):
             set_experts_for(model, dtype)
         float64 = dtype == torch.float64
+        caller_logits = None
+        if source.model is not None:  # an in-memory source: the caller's own model, not one rebuilt from its state
+            caller_logits = in_memory_source_logits(source.model, [ids for _, ids in prompts], dtype)
         with norms_in_input_dtype(source_meta, target_meta) if float64 else contextlib.nullcontext():
             comparison = streamed_logit_statistics(
                 StreamedModel(source_meta, source.checkpoint, to_model_layout),
@@ -414,6 +417,7 @@ def verify_written(
                 [ids for _, ids in prompts],
                 dtype,
                 options.progress,
+                caller_logits,
             )
         greedy_skipped = ("none asked for: max new tokens 0" if max_new_tokens == 0
                           else "turned off (--full-greedy off)" if full_greedy is False
@@ -501,6 +505,23 @@ def _corrupt(name: str, plan: TensorPlan, where: str) -> None:
     )
 
 
+@torch.no_grad()
+def in_memory_source_logits(model: PreTrainedModel, prompts: Sequence[torch.Tensor], dtype: torch.dtype) -> list:
+    """The logits [T_i, V] of an in-memory source on each prompt, from the model object itself (in `dtype`,
+    `cast_model`; its norms in float64 for a float64 check): what the written conversion must reproduce. A model
+    rebuilt from its config and state dict computes something else where the object does not follow them (a config
+    edited after construction, a forward hook, rotary frequencies rounded by `model.to(dtype)`), and a check against
+    the rebuild passed conversions 3 logits away from the caller's model."""
+    cast = cast_model(model, dtype)
+    if cast is model and dtype == torch.float64:  # `set_experts_for` changes the model: not the caller's
+        cast = copy.deepcopy(model)
+    set_experts_for(cast, dtype)
+    model = cast
+    device = next(model.parameters()).device
+    with norms_in_input_dtype(model) if dtype == torch.float64 else contextlib.nullcontext():
+        return [model(ids.to(device)).logits[0].to("cpu", dtype) for ids in prompts]
+
+
 def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> list[list[list[int]]]:
     """Greedy continuations of the source and of the written folder loaded by `from_pretrained`, in `dtype`."""
     source_model = _load_full_source(source, dtype)
@@ -519,11 +540,12 @@ def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> li
 
 
 def raise_unless_passed(
-    report: VerificationReport, storage_dtype: torch.dtype, source: Checkpoint | None = None, hint: str = ""
+    report: VerificationReport, storage_dtype: torch.dtype, source: Checkpoint | None = None, hint: str = "",
+    note: str = "",
 ) -> None:
     """Raise `VerificationError` unless the report passed. With the `source` checkpoint, the hint names the source
     tensors that `storage_dtype` rounded (`rounded_tensors`) and the dtype that stores every tensor of the source
-    exactly (`exact_storage_dtype`); a `hint` given replaces the guess about rounding."""
+    exactly (`exact_storage_dtype`); a `hint` given replaces the guess about rounding; a `note` follows either."""
     if report.relaxed:
         logger.warning(
             f"Verification tolerance relaxed to {report.tolerance:.1e} (default {report.default_tolerance:.1e} "
@@ -552,7 +574,8 @@ def raise_unless_passed(
     headline = "The converted model does not reproduce the source"
     if report.nothing_compared:
         headline = f"The converted model could not be verified ({report.nothing_compared})"
-    raise VerificationError(f"{headline}; nothing was written.\n{report.table()}{hint}", report)
+    note = f"\n{note}" if note else ""
+    raise VerificationError(f"{headline}; nothing was written.\n{report.table()}{hint}{note}", report)
 
 
 
