@@ -301,5 +301,6 @@ def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
 
 
 
-__all__ = ["cast_model", "check_finite", "check_tied_output_head", "in_memory_source", "kept_source_dtypes", "logging_level_error",
-           "materialise", "meta_model", "new_parameter_values", "plan_conversion", "upcycle_model"]
+__all__ = ["cast_model", "check_finite", "check_tied_output_head", "in_memory_source", "kept_source_dtypes",
+           "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
+           "upcycle_model"]
