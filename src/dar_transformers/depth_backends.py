@@ -846,8 +846,8 @@ class _Registrations:
     """Counts every submodule, parameter and buffer registered in the process (global registration hooks, registered
     once): part of every memo stamp, so that a submodule assigned after a memo was filled (module surgery, a
     parametrization's `parametrizations` container, a parameter object replaced, a parameter frozen as a buffer)
-    makes each memoising module list its submodules again (`_memo_stamp`). Models are built before they run, so forwards see the count change
-    rarely."""
+    makes each memoising module list its submodules again (`_memo_stamp`). Models are built before they run, so
+    forwards see the count change rarely."""
 
     count = 0
 

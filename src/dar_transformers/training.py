@@ -140,7 +140,8 @@ def create_dar_optimizer(
 
     Learning rate and weight decay come from `args`; so does the optimiser unless `optimizer_class` is given: the one
     `Trainer` builds from `args.optim` and `args.optim_args` (`trainer_optimizer`), with `optimizer_kwargs` over its
-    settings (a named AdamW takes its betas and epsilon from `args` too). The scheduler scales every group's own learning rate by the same factor.
+    settings (a named AdamW takes its betas and epsilon from `args` too). The scheduler scales every group's own
+    learning rate by the same factor.
     """
     if optimizer_class is None:
         optimizer_class, settings = trainer_optimizer(args, model)
