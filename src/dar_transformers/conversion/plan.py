@@ -175,11 +175,15 @@ def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, des
     if not getattr(config, "tie_word_embeddings", False) or HEAD not in infos or EMBEDDING not in infos:
         return
     head, embedding = infos[HEAD], infos[EMBEDDING]
-    where = "on its config" if description == "the in-memory model" else "in its config.json"
-    fix = (f'set "tie_word_embeddings": false {where} to convert both as they are, or remove {HEAD} from the '
-           "checkpoint if the embedding is the head you mean")
+    in_memory = description == "the in-memory model"
+    config_name, keeps = (("its config", "the model computes with that head") if in_memory
+                          else ("config.json", "transformers loads this source untied, keeping it"))
+    fix = ('set "tie_word_embeddings": false on its config (model.config.tie_word_embeddings = False) to convert both '
+           "as they are, or tie them (model.tie_weights()) if the embedding is the head you mean" if in_memory
+           else f'set "tie_word_embeddings": false in its config.json to convert both as they are, or remove {HEAD} '
+           "from the checkpoint if the embedding is the head you mean")
     if head.shape != embedding.shape:
-        raise ValueError(f"{description}: config.json ties {HEAD} to {EMBEDDING}, but their shapes differ "
+        raise ValueError(f"{description}: {config_name} ties {HEAD} to {EMBEDDING}, but their shapes differ "
                          f"({head.shape} and {embedding.shape}): {fix}.")
     for start, rows in row_chunks(head):
         head_rows = checkpoint.read(HEAD, rows).double()
@@ -188,10 +192,9 @@ def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, des
             difference = (head_rows - embedding_rows).abs().max().item()
             last = start + len(head_rows) - 1 if rows is not None else 0
             raise ValueError(
-                f"{description}: config.json says tie_word_embeddings=true, but its {HEAD} differs from {EMBEDDING} "
-                f"(max |difference| {difference:.3g} in rows {start}..{last}). Converting "
-                f"would drop that trained head (a tied model's head is the embedding), and transformers loads this "
-                f"source untied, keeping it: {fix}."
+                f"{description}: {config_name} says tie_word_embeddings=true, but its {HEAD} differs from "
+                f"{EMBEDDING} (max |difference| {difference:.3g} in rows {start}..{last}). Converting would drop "
+                f"that trained head (a tied model's head is the embedding), and {keeps}: {fix}."
             )
 
 
