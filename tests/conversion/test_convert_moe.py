@@ -366,3 +366,17 @@ def test_a_float64_dar_moe_folder_loads_with_experts_that_run_float64(tmp_path):
     assert max_logit_difference(source.double(), reloaded, random_input_ids(length=10)) <= 1e-10
     requested = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", experts_implementation="eager")
     assert requested.config._experts_implementation == "eager"
+
+
+def test_a_float64_check_of_an_in_memory_moe_source_leaves_its_experts_kernel_alone(tmp_path):
+    """The float64 check runs experts on batched_mm (grouped_mm takes no float64); an in-memory float64 MoE source
+    in eval mode was switched in place (its config's experts implementation changed under the caller). The check
+    runs a copy (`cast_model`)."""
+    from dar_transformers.conversion import upcycle
+
+    source = tiny_moe_source("qwen3_moe").double().eval()
+    before = source.config._experts_implementation
+    result = upcycle(source, tokenizer=make_tokenizer(), dar_block_size=2, kind="dar_moe", tolerance=1e-6,
+                     **FAST)  # its router renormalises in float32 (see above): 1e-7 apart
+    assert result.report is not None and result.report.dtype == "float64"
+    assert source.config._experts_implementation == before

@@ -39,7 +39,6 @@ from .verify import (
     check_written_tensors,
     check_written_tokenizer,
     raise_unless_passed,
-    set_experts_for,
     verify_conversion,
     verify_written,
 )
@@ -228,8 +227,6 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
     if options.verify:
         check_dtype = options.verification_dtype(storage_dtype)
         source_model, target_model = cast_model(source, check_dtype), cast_model(model, check_dtype)
-        set_experts_for(source_model, check_dtype)
-        set_experts_for(target_model, check_dtype)
         prompt_ids = build_prompts(tokenizer, source.config.vocab_size, options.prompts)
         max_new_tokens = 0 if options.full_greedy is False else options.max_new_tokens
         report = verify_conversion(source_model, target_model, prompt_ids, options.tolerance, max_new_tokens,

@@ -289,10 +289,23 @@ def logging_level_error():
             logging.enable_progress_bar()
 
 
+def needs_float64_experts(model: PreTrainedModel, dtype: torch.dtype) -> bool:
+    """A model of MoE experts to run in float64, which transformers' grouped_mm experts kernel does not take."""
+    return dtype == torch.float64 and any(type(module).__name__.endswith("Experts") for module in model.modules())
+
+
+def set_experts_for(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """Experts on a kernel that takes `dtype`: batched_mm, grouped_mm's float64-capable peer, for float64."""
+    if needs_float64_experts(model, dtype):
+        model.set_experts_implementation("batched_mm")
+
+
 def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """A copy of `model` whose parameters compute in `dtype` (the verification dtype); buffers are kept as they are,
-    as `from_pretrained` keeps rotary `inv_freq` in float32."""
-    if all(parameter.dtype == dtype for parameter in model.parameters()) and not model.training:
+    """A copy of `model` whose parameters compute in `dtype` (the verification dtype), its experts on a kernel that
+    takes it (`set_experts_for`); buffers are kept as they are, as `from_pretrained` keeps rotary `inv_freq` in
+    float32. `model` itself where it already computes so in eval mode; it is never changed."""
+    experts = needs_float64_experts(model, dtype)
+    if all(parameter.dtype == dtype for parameter in model.parameters()) and not model.training and not experts:
         return model
     copied = copy.deepcopy(model)
     buffers = {name: buffer for name, buffer in copied.named_buffers()}
@@ -300,10 +313,11 @@ def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     for name, buffer in buffers.items():
         module_name, _, buffer_name = name.rpartition(".")
         copied.get_submodule(module_name)._buffers[buffer_name] = buffer
+    set_experts_for(copied, dtype)
     return copied.eval()
 
 
 
 __all__ = ["cast_model", "check_finite", "check_tied_output_head", "in_memory_source", "kept_source_dtypes",
            "logging_level_error", "materialise", "meta_model", "new_parameter_values", "plan_conversion",
-           "upcycle_model"]
+           "set_experts_for", "upcycle_model"]

@@ -25,7 +25,7 @@ from .checkpoints import Checkpoint, SafetensorsCheckpoint
 from .families import one_line
 from .keymaps import TensorPlan, to_model_layout
 from .options import ConversionOptions
-from .plan import cast_model, logging_level_error, materialise, meta_model
+from .plan import cast_model, logging_level_error, materialise, meta_model, set_experts_for
 from .report import DEFAULT_TOLERANCES, PromptCheck, VerificationError, VerificationReport
 from .sources import Source, exact_storage_dtype, plain_config, rounded_tensors
 from .streamed import StreamedModel, all_finite, streamed_logit_statistics
@@ -376,12 +376,6 @@ def _load_full_source(source: Source, dtype: torch.dtype) -> PreTrainedModel:
     return model.eval()
 
 
-def set_experts_for(model: PreTrainedModel, dtype: torch.dtype) -> None:
-    """transformers' grouped_mm experts kernel takes float32/bf16/fp16 only; batched_mm is its float64-capable peer."""
-    if dtype == torch.float64 and any(type(module).__name__.endswith("Experts") for module in model.modules()):
-        model.set_experts_implementation("batched_mm")
-
-
 @torch.no_grad()
 def verify_written(
     source: Source,
@@ -512,11 +506,7 @@ def in_memory_source_logits(model: PreTrainedModel, prompts: Sequence[torch.Tens
     rebuilt from its config and state dict computes something else where the object does not follow them (a config
     edited after construction, a forward hook, rotary frequencies rounded by `model.to(dtype)`), and a check against
     the rebuild passed conversions 3 logits away from the caller's model."""
-    cast = cast_model(model, dtype)
-    if cast is model and dtype == torch.float64:  # `set_experts_for` changes the model: not the caller's
-        cast = copy.deepcopy(model)
-    set_experts_for(cast, dtype)
-    model = cast
+    model = cast_model(model, dtype)  # a copy wherever it must change: never the caller's model changed
     device = next(model.parameters()).device
     with norms_in_input_dtype(model) if dtype == torch.float64 else contextlib.nullcontext():
         return [model(ids.to(device)).logits[0].to("cpu", dtype) for ids in prompts]
