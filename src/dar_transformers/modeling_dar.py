@@ -396,8 +396,10 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
                  for name in ("attn_residual", "mlp_residual")]
     for prefix, residual in [*residuals, ("final_readout", model._modules.get("final_readout"))]:
         for child in ("depth_attention", "read_gate", "write_gate"):
-            module = getattr(residual, child, None)
-            hooked = [] if module is None else [
+            module = getattr(residual, child, None)  # through a wrapper of the residual, what the backends reach
+            if module is None:
+                continue
+            hooked = [
                 hook for submodule in module.modules() for hook in submodule._forward_pre_hooks.values()
                 if isinstance(hook, (WeightNorm, SpectralNorm))
             ]
@@ -410,11 +412,10 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
                     "weight_norm / spectral_norm (a parametrization, which they read), or set "
                     "config.dar_implementation = 'reference' (which calls it; slower)."
                 )
-            wrapper = getattr(residual, child, None)  # through a wrapper of the residual, what the backends reach
-            if wrapper is not None and isinstance(wrapper._modules.get("base_layer"), DAR_PARAMETER_MODULES):
-                adapted = f"{prefix}.{child}.{getattr(wrapper, 'parameter_name', None) or 'base_layer'}"
+            if isinstance(module._modules.get("base_layer"), DAR_PARAMETER_MODULES):
+                adapted = f"{prefix}.{child}.{getattr(module, 'parameter_name', None) or 'base_layer'}"
                 raise ValueError(
-                    f"{adapted} is adapted by {type(wrapper).__name__}, which applies its update in the wrapped "
+                    f"{adapted} is adapted by {type(module).__name__}, which applies its update in the wrapped "
                     "module's forward; DAR's 'fast' and 'two_phase' backends read that module's parameters directly "
                     "and never call it, so they cannot run it (the update was ignored with gradients off, and "
                     "training failed; merge_and_unload() gives a model they run). "
