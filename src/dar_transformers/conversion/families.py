@@ -82,6 +82,14 @@ def supported_families_sentence() -> str:
 
 def check_model_type(model_type: object, where: str) -> str:
     """The branch family of a source `model_type` read from `where`, or a one-line error listing the supported ones."""
+    if model_type in ("dar", "dar_moe"):
+        raise UnsupportedArchitectureError(
+            f"Cannot convert model_type {model_type!r} ({where}): it is already a DAR checkpoint; the converter takes "
+            f"Llama-family sources only ({supported_families_sentence()}). To get DAR-MoE, convert the Llama-family "
+            "checkpoint it came from with --experts/--top-k; upcycling a trained dense DAR (keeping its DAR "
+            "parameters) is not supported: DARMoeForCausalLM.from_pretrained on a dense DAR folder starts every expert "
+            "and router afresh, which is not exact."
+        )
     if not isinstance(model_type, str) or model_type not in ALL_SOURCE_FAMILIES:  # a list or object is no type either
         raise UnsupportedArchitectureError(
             f"Cannot convert model_type {model_type!r} ({where}): {supported_families_sentence()}; custom model code is "
