@@ -3,6 +3,8 @@
 when asked, DAR) parameters train, merge_and_unload() keeps the logits, adapters save and load onto a base DAR
 checkpoint, and PEFT + gradient checkpointing."""
 
+import logging
+
 import pytest
 import torch
 from conftest import perturb_dar_parameters, random_input_ids, tiny_llama, upcycled_dar
@@ -157,6 +159,22 @@ def test_dar_lora_config_merges_modules_to_save():
     assert config.modules_to_save == ["lm_head", "final_readout", "attn_residual", "mlp_residual"]
     assert set(DAR_MODULE_NAMES) <= set(config.modules_to_save)
     assert dar_lora_config().modules_to_save is None and dar_lora_config().task_type == "CAUSAL_LM"
+
+
+def test_dar_lora_config_refuses_a_module_name_that_also_matches_inside_dar_with_train_dar(caplog):
+    """PEFT matches `modules_to_save` as suffixes: "gate" (DAR-MoE's router) also wraps every read and write gate.
+    Next to `train_dar`'s residual copies that adapter could not be loaded back: refused; without `train_dar` a
+    warning names what else it trains. The router by more of its path is accepted silently."""
+    with pytest.raises(ValueError, match=r"'gate' also matches DAR's own modules .*read_gate.*'mlp\.gate'.*loaded back"):
+        dar_lora_config(train_dar=True, modules_to_save=["gate"], r=2)
+    with pytest.raises(ValueError, match=r"'key_norm' also matches"):
+        dar_lora_config(train_dar=True, modules_to_save=["key_norm"], r=2)
+    with caplog.at_level(logging.WARNING, logger="dar_transformers.peft_utils"):
+        assert dar_lora_config(modules_to_save=["gate"], r=2).modules_to_save == ["gate"]
+        config = dar_lora_config(train_dar=True, modules_to_save=["mlp.gate", "lm_head", "attn_residual"], r=2)
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "'gate' also matches" in warnings[0] and "trained fully" in warnings[0]
+    assert config.modules_to_save[:3] == ["mlp.gate", "lm_head", "attn_residual"]
 
 
 @pytest.mark.slow

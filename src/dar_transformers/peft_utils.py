@@ -10,6 +10,8 @@ package is not imported (a checkpoint loaded with `trust_remote_code=True`), run
 
     peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["dar"] = ["q_proj", "v_proj"]
 
+(and the same for "dar_moe", whose attention keeps those names too).
+
 The DAR residual parameters are not adapted by LoRA (they are `nn.Parameter`s, not linear layers; PEFT's LoRA on
 parameters, `target_parameters`, acts in the wrapped module's forward, which the optimised backends never call, so
 the model refuses it: `modeling_dar.refuse_forward_only_adapters`). To train them fully next to the adapters, list
@@ -56,16 +58,47 @@ def register_peft_defaults(model_type: str = "dar", like: str = MAPPING_SOURCE_M
     return registered
 
 
+# The modules inside each DAR residual module (`DAR_MODULE_NAMES`), by their path from it.
+DAR_INNER_MODULES = ("depth_attention", "depth_attention.key_norm", "read_gate", "write_gate")
+
+
+def check_modules_to_save(modules_to_save, train_dar: bool) -> None:
+    """A `modules_to_save` entry that PEFT would also match inside DAR's residual modules: PEFT matches these names
+    as plain suffixes of module paths, so "gate" (DAR-MoE's router, `mlp.gate`) also wraps every `read_gate` and
+    `write_gate` and trains them fully. With `train_dar` (the residual modules wrapped too) the nested copies leave an
+    adapter that saves but cannot be loaded back (PEFT's KeyError on a `read_gate` parameter): refused; without it,
+    a warning names what the entry also matches."""
+    for entry in modules_to_save or ():
+        if not isinstance(entry, str) or entry in DAR_MODULE_NAMES:
+            continue
+        inside = [f"{owner}.{inner}" for owner in DAR_MODULE_NAMES for inner in DAR_INNER_MODULES
+                  if f"{owner}.{inner}".endswith(entry)]
+        if not inside:
+            continue
+        message = (
+            f"modules_to_save entry {entry!r} also matches DAR's own modules ({', '.join(inside[:3])}, ...): PEFT "
+            "matches these names as suffixes of module paths. Name what you mean by more of its path (DAR-MoE's "
+            "router: 'mlp.gate')"
+        )
+        if train_dar:
+            raise ValueError(f"{message}; with train_dar=True the residual modules holding them are saved already, and "
+                             "the nested copies would give an adapter that cannot be loaded back.")
+        logger.warning(f"{message}; as given, those DAR modules are trained fully and saved with the adapter.")
+
+
 def dar_lora_config(train_dar: bool = False, **lora_kwargs):
     """A `peft.LoraConfig` for causal LM on a DAR model: default target modules (those of Llama) unless given,
-    and with `train_dar=True` the DAR residual modules in `modules_to_save` (fully trained and saved)."""
+    and with `train_dar=True` the DAR residual modules in `modules_to_save` (fully trained and saved). A
+    `modules_to_save` entry that would also match modules inside DAR's residual modules is refused with `train_dar`,
+    named in a warning without it (`check_modules_to_save`)."""
     from peft import LoraConfig
 
     lora_kwargs.setdefault("task_type", "CAUSAL_LM")
+    check_modules_to_save(lora_kwargs.get("modules_to_save"), train_dar)
     if train_dar:
         modules_to_save = list(lora_kwargs.pop("modules_to_save", None) or [])
         lora_kwargs["modules_to_save"] = modules_to_save + [name for name in DAR_MODULE_NAMES if name not in modules_to_save]
     return LoraConfig(**lora_kwargs)
 
 
-__all__ = ["register_peft_defaults", "dar_lora_config"]
+__all__ = ["check_modules_to_save", "dar_lora_config", "register_peft_defaults"]
