@@ -34,20 +34,28 @@ def test_a_conversion_checked_at_tolerance_inf_is_not_reported_passed_nor_verifi
         assert "which this conversion did NOT verify" in card
 
 
-@pytest.mark.parametrize("tolerance, verdict, headline", [
-    ("0.5", "PASSED: ", "**at conversion the model approximates the source model's function**: within a max abs logit "
-                        "difference of 5.0e-01 (a tolerance relaxed from the default 2.0e-04), verified below; it is "
-                        "not an exact conversion."),
+ROUNDED = ("Storing the weights in float16 rounded 29 source tensor(s) stored in float32 (model.embed_tokens.weight, "
+           "model.layers.0.input_layernorm.weight, ...); the converted model computes what the source computes with "
+           "them, which the check bounds by its tolerance.")
+
+
+@pytest.mark.parametrize("tolerance, verdict, headline, relaxed", [
+    ("0.5", "PASSED: ", "**at conversion the model approximates the source model's function with its weights rounded "
+                        "to float16**: within a max abs logit difference of 5.0e-01 (a tolerance relaxed from the "
+                        "default 2.0e-04), verified below; it is not an exact conversion.",
+     "so this is an approximate, not an exact, conversion."),
     ("1e30", "NOT VERIFIED (tolerance 1.0e+30: differences reported only; ",
-     "**at conversion the model computes the source model's function** by construction, which this conversion did "
-     "NOT verify (see below)."),
+     "**at conversion the model computes the source model's function with its weights rounded to float16** by "
+     "construction, which this conversion did NOT verify (see below).",
+     "at which no next token was compared, so nothing was verified: the differences above are reported only."),
 ])
 def test_a_relaxed_tolerance_is_reported_approximate_and_one_that_decides_nothing_not_verified(
-        tmp_path, capsys, tolerance, verdict, headline):
+        tmp_path, capsys, caplog, tolerance, verdict, headline, relaxed):
     """float16 weights from a float32 source move the logits by about 1e-2, so the bar must be relaxed. At 0.5 the
     run passes on the positions decided at that bar, but the card's headline claimed the source's function exactly,
     "verified below"; at 1e30 no position is decided (0/0 compared) and the run said PASSED, where inf says NOT
-    VERIFIED."""
+    VERIFIED (and the card called it "an approximate conversion" beside "did NOT verify"). Both name the rounding of
+    the weights to float16, in the card and in a warning, which they did only when a check failed."""
     source = save_source(tmp_path / "source")
     code = cli_main(["convert", str(source), str(tmp_path / "out"), "--dtype", "float16", "--tolerance", tolerance,
                      "--max-new-tokens", "4"])
@@ -57,6 +65,18 @@ def test_a_relaxed_tolerance_is_reported_approximate_and_one_that_decides_nothin
     assert line.startswith(verdict), line
     card = " ".join((tmp_path / "out" / "README.md").read_text().split())
     assert headline in card and "computes the source model's function**, verified below" not in card
+    assert ROUNDED in card and relaxed in card
+    assert "--dtype float16 rounds 29 source tensor(s) stored in float32" in caplog.text
+
+
+def test_a_failed_relaxed_check_does_not_announce_a_model_card(tmp_path, caplog):
+    """A relaxed bar that the rounding still misses fails and writes nothing; the warning that "the model card says
+    so" came before the verdict."""
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--dtype", "float16", "--tolerance", "1e-3",
+                     "--max-new-tokens", "4"])
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert "The model card says so" not in caplog.text
 
 
 def test_moe_flags_with_an_explicit_dense_kind_are_refused_naming_both(tmp_path, capsys):

@@ -30,7 +30,7 @@ from .plan import (
 )
 from .report import VerificationReport
 from .sources import (
-    Source, check_has_layers, display_name, load_source_config, open_source, source_storage_dtype,
+    Source, check_has_layers, display_name, load_source_config, open_source, rounded_tensors, source_storage_dtype,
     warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
@@ -120,6 +120,11 @@ def upcycle(
                                                loaded.checkpoint.description, loaded.checkpoint.config_name,
                                                keep_source_dtypes)
             kept = kept_source_dtypes(plans, new_names, storage_dtype)
+            rounded = describe_rounding(rounded_tensors(loaded.checkpoint, storage_dtype), storage_dtype)
+            if rounded:
+                logger.warning(f"--dtype {str(storage_dtype).removeprefix('torch.')} rounds {rounded}: the converted "
+                               "model computes the source's function with those weights rounded, not bit for bit the "
+                               "source's (the model card says so); --dtype auto stores every tensor exactly.")
             if kept:
                 logger.info(f"The source mixes dtypes: {describe_kept_dtypes(kept)} stay as it stores them beside "
                             f"{str(storage_dtype).removeprefix('torch.')} (--dtype auto); --dtype "
@@ -149,7 +154,7 @@ def upcycle(
                 answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
                 card = render_model_card(config, report, loaded, base_model=options.base_model,
                                          kind=target.description, answers=answers, exact=target.exact,
-                                         kept_dtypes=describe_kept_dtypes(kept))
+                                         kept_dtypes=describe_kept_dtypes(kept), rounded=rounded)
                 (folder / "README.md").write_text(card, encoding="utf-8")
 
             if output is not None:
@@ -165,6 +170,16 @@ def upcycle(
     except KeyboardInterrupt as interrupt:  # one from `write_repo_folder` says itself whether it swapped
         interrupt.output_written = getattr(interrupt, "output_written", written)
         raise
+
+
+def describe_rounding(rounded: list, storage_dtype: torch.dtype) -> str:
+    """The source tensors a conversion to `storage_dtype` rounds (`rounded_tensors`), in a phrase: "23 source
+    tensor(s) stored in float32 (model.embed_tokens.weight, ...)"; empty when none."""
+    if not rounded:
+        return ""
+    dtypes = " and ".join(sorted({str(dtype).removeprefix("torch.") for _, dtype in rounded}))
+    names = ", ".join(name for name, _ in rounded[:2]) + (", ..." if len(rounded) > 2 else "")
+    return f"{len(rounded)} source tensor(s) stored in {dtypes} ({names})"
 
 
 def moe_routing_hint(source_config: PreTrainedConfig, config: PreTrainedConfig, check_dtype: torch.dtype) -> str:

@@ -125,13 +125,14 @@ def _license_front_matter(source) -> list[str]:
     return yaml.safe_dump(fields, sort_keys=False, allow_unicode=True, width=math.inf).splitlines()
 
 
-def _function_sentence(exact: bool, report, source) -> str:
+def _function_sentence(exact: bool, report, source, rounded: str = "", storage: str = "") -> str:
     """What the card claims about the converted function: only what the conversion made true and the check showed.
 
     The function is the source model's, or, for a source whose config.json maps the model to its own code
     (`Source.custom_code`, never run), that of transformers' built-in class for its model_type. The claim is exact
     when verified at the default bar, approximate (within the tolerance) when the bar was relaxed, and unverified
-    when nothing was compared at it (`VerificationReport.verified`)."""
+    when nothing was compared at it (`VerificationReport.verified`). `rounded`: the source tensors the stored dtype
+    `storage` rounds (`api.describe_rounding`), which the claim then names."""
     if not exact:
         return ("that much holds, but this conversion **deliberately changed the function** (its experts were perturbed: "
                 "Drop-Upcycling), so the model does NOT compute the source model's function; the differences are "
@@ -144,6 +145,10 @@ def _function_sentence(exact: bool, report, source) -> str:
         caveat = (f" The source's config.json maps the model to its own code (auto_map: "
                   f"{'; '.join(f'`{entry}`' for entry in source.custom_code)}), which the conversion neither ran nor "
                   "reproduces: where that code computes something else, this model does not.")
+    if rounded:  # the weights are the source's rounded to the stored dtype: the function is that of those weights
+        function += f" with its weights rounded to {storage}"
+        caveat = (f" Storing the weights in {storage} rounded {rounded}; the converted model computes what the source "
+                  f"computes with them, which the check bounds by its tolerance.{caveat}")
     if report is None or not report.verified:
         return (f"**at conversion the model computes {function}** by construction, which this conversion did NOT "
                 f"verify (see below).{caveat}")
@@ -175,13 +180,14 @@ def _architecture_sentence(config) -> str:
 
 def render_model_card(
     config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None,
-    exact: bool = True, kept_dtypes: str = ""
+    exact: bool = True, kept_dtypes: str = "", rounded: str = ""
 ) -> str:
     """Markdown with YAML front matter; `base_model` (a Hub id) goes into the front matter when given.
 
     `answers`: (source, converted) greedy answers to the chat prompt, shown side by side when given. `exact`: False
     when the target deliberately differs from the source (`TargetKind.exact`), which the card then says.
     `kept_dtypes`: the source tensors stored in another dtype than the config's, as the source stores them.
+    `rounded`: the source tensors the stored dtype rounds (`api.describe_rounding`), named by the function claim.
     """
     front_matter = ["library_name: transformers", "pipeline_tag: text-generation", *_license_front_matter(source)]
     if base_model:
@@ -197,7 +203,10 @@ def render_model_card(
         if report.relaxed:
             verification += (
                 f"\n\n**The tolerance was relaxed** to {report.tolerance:.1e} from the default "
-                f"{report.default_tolerance:.1e} for {report.dtype}, so this is an approximate, not an exact, conversion."
+                f"{report.default_tolerance:.1e} for {report.dtype}, "
+                + ("so this is an approximate, not an exact, conversion." if report.verified else
+                   "at which no next token was compared, so nothing was verified: the differences above are reported "
+                   "only.")
             )
     chat_check = ""
     if answers is not None:
@@ -208,7 +217,8 @@ def render_model_card(
     return CARD_TEMPLATE.format(
         chat_check=chat_check,
         architecture_sentence=_architecture_sentence(config),
-        function_sentence=_function_sentence(exact, report, source),
+        function_sentence=_function_sentence(exact, report, source, rounded,
+                                             str(getattr(config, "dtype", "")).removeprefix("torch.")),
         front_matter="\n".join(front_matter),
         title=f"{base_model or source.name} + DAR",
         source_sentence=source_sentence,
