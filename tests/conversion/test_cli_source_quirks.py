@@ -316,6 +316,28 @@ def test_an_option_refused_by_the_api_names_its_flag(tmp_path, capsys, flags, me
     assert not (tmp_path / "out").exists()
 
 
+def test_a_mixed_precision_source_whose_config_loads_it_wider_is_named_in_a_warning(tmp_path, caplog):
+    """bf16 matrices with float32 norms under a config.json that says float32: from_pretrained loads the source in
+    float32; the output keeps every stored value but says bfloat16, so it loads in bf16 with its norms rounded (the
+    two load as different functions). Converted without a word before; a single-dtype source was warned already."""
+    from transformers import AutoModelForCausalLM
+
+    source = save_source(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(source)
+    for name, parameter in model.named_parameters():
+        if parameter.dim() == 2:
+            parameter.data = parameter.data.bfloat16()
+    model.save_pretrained(source)
+    edit_json(source / "config.json", dtype="float32")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert ("config.json says dtype float32, so from_pretrained loads it in float32; its weights are stored in "
+            "bfloat16 with some in float32") in caplog.text
+    assert "Pass --dtype float32" in caplog.text
+    loaded = [AutoModelForCausalLM.from_pretrained(folder) for folder in (source, tmp_path / "out")]
+    assert [m.model.norm.weight.dtype for m in loaded] == [torch.float32, torch.bfloat16]  # what the warning says
+
+
 def test_a_config_dtype_other_than_the_stored_one_is_named_in_a_warning(tmp_path, caplog):
     """config.json says bfloat16 over float32 files: from_pretrained loads the source in bfloat16, the output (which keeps
     the stored float32 exactly, and says float32) in float32; converted silently before."""

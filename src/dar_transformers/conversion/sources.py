@@ -593,20 +593,33 @@ def source_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
 def warn_if_declared_dtype_differs(config: PreTrainedConfig, checkpoint: Checkpoint, storage_dtype: torch.dtype) -> None:
     """Warn when a folder's config.json declares a dtype other than the one all its floating weights are stored in
     (`storage_dtype`, the output's with `--dtype auto`): from_pretrained loads the source in the declared dtype and the
-    output in the stored one (lossless, but twice the memory for float32 over bf16). A mixed-precision source is left
-    alone: storing it in the declared dtype would round its norms."""
+    output in the stored one (lossless, but twice the memory for float32 over bf16). A mixed-precision source (bf16
+    matrices, float32 norms) loads in the declared dtype too, and the output in its config's, which then rounds the
+    tensors kept wider (its norms: the logits move): warned too, with --dtype suggested only where the declared dtype
+    stores every tensor exactly."""
     declared = getattr(config, "dtype", None)
     if not isinstance(checkpoint, SafetensorsCheckpoint) or not isinstance(declared, torch.dtype):
         return
     stored = {info.dtype for info in checkpoint.infos().values() if info.dtype.is_floating_point}
-    if stored == {storage_dtype} and declared != storage_dtype:
-        short = str(declared).removeprefix("torch.")
+    if declared == storage_dtype or storage_dtype not in stored:
+        return
+    short, storage = str(declared).removeprefix("torch."), str(storage_dtype).removeprefix("torch.")
+    if stored == {storage_dtype}:
         logger.warning(
-            f"The source's config.json says dtype {short}, but its weights are stored in "
-            f"{str(storage_dtype).removeprefix('torch.')}: the output keeps the stored values exactly and says so in "
-            f"its config, so from_pretrained loads it in that dtype by default, where the source loads in {short}. "
-            f"Pass --dtype {short} to store it as the source loads."
+            f"The source's config.json says dtype {short}, but its weights are stored in {storage}: the output keeps "
+            f"the stored values exactly and says so in its config, so from_pretrained loads it in that dtype by "
+            f"default, where the source loads in {short}. Pass --dtype {short} to store it as the source loads."
         )
+        return
+    others = " and ".join(sorted(str(dtype).removeprefix("torch.") for dtype in stored - {storage_dtype}))
+    suggestion = (f" Pass --dtype {short} to store it as the source loads." if not rounded_tensors(checkpoint, declared)
+                  else "")
+    logger.warning(
+        f"The source's config.json says dtype {short}, so from_pretrained loads it in {short}; its weights are stored in "
+        f"{storage} with some in {others}, which the output keeps exactly, but its config says {storage}, so "
+        f"from_pretrained loads the output in {storage} by default, rounding those {others} tensors: by default the two "
+        f"load as different functions.{suggestion}"
+    )
 
 
 def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
