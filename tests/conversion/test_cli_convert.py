@@ -158,3 +158,24 @@ def test_a_source_named_dot_is_named_by_its_folder_in_the_card(tmp_path):
     assert code == 0
     card = (tmp_path / "out" / "README.md").read_text()
     assert "# SmolThing-135M + DAR" in card and "`SmolThing-135M` (HF folder SmolThing-135M)" in card
+
+
+@pytest.mark.parametrize("flags, absent, rows", [
+    (["--streams", "1"], ("transport_logit", "write_gate", "read_gate"),
+     ["| routing | none (one stream) |", "| write mode | none (one stream) |",
+      "| write-gate spread delta | none (one stream) |", "| initial transport rho | none (one stream) |"]),
+    (["--block-size", "1"], ("transport_logit",),
+     ["| initial transport rho | none (blocks of one branch carry no partial to transport) |"]),
+])
+def test_the_cards_settings_name_only_parameters_the_model_has(tmp_path, flags, absent, rows):
+    """One stream has no routing, gates or transport, and blocks of one branch no transport; the card listed their
+    settings (a routing, rho 0.95) and "transport" among the new parameters, though the files hold none."""
+    from safetensors import safe_open
+
+    source = save_source(tmp_path / "source")
+    assert cli_main(["convert", str(source), str(tmp_path / "out"), *flags, "--max-new-tokens", "0"]) == 0
+    names = [name for path in (tmp_path / "out").glob("*.safetensors") for name in safe_open(path, "pt").keys()]
+    assert names and not any(part in name for name in names for part in absent)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert all(row in card for row in rows), card
+    assert "gates, transport)" not in card

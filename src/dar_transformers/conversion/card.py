@@ -74,13 +74,16 @@ def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
     num_branches = config.dar_num_branches
     num_blocks = math.ceil(num_branches / config.dar_block_size)
     variant = "Full DAR" if config.dar_block_size == 1 else f"Block DAR, {num_blocks} blocks"
+    one_stream = config.dar_num_streams == 1  # no routing, read or write gates, nor transport (Attention Residuals)
+    none = "none (one stream)"
     rows = [
         ("block size K (branches; 2 per layer)", f"{config.dar_block_size} of {num_branches} ({variant})"),
         ("streams", str(config.dar_num_streams)),
-        ("routing", config.dar_routing),
-        ("write mode", config.dar_write_mode),
-        ("write-gate spread delta", f"{config.dar_gate_delta:g}"),
-        ("initial transport rho", f"{config.dar_rho_init:g}"),
+        ("routing", none if one_stream else config.dar_routing),
+        ("write mode", none if one_stream else config.dar_write_mode),
+        ("write-gate spread delta", none if one_stream else f"{config.dar_gate_delta:g}"),
+        ("initial transport rho", none if one_stream else f"{config.dar_rho_init:g}" if config.dar_block_size > 1
+         else "none (blocks of one branch carry no partial to transport)"),
         ("partial block as a source / count scaling", f"{config.dar_include_partial} / {config.dar_count_scaling}"),
         ("branch family (HF attention / MLP modules)", config.dar_branch_family),
         ("weights dtype", str(config.dtype).removeprefix("torch.") + (
@@ -91,6 +94,8 @@ def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
         rows.append(("experts E (sparse layers)", f"{config.num_experts} ({len(config.moe_layer_indices)} of "
                                                   f"{config.num_hidden_layers} layers)"))
         rows.append(("experts per token (top-k)", str(config.num_experts_per_tok)))
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            rows.append(("shared expert (intermediate size)", str(config.shared_expert_intermediate_size)))
     return rows
 
 
@@ -175,7 +180,7 @@ def _architecture_sentence(config) -> str:
                 "parameters (depth queries and key norms)")
     return ("DAR replaces the residual add around every attention and MLP branch with two residual streams and a "
             f"softmax attention over depth with {ROUTING_DESCRIPTIONS[config.dar_routing]}. The new parameters "
-            "(depth queries, key norms, read and write gates, transport)")
+            f"(depth queries, key norms, read and write gates{', transport' if config.dar_block_size > 1 else ''})")
 
 
 def render_model_card(
