@@ -7,6 +7,7 @@ cases replay the issue's reproductions."""
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -403,16 +404,54 @@ def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp
     lookalike = tmp_path / ".out.notours.partial"  # no marker: not this package's, never removed
     lookalike.mkdir()
     (lookalike / "data").write_text("user data")
-    running = tmp_path / ".out.running.partial"  # a marker of a process that is alive (this one): left alone
+    running = tmp_path / ".out.running.partial"  # a marker a live run (this process) holds locked: left alone
     running.mkdir()
     (running / STAGING_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
                                                       "output": str(tmp_path / "out")}))
-    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    lock = os.open(running / STAGING_MARKER, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    finally:
+        os.close(lock)
     assert code == 0, stderr
     assert f"Removing {stale}, left behind by an earlier conversion (process {pid}, no longer running)." in caplog.text
     assert f"{running} belongs to a conversion that may still be running" in caplog.text
     assert not stale.exists() and (lookalike / "data").read_text() == "user data" and running.is_dir()
     assert_complete_output(tmp_path / "out")
+
+
+def test_a_stale_lookalike_that_is_a_symlink_is_never_followed(tmp_path):
+    """A symlink named like a staging folder, to a folder holding a dead run's marker and the user's files: the
+    clean-up followed it and emptied the folder it points to. Never followed now (nor a marker that is a symlink)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / STAGING_MARKER).write_text(json.dumps({"pid": _dead_pid(), "host": os.uname().nodename,
+                                                        "output": str(tmp_path / "proj" / "out")}))
+    (elsewhere / "notes.txt").write_text("user data")
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / ".out.link1234.partial").symlink_to(elsewhere)
+    linked_marker = tmp_path / "proj" / ".out.marker5678.partial"  # a real folder whose marker is a symlink
+    linked_marker.mkdir()
+    (linked_marker / "data").write_text("user data")
+    (linked_marker / STAGING_MARKER).symlink_to(elsewhere / STAGING_MARKER)
+    assert output_module.remove_stale_runs(tmp_path / "proj") == []
+    assert (elsewhere / "notes.txt").read_text() == "user data" and (linked_marker / "data").read_text() == "user data"
+
+
+def test_a_dead_runs_folder_is_removed_when_its_lock_is_free_though_its_process_id_is_in_use(tmp_path, caplog):
+    """Every run holds its marker locked; where locks work, a free lock says the run ended, whatever its process id
+    now names (process 1 in a container, reused) or its host was called (a new container's name): such folders were
+    kept for good, "may still be running". Without a lock to read, the process id still decides."""
+    stale = []
+    for name, pid, host in (("pid1", 1, os.uname().nodename), ("rehosted", os.getpid(), "another-container")):
+        folder = tmp_path / f".out.{name}.partial"
+        folder.mkdir()
+        (folder / STAGING_MARKER).write_text(json.dumps({"pid": pid, "host": host, "output": str(tmp_path / "out")}))
+        (folder / "model.safetensors").write_bytes(b"0" * 64)
+        stale.append(folder)
+    assert output_module.remove_stale_runs(tmp_path) == sorted(stale) and leftovers(tmp_path) == []
+    assert "no longer running" in caplog.text
 
 
 def test_overwrite_replaces_a_previous_conversion_and_nothing_else(tmp_path, tiny_source):

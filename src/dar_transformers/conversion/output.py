@@ -536,20 +536,22 @@ def _release_marker(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _marker_locked(folder: Path) -> bool:
-    """Whether a live run holds the marker of `folder` locked (a run that ended, however, holds no lock)."""
+def _marker_locked(folder: Path) -> bool | None:
+    """Whether a live run holds the marker of `folder` locked: True, or False when the lock is free (a run that ended,
+    however, holds no lock); None where this cannot be told (no locks on this file system, an unreadable marker): the
+    process id decides then."""
     if fcntl is None:
-        return False
+        return None
     try:
-        descriptor = os.open(folder / STAGING_MARKER, os.O_RDONLY)
+        descriptor = os.open(folder / STAGING_MARKER, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    except OSError:  # no locks on this file system: the process id decides
-        return False
+    except OSError:  # no locks on this file system
+        return None
     finally:
         os.close(descriptor)
     return False
@@ -665,11 +667,16 @@ def remove_stale_runs(parent: Path) -> list[Path]:
     for entry in sorted(parent.iterdir()):
         if not (entry.name.startswith(".") and entry.name.endswith((STAGING_SUFFIX, RETIRED_SUFFIX))):
             continue
+        if not stat.S_ISDIR(os.lstat(entry).st_mode):  # a symlink (never followed: its target is not a run's) or file
+            continue
         marker = _read_marker(entry)
         if marker is None:
             continue
         pid, host, output = marker.get("pid"), marker.get("host"), Path(str(marker.get("output", "")))
-        if host != socket.gethostname() or _alive(pid) or _marker_locked(entry):
+        # Every run holds its marker locked while the folder is its own, so where locks work a free lock says the run
+        # ended, whatever its process id now names (reused: process 1 in a container) or its host was called.
+        locked = _marker_locked(entry)
+        if locked or (locked is None and (host != socket.gethostname() or _alive(pid))):
             logger.warning(f"{entry} belongs to a conversion that may still be running (process {pid} on {host}); "
                            "left alone.")
             continue
@@ -711,6 +718,8 @@ def _remove_marked(folder: Path) -> None:
 
 def _read_marker(folder: Path) -> dict | None:
     try:
+        if not stat.S_ISREG(os.lstat(folder / STAGING_MARKER).st_mode):  # a symlink is no marker
+            return None
         marker = json.loads((folder / STAGING_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
