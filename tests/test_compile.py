@@ -270,6 +270,39 @@ def test_compiled_training_scores_each_block_once(monkeypatch, block_size, block
     assert len(calls) == 4 + 1 and (block_size == 1 or calls != [*per_block, (1 + blocks, 1)])
 
 
+@pytest.mark.parametrize("compiled_read", ["inlined", "operator"])
+def test_compiled_training_derives_every_residuals_gates_at_once(monkeypatch, compiled_read):
+    """A traced training forward derives the gates and folded queries of all the branch residuals in one stacked
+    pass (`stacked_derivations`) and hands each its rows as tensors of their own (`traced_rows`: fewer distinct
+    kernels for inductor to compile in the first step), with the eager gradients; only the final readout derives its
+    own. Where the parameters are not here for the whole model (FSDP2 shards outside their layers' forwards, meta
+    tensors of an offloaded model) every read and write derives its own in its layer, which the counts see."""
+    stacked, derived = [], []
+    stack, own = depth_backends.stacked_derivations, depth_backends._derived
+
+    def counted_stack(residuals, *args):  # traced calls only (the eager twin derives per residual, memoised)
+        if torch.compiler.is_compiling():
+            stacked.append(len(residuals))
+        return stack(residuals, *args)
+
+    def counted_own(module, name, *args):
+        if torch.compiler.is_compiling():
+            derived.append(name)
+        return own(module, name, *args)
+
+    monkeypatch.setattr(depth_backends, "stacked_derivations", counted_stack)
+    monkeypatch.setattr(depth_backends, "_derived", counted_own)
+    model = tiny(dar_block_size=2, dar_compiled_read=compiled_read)  # 4 branches
+    compiled_matches_eager(model, steps=1)
+    assert stacked == [4] and set(derived) == {"gate_3", "routed_query"}  # the readout's, over B_0 and 2 commits
+
+    stacked.clear()
+    derived.clear()
+    monkeypatch.setattr(depth_backends, "DTensor", torch.nn.Parameter)  # every parameter "a shard" of FSDP2
+    compiled_matches_eager(model, steps=1)
+    assert stacked == [] and {"beta", "rho", "gate_2", "routed_query"} <= set(derived) and len(derived) > 8
+
+
 def test_a_block_is_scored_ahead_only_over_self_contained_layers(monkeypatch):
     """A block's reads are scored together (in the first of its layers) only when the model hands the backend its
     residuals: not in a training forward where a decoder layer is checkpointed (its recompute would not see work

@@ -33,7 +33,7 @@
   gradients off are unaffected): "inlined" (the default: each read is plain code that inductor fuses; every block
   compiles kernels of its own, so the first compiled step takes several times Llama's) or "operator" (each read and
   its gradient are one custom operator each, which inductor calls as they are: the first compiled step takes about
-  2x Llama's (1.5x with `dar_training_kernel="cpp"`, whose C++ kernels the operators then run on CPU), each step
+  1.7x Llama's (1.5x with `dar_training_kernel="cpp"`, whose C++ kernels the operators then run on CPU), each step
   after it 8-25 % longer than inlined at the SmolLM2 width, or 3-5 % longer with the C++ kernels;
   docs/overhead-log.md).
 - `dar_inference_kernel`: how an eager forward with gradients off on CPU runs the depth path of a few tokens

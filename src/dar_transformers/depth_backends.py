@@ -1160,16 +1160,110 @@ def reads_ahead(residuals: tuple, first, block_size: int, limit: int) -> list:
         return []
     block_end = min((index // block_size + 1) * block_size, len(residuals))
     group = list(residuals[index : min(block_end, index + limit)])
-    for residual in group:
-        query = residual.depth_attention.pseudo_query
-        if query.is_meta or isinstance(query, DTensor):
-            return []
-    return group
+    return group if parameters_here(group) else []
+
+
+def parameters_here(residuals) -> bool:
+    """Whether the parameters of `residuals` can be read outside their own layers' forwards: plain tensors, not on
+    the meta device (a layer-streamed or offloaded model) nor shards of FSDP2 (a DTensor outside its layer's
+    forward)."""
+    return not any(
+        residual.depth_attention.pseudo_query.is_meta or isinstance(residual.depth_attention.pseudo_query, DTensor)
+        for residual in residuals
+    )
 
 
 def _without_autocast(device_type: str):
     """The precision policy also under autocast: autocast off around depth mixing (a no-op context when it is off)."""
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
+
+
+class StackedDerivations(NamedTuple):
+    """`stacked_derivations` of R residuals: folded queries w * gamma [R, J, D], read gates with their read and count
+    scaling [R, J] (or [R, 1]), the two-stream write gates beta [R_w, J, D] and rho [R_t, 1] (None where none has one),
+    and per residual whether it has a beta (`writes`) and a rho (`transports`), in the order of the rows."""
+
+    query: torch.Tensor
+    gate: torch.Tensor
+    beta: torch.Tensor | None
+    rho: torch.Tensor | None
+    writes: list[bool]
+    transports: list[bool]
+
+
+def stacked_derivations(residuals, num_sources: list[int], like: torch.Tensor) -> StackedDerivations:
+    """What the reads and writes of `residuals` derive from their parameters (each read of its `num_sources`
+    sources), from the parameters stacked, in `like`'s dtype and on its device: a few operations for the whole model
+    where the per-residual derivations (`_derived`) take a few each. The readout has no write gate."""
+    like = dict(dtype=like.dtype, device=like.device)
+    attentions = [residual.depth_attention for residual in residuals]
+    query = attentions[0].fold_key_norm(
+        torch.stack([a.pseudo_query for a in attentions]), torch.stack([a.key_norm.weight for a in attentions])
+    ).to(**like)  # [R, J, D]
+    read_gates = [residual.read_gate for residual in residuals]
+    scales = torch.tensor(  # [R, 1]: read and count scaling
+        [[g.read_scale * a.count_scale(n)] for g, a, n in zip(read_gates, attentions, num_sources)], **like
+    )
+    if hasattr(read_gates[0], "logit"):
+        gate = read_gates[0].stream_weights_of(torch.stack([g.logit for g in read_gates])).to(**like) * scales
+    else:  # one stream
+        gate = scales  # [R, 1]
+    write_gates = [getattr(residual, "write_gate", None) for residual in residuals]
+    writes = [g is not None and g.num_streams == 2 for g in write_gates]
+    transports = [w and hasattr(g, "transport_logit") for g, w in zip(write_gates, writes)]
+    two_streams = [g for g, w in zip(write_gates, writes) if w]
+    transported = [g for g, t in zip(write_gates, transports) if t]
+    beta = two_streams[0].beta_of(torch.stack([g.logit for g in two_streams]), two_streams[0].write_scale).to(
+        **like) if two_streams else None
+    rho = transported[0].rho_of(torch.stack([g.transport_logit for g in transported])).to(**like) if transported else None
+    return StackedDerivations(query, gate, beta, rho, writes, transports)
+
+
+@torch.library.custom_op(f"{_OPERATORS}::rows", mutates_args=())
+def traced_rows(stacked: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of `stacked` as tensors of their own (not views at an offset, which inductor writes into the code
+    of every kernel that reads one, so that the same operations on different rows compile to different kernels)."""
+    return [row.clone() for row in stacked.unbind(0)]
+
+
+@traced_rows.register_fake
+def _(stacked):
+    return [stacked.new_empty(stacked.shape[1:]) for _ in range(stacked.shape[0])]
+
+
+@torch.library.custom_op(f"{_OPERATORS}::stacked_rows", mutates_args=())
+def _stacked_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(rows)
+
+
+@_stacked_rows.register_fake
+def _(rows):
+    return rows[0].new_empty(len(rows), *rows[0].shape)
+
+
+def _rows_gradient(ctx, grads):
+    return _stacked_rows([torch.zeros(ctx.row_shape, dtype=ctx.dtype, device=ctx.device) if grad is None else grad
+                          for grad in grads])
+
+
+def _setup_rows(ctx, inputs, output) -> None:
+    ctx.row_shape, ctx.dtype, ctx.device = inputs[0].shape[1:], inputs[0].dtype, inputs[0].device
+
+
+traced_rows.register_autograd(_rows_gradient, setup_context=_setup_rows)
+
+
+class _TracedConstants(NamedTuple):
+    """A residual's derived tensors in a traced training forward (`TwoPhaseDepthBackend._derive_traced`): the
+    source count its read gate is scaled for, the routed query [J * D, J], the folded query [J, D], the read gate [J]
+    and the write gates beta [J, D] and rho (1,) (None where the residual has none)."""
+
+    sources: int
+    routed: torch.Tensor
+    query: torch.Tensor
+    gate: torch.Tensor
+    beta: torch.Tensor | None
+    rho: torch.Tensor | None
 
 
 class TwoPhaseDepthBackend:
@@ -1185,6 +1279,7 @@ class TwoPhaseDepthBackend:
         self.scored: dict = {}  # traced training: the scores of reads ahead in the open block, by residual
         self.layers_traced = False  # the decoder layers compiled on their own (`depth_backend`'s `traced`)
         self.under_autocast = False  # the forward runs under autocast (`start`): traced reads take `neutral` products
+        self.derived: dict = {}  # traced training: every residual's gates and queries, by residual (`_derive_traced`)
 
     def _traced_inlined(self) -> bool:
         """A forward traced for training whose reads are plain code (`_recomputed_read`), not custom operators."""
@@ -1212,7 +1307,36 @@ class TwoPhaseDepthBackend:
         self.under_autocast = torch.is_autocast_enabled(entry.device.type)
         with self._statistics():  # in the compute dtype, whatever the history's dtype
             entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
+        if self.residuals and _traced_training() and not torch.compiler.is_exporting() and parameters_here(
+            self.residuals
+        ):  # (`torch.export` keeps the per-residual derivations: no custom operator in an exported program)
+            self.derived = self._derive_traced(self.residuals, entry_inv_rms)
         return DepthState(self, None, (entry,), entry_inv_rms)
+
+    def _derive_traced(self, residuals, like: torch.Tensor) -> dict:
+        """A training forward traced by `torch.compile` derives every residual's folded query, read gate (with its
+        read and count scaling) and write gates from their parameters stacked (`stacked_derivations`), and hands each
+        residual its rows as tensors of their own (`traced_rows`). Derived per residual (or read at an offset of the
+        stacks), each residual's derivation and its gradient lands in kernels that inductor fuses with the residual's
+        neighbours differently: dozens of distinct kernels, each a C++ compile in the first compiled step (90 against
+        47 at the SmolLM2 shape; docs/overhead-log.md). Same operations, so the same values and gradients. A read
+        checks the source count its gate was scaled for (`_TracedConstants.sources`); another count derives its own."""
+        sources = [1 + index // self.block_size + int(r.reads_partial) for index, r in enumerate(residuals)]
+        with torch.autocast(like.device.type, enabled=False):
+            derived = stacked_derivations(residuals, sources, like)
+            selector = stream_selector(residuals[0].depth_attention.key_streams, like)  # `routed_queries`, stacked
+            routed = (derived.query.transpose(-1, -2).unsqueeze(-3) * selector[:, None, :]).flatten(-3, -2)
+            routed, gate = traced_rows(routed), traced_rows(derived.gate)  # [J * D, J] and [J] each
+            query = traced_rows(derived.query) if self._traced_kernels() else [None] * len(residuals)
+            betas = iter(() if derived.beta is None else traced_rows(derived.beta))
+            rhos = iter(() if derived.rho is None else traced_rows(derived.rho))
+        return {
+            residual: _TracedConstants(
+                sources[index], routed[index], query[index], gate[index],
+                next(betas) if writes else None, next(rhos) if transports else None,
+            )
+            for index, (residual, writes, transports) in enumerate(zip(residuals, derived.writes, derived.transports))
+        }
 
     def _statistics(self):
         """Where an entry's inverse RMS is computed at its commit: without autograd eagerly (`_TwoPhaseRead` derives
@@ -1234,6 +1358,9 @@ class TwoPhaseDepthBackend:
         return DepthState(self, state.partial, state.history, torch.cat([like, torch.stack(missing)]))
 
     def _routed(self, residual, like: torch.Tensor) -> torch.Tensor:
+        derived = self.derived.get(residual)
+        if derived is not None:
+            return derived.routed
         attention = residual.depth_attention
         return _derived(
             attention, "routed_query", like,
@@ -1296,14 +1423,19 @@ class TwoPhaseDepthBackend:
         if planned is None and (not traced or self._traced_inlined()):
             planned = self.plan(state, residual)[0]
         with torch.autocast(like.device.type, enabled=False):  # the precision policy, also under autocast
-            scale = read_gate.read_scale * attention.count_scale(num_sources)
-            gate = _derived(
-                read_gate, f"gate_{num_sources}", like, lambda: read_gate.stream_weights().to(like) * scale
-            )  # [J]: (alpha, 1 - alpha) times read and count scaling
+            derived = self.derived.get(residual)
+            if derived is not None and derived.sources == num_sources:
+                gate = derived.gate
+            else:
+                scale = read_gate.read_scale * attention.count_scale(num_sources)
+                gate = _derived(
+                    read_gate, f"gate_{num_sources}", like, lambda: read_gate.stream_weights().to(like) * scale
+                )  # [J]: (alpha, 1 - alpha) times read and count scaling
             if self._traced_kernels():
                 sources = [*state.history, *([state.partial] if read_partial else [])]
+                query = attention.scoring_query().to(like) if derived is None else derived.query
                 branch_input, weights, _, _ = traced_source_read(
-                    attention.scoring_query().to(like), gate, sources, list(attention.key_streams),
+                    query, gate, sources, list(attention.key_streams),
                     list(attention.value_streams), self.eps,
                 )
                 return branch_input, weights
@@ -1327,9 +1459,12 @@ class TwoPhaseDepthBackend:
 
     def write(self, residual, state: DepthState, branch_output: torch.Tensor, commits: bool) -> DepthState:
         write_gate, like = residual.write_gate, state.history_inv_rms
+        derived = self.derived.get(residual)
         with torch.autocast(like.device.type, enabled=False):
             if write_gate.num_streams == 1:  # AttnRes writes y unchanged: beta = 1, no transport
                 beta, rho = like.new_ones(1, 1), None
+            elif derived is not None and (state.partial is None or derived.rho is not None):
+                beta, rho = derived.beta, (None if state.partial is None else derived.rho)
             else:
                 beta = _derived(write_gate, "beta", like, lambda: write_gate.beta().to(like))  # [J, D]
                 rho = None
@@ -1486,9 +1621,8 @@ class InferenceDepthBackend:
         self.inv_rms_buffer = entry.new_empty(self.num_slots, *entry.shape[:-1], dtype=compute_dtype)
         if self.residuals and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self.model_memo = _model_memo(self.residuals, self.inv_rms_buffer)
-        elif self.residuals and torch.compiler.is_compiling() and not any(
-            residual.depth_attention.pseudo_query.is_meta for residual in self.residuals
-        ):  # branch m reads B_0, the blocks finished before its own, and the partial where it reads one
+        elif self.residuals and torch.compiler.is_compiling() and parameters_here(self.residuals):
+            # branch m reads B_0, the blocks finished before its own, and the partial where it reads one
             sources = [1 + index // self.block_size + int(r.reads_partial) for index, r in enumerate(self.residuals)]
             derived, routed_t, gate = self._derive(self.residuals, sources)
             self.derived = dict(zip(self.residuals, zip(sources, derived)))
@@ -1582,36 +1716,18 @@ class InferenceDepthBackend:
         from the residuals' parameters stacked, and the stacks of their routed queries [R, J, J * D] and gates [R, J]:
         a compiled forward, which holds no memo (`_derived`) and so derives every residual's at every call, does it
         for the whole model in a few operations (`start`), not a few per residual (docs/overhead-log.md)."""
-        like = dict(dtype=self.inv_rms_buffer.dtype, device=self.inv_rms_buffer.device)
-        attentions = [residual.depth_attention for residual in residuals]
-        scale = math.sqrt(attentions[0].pseudo_query.shape[-1])
-        query = attentions[0].fold_key_norm(
-            torch.stack([a.pseudo_query for a in attentions]), torch.stack([a.key_norm.weight for a in attentions])
-        ).to(**like) * scale  # [R, J, D]
+        derived = stacked_derivations(residuals, num_sources, self.inv_rms_buffer)
+        query = derived.query * math.sqrt(derived.query.shape[-1])  # [R, J, D]
         routed_t = routed_queries_wide(query, self.key_streams)  # [R, J, J * D]
-        read_gates = [residual.read_gate for residual in residuals]
-        scales = torch.tensor(  # [R, 1]: read and count scaling
-            [[g.read_scale * a.count_scale(n)] for g, a, n in zip(read_gates, attentions, num_sources)], **like
-        )
-        if hasattr(read_gates[0], "logit"):
-            gate = read_gates[0].stream_weights_of(torch.stack([g.logit for g in read_gates])).to(**like) * scales
-        else:  # one stream
-            gate = scales  # [R, 1]
-        write_gates = [getattr(residual, "write_gate", None) for residual in residuals]  # the readout has none
-        writes = [g for g in write_gates if g is not None and g.num_streams == 2]
-        transports = [g for g in writes if hasattr(g, "transport_logit")]
-        betas = iter(writes[0].beta_of(torch.stack([g.logit for g in writes]), writes[0].write_scale).to(**like)
-                     if writes else ())  # [R_w, J, D]
-        rhos = iter(transports[0].rho_of(torch.stack([g.transport_logit for g in transports])).to(**like)
-                    if transports else ())  # [R_t, 1]
+        betas, rhos = iter(() if derived.beta is None else derived.beta), iter(() if derived.rho is None else derived.rho)
         constants = [
             _InferenceConstants(
-                routed_t[index], query[index], gate[index],
-                next(betas) if write in writes else None, next(rhos) if write in transports else None,
+                routed_t[index], query[index], derived.gate[index],
+                next(betas) if writes else None, next(rhos) if transports else None,
             )
-            for index, write in enumerate(write_gates)
+            for index, (writes, transports) in enumerate(zip(derived.writes, derived.transports))
         ]
-        return constants, routed_t, gate
+        return constants, routed_t, derived.gate
 
     def _phase_one(self, state: DepthState, residuals) -> list[_PlannedRead]:
         """Phase 1 of the reads of `residuals` (all see the state's committed entries) in one pass over the buffer."""
