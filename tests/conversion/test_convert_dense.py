@@ -366,3 +366,19 @@ def test_continuations_that_first_differ_at_a_near_tie_pass_and_the_table_says_w
         assert f"tie: first differs at new token {index + 1}" in report.table()
     report.tolerance = margin / 1000
     assert not report.passed and "NO: first differs" in report.table()
+
+
+def test_convert_of_a_path_without_verification_says_what_to_do_instead(tmp_path):
+    """`convert(path, verify=False)` was refused with "verify=False cannot write an output folder", though the caller
+    asked for no folder (the one it meant was convert's hidden temporary one). The refusal now says why a path source
+    is verified and that an in-memory model converts without it, which it does."""
+    from conftest import save_source
+
+    source = save_source(tmp_path / "source")
+    with pytest.raises(ValueError, match=r"convert\(path, verify=False\): .*convert\(model, verify=False\)"):
+        convert(source, verify=False)
+    with pytest.raises(ValueError, match=r"verify=False cannot write an output folder"):  # a folder asked for
+        upcycle(source, tmp_path / "out", verify=False)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+    model = convert(AutoModelForCausalLM.from_pretrained(source), verify=False)
+    assert isinstance(model, DARForCausalLM)

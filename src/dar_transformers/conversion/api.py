@@ -273,6 +273,13 @@ def convert(
     ```
     """
     if output is None and not isinstance(source, PreTrainedModel):
+        options = keywords.get("options")
+        if keywords.get("verify") is False or (options is not None and not options.verify):
+            raise ValueError(
+                "convert(path, verify=False): a model converted from a folder or GGUF file is written to a temporary "
+                "folder, verified and loaded back from it, and only verified conversions are written; verify=False "
+                "converts an in-memory model (convert(model, verify=False))."
+            )
         with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:
             return convert(source, Path(scratch) / "dar", **keywords)
     result = upcycle(source, output, **keywords)
