@@ -854,3 +854,50 @@ def test_a_side_file_that_cannot_be_read_is_named_as_the_source_s(tmp_path, tiny
     (line,) = messages(stderr)
     assert line == f"dar convert: error: Could not read the source file {license_file}: {reason}."
     assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_a_run_killed_at_the_swap_leaves_a_folder_the_next_run_removes_or_a_usable_output(tmp_path, tiny_source,
+                                                                                          monkeypatch, previous):
+    """The staging folder's marker was removed before the rename into place, so a SIGKILL there left the complete
+    staging folder unmarked, a model's size that no later run removes. It keeps its marker through the rename now:
+    killed before it, the next run removes the folder; killed right after, the output carries the marker, which an
+    --overwrite run ignores (the output is its own)."""
+    out = tmp_path / "out"
+    if previous:
+        assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+
+    class Killed(BaseException):  # what a SIGKILL at the rename leaves: no clean-up runs
+        pass
+
+    replace = os.replace
+
+    def killed_at_the_swap(source, target, *args, **kwargs):
+        if Path(source).name.endswith(".partial") and Path(target) == out:
+            raise Killed
+        return replace(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_swap)
+    monkeypatch.setattr(output_module, "_remove_own_folder", lambda folder: None)  # the dead run cleans nothing
+    with pytest.raises(Killed):
+        run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--overwrite", cwd=tmp_path)
+    monkeypatch.undo()
+    (staging,) = tmp_path.glob(".out.*.partial")
+    assert (staging / STAGING_MARKER).is_file()
+    for descriptor in list(output_module._MARKER_LOCKS.values()):  # the process died: its locks with it
+        os.close(descriptor)
+    output_module._MARKER_LOCKS.clear()
+    for retired in tmp_path.glob(".out.*.old"):  # a killed --overwrite: the previous output moved back by hand
+        if not out.exists():
+            os.replace(retired / "out", out)
+        shutil.rmtree(retired)
+    assert output_module.remove_stale_runs(tmp_path) == [staging] and leftovers(tmp_path) == []
+
+    # killed right after the rename: the output holds the marker, and an --overwrite run still takes it as its own
+    code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--overwrite", cwd=tmp_path)
+    assert code == 0, stderr
+    (out / STAGING_MARKER).write_text(json.dumps({"pid": _dead_pid(), "host": "h", "output": str(out)}))
+    code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--overwrite", cwd=tmp_path)
+    assert code == 0, stderr
+    assert_complete_output(out)
+    assert not (out / STAGING_MARKER).exists() and leftovers(tmp_path) == []

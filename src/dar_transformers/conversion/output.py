@@ -25,9 +25,10 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   back while folders are swapped or cleaned up, and any error (or interrupt) removes what this run created; an
   interrupt after the swap says that the output was written.
 - Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process, which the run holds
-  locked (`flock`) while the folder is its own; a later run removes those of runs that are no longer alive (a SIGKILL
-  leaves them behind) and never touches a folder without it, nor one whose marker is still locked (a run whose process
-  id means nothing here: another container with the same host name and its own process ids).
+  locked (`flock`) while the folder is its own (a staging folder until it is renamed into place); a later run removes
+  those of runs that are no longer alive (a SIGKILL leaves them behind: where locks work, a free lock says so) and
+  never touches a folder without it, a symlink, nor one whose marker is still locked (a run whose process id means
+  nothing here: another container with the same host name and its own process ids).
 """
 
 import contextlib
@@ -160,7 +161,8 @@ def not_a_conversion_output(folder: Path) -> str | None:
                 "told from yours")
     try:
         files, folders = _read_manifest(manifest_path)
-        found = {path: status for path, status in walk_without_symlinks(folder) if path != MANIFEST_NAME}
+        found = {path: status for path, status in walk_without_symlinks(folder)  # a run killed right after its swap
+                 if path not in (MANIFEST_NAME, STAGING_MARKER)}  # leaves its marker (`_move_into_place`)
     except (OSError, ValueError) as error:
         return f"{MANIFEST_NAME} or the folder cannot be read ({error})"
     unlisted = {path for path in found if path not in files and path not in folders}
@@ -560,13 +562,16 @@ def _marker_locked(folder: Path) -> bool | None:
 def _move_into_place(staging: Path, output: Path) -> None:
     """Rename the complete staging folder to `output`; an existing output is moved into a marked retired folder
     first (moved back if the rename fails) and removed after, its metadata taken over first, unless it changed after
-    it was last checked (`_changed_since_checked`): then it is kept. Call with signals held."""
-    (staging / STAGING_MARKER).unlink()
-    _release_marker(staging)
+    it was last checked (`_changed_since_checked`): then it is kept. Call with signals held. The staging folder keeps
+    its marker (and lock) through the rename, so that a run killed before it (SIGKILL, which no hold stops) leaves a
+    marked folder that a later run removes, not a complete unmarked one that none would; the output's copy of the
+    marker goes right after (`_unmark`; a run killed in between leaves it there, which `check_output_folder`
+    ignores)."""
     try:
         existing = os.lstat(output)
     except FileNotFoundError:
         os.replace(staging, output)
+        _unmark(staging, output)
         try:
             _fsync(output.parent)
         except OSError as error:  # the output is in place: say what may not last rather than fail
@@ -580,6 +585,16 @@ def _move_into_place(staging: Path, output: Path) -> None:
         _retire(staging, output, retired)
     finally:
         _release_marker(retired)
+
+
+def _unmark(staging: Path, output: Path) -> None:
+    """Remove the marker the staging folder carried into place (`_move_into_place`) and release its lock."""
+    try:
+        (output / STAGING_MARKER).unlink()
+    except OSError as error:
+        logger.warning(f"Wrote {output}, but its run marker {STAGING_MARKER} could not be removed from it "
+                       f"({_describe(error)}); remove it yourself.")
+    _release_marker(staging)
 
 
 def _retire(staging: Path, output: Path, retired: Path) -> None:
@@ -605,6 +620,7 @@ def _retire(staging: Path, output: Path, retired: Path) -> None:
             raise error from back
         shutil.rmtree(retired, ignore_errors=True)
         raise
+    _unmark(staging, output)
     try:
         changed = _changed_since_checked(retired / output.name)
     except OSError as error:
