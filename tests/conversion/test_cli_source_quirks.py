@@ -334,6 +334,7 @@ def test_a_mixed_precision_source_whose_config_loads_it_wider_is_named_in_a_warn
     assert ("config.json says dtype float32, so from_pretrained loads it in float32; its weights are stored in "
             "bfloat16 with some in float32") in caplog.text
     assert "Pass --dtype float32" in caplog.text
+    assert "rounds" not in caplog.text  # --dtype auto rounds nothing: it keeps the float32 norms as stored
     loaded = [AutoModelForCausalLM.from_pretrained(folder) for folder in (source, tmp_path / "out")]
     assert [m.model.norm.weight.dtype for m in loaded] == [torch.float32, torch.bfloat16]  # what the warning says
 

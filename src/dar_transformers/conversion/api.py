@@ -120,7 +120,8 @@ def upcycle(
                                                loaded.checkpoint.description, loaded.checkpoint.config_name,
                                                keep_source_dtypes)
             kept = kept_source_dtypes(plans, new_names, storage_dtype)
-            rounded = describe_rounding(rounded_tensors(loaded.checkpoint, storage_dtype), storage_dtype)
+            rounded = ("" if keep_source_dtypes  # "auto" keeps every tensor as the source stores it
+                       else describe_rounding(rounded_tensors(loaded.checkpoint, storage_dtype), storage_dtype))
             if rounded:
                 logger.warning(f"--dtype {str(storage_dtype).removeprefix('torch.')} rounds {rounded}: the converted "
                                "model computes the source's function with those weights rounded, not bit for bit the "
