@@ -204,12 +204,12 @@ def stream_selector(streams: tuple[int, ...], like: torch.Tensor) -> torch.Tenso
 
 
 def routed_queries(query: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
-    """query [J, D] -> [J_key * D, J]: column j holds target j's query in the rows of its key stream kappa(j),
-    zeros elsewhere, so that (entry [.., J_key * D]) @ routed gives every target's key dot directly (any routing,
-    no per-routing gather of the dots)."""
-    streams, hidden = query.shape
-    routed = query.T.unsqueeze(0) * stream_selector(key_streams, query)[:, None, :]  # [J_key, D, J]
-    return routed.reshape(streams * hidden, streams)
+    """query [..., J, D] -> [..., J_key * D, J]: column j holds target j's query in the rows of its key stream
+    kappa(j), zeros elsewhere, so that (entry [.., J_key * D]) @ routed gives every target's key dot directly (any
+    routing, no per-routing gather of the dots); for any leading dimensions (stacked residuals)."""
+    selector = stream_selector(key_streams, query)  # [J_key, J]
+    routed = query.transpose(-1, -2).unsqueeze(-3) * selector[:, None, :]  # [..., J_key, D, J]
+    return routed.flatten(-3, -2)
 
 
 def routed_queries_wide(query: torch.Tensor, key_streams: tuple[int, ...]) -> torch.Tensor:
@@ -1178,6 +1178,12 @@ def _without_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
 
 
+def read_source_counts(residuals, block_size: int) -> list[int]:
+    """How many sources each of the model's branch residuals (in order) reads: B_0, the blocks finished before its
+    own, and the partial where it reads one (what its read gate's count scaling is for)."""
+    return [1 + index // block_size + int(residual.reads_partial) for index, residual in enumerate(residuals)]
+
+
 class StackedDerivations(NamedTuple):
     """`stacked_derivations` of R residuals: folded queries w * gamma [R, J, D], read gates with their read and count
     scaling [R, J] (or [R, 1]), the two-stream write gates beta [R_w, J, D] and rho [R_t, 1] (None where none has one),
@@ -1215,7 +1221,8 @@ def stacked_derivations(residuals, num_sources: list[int], like: torch.Tensor) -
     transported = [g for g, t in zip(write_gates, transports) if t]
     beta = two_streams[0].beta_of(torch.stack([g.logit for g in two_streams]), two_streams[0].write_scale).to(
         **like) if two_streams else None
-    rho = transported[0].rho_of(torch.stack([g.transport_logit for g in transported])).to(**like) if transported else None
+    rho = (transported[0].rho_of(torch.stack([g.transport_logit for g in transported])).to(**like) if transported
+           else None)
     return StackedDerivations(query, gate, beta, rho, writes, transports)
 
 
@@ -1321,11 +1328,10 @@ class TwoPhaseDepthBackend:
         neighbours differently: dozens of distinct kernels, each a C++ compile in the first compiled step (90 against
         47 at the SmolLM2 shape; docs/overhead-log.md). Same operations, so the same values and gradients. A read
         checks the source count its gate was scaled for (`_TracedConstants.sources`); another count derives its own."""
-        sources = [1 + index // self.block_size + int(r.reads_partial) for index, r in enumerate(residuals)]
+        sources = read_source_counts(residuals, self.block_size)
         with torch.autocast(like.device.type, enabled=False):
             derived = stacked_derivations(residuals, sources, like)
-            selector = stream_selector(residuals[0].depth_attention.key_streams, like)  # `routed_queries`, stacked
-            routed = (derived.query.transpose(-1, -2).unsqueeze(-3) * selector[:, None, :]).flatten(-3, -2)
+            routed = routed_queries(derived.query, residuals[0].depth_attention.key_streams)  # [R, J * D, J]
             routed, gate = traced_rows(routed), traced_rows(derived.gate)  # [J * D, J] and [J] each
             query = traced_rows(derived.query) if self._traced_kernels() else [None] * len(residuals)
             betas = iter(() if derived.beta is None else traced_rows(derived.beta))
@@ -1622,8 +1628,7 @@ class InferenceDepthBackend:
         if self.residuals and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self.model_memo = _model_memo(self.residuals, self.inv_rms_buffer)
         elif self.residuals and torch.compiler.is_compiling() and parameters_here(self.residuals):
-            # branch m reads B_0, the blocks finished before its own, and the partial where it reads one
-            sources = [1 + index // self.block_size + int(r.reads_partial) for index, r in enumerate(self.residuals)]
+            sources = read_source_counts(self.residuals, self.block_size)
             derived, routed_t, gate = self._derive(self.residuals, sources)
             self.derived = dict(zip(self.residuals, zip(sources, derived)))
             self.stacks = (routed_t, gate, {residual: index for index, residual in enumerate(self.residuals)})
@@ -1719,7 +1724,8 @@ class InferenceDepthBackend:
         derived = stacked_derivations(residuals, num_sources, self.inv_rms_buffer)
         query = derived.query * math.sqrt(derived.query.shape[-1])  # [R, J, D]
         routed_t = routed_queries_wide(query, self.key_streams)  # [R, J, J * D]
-        betas, rhos = iter(() if derived.beta is None else derived.beta), iter(() if derived.rho is None else derived.rho)
+        betas = iter(() if derived.beta is None else derived.beta)
+        rhos = iter(() if derived.rho is None else derived.rho)
         constants = [
             _InferenceConstants(
                 routed_t[index], query[index], derived.gate[index],
