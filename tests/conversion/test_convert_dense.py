@@ -382,3 +382,38 @@ def test_convert_of_a_path_without_verification_says_what_to_do_instead(tmp_path
     assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
     model = convert(AutoModelForCausalLM.from_pretrained(source), verify=False)
     assert isinstance(model, DARForCausalLM)
+
+
+def test_a_conversion_without_output_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """`convert(path)` and `upcycle(path)` (no output) write into `$TMPDIR`. A run killed there (SIGKILL, the
+    out-of-memory killer) left an unmarked `dar-convert-*` folder, a model's size, that nothing removed; and the model
+    `convert` returned stayed mapped onto the shards of the folder it had just removed (disk space no listing shows,
+    until the model goes). The folder is marked now, so the next run without output removes it, and the model is read
+    into memory."""
+    import tempfile
+
+    source = save_source(tmp_path / "source")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, tempfile
+        from dar_transformers.conversion import api
+        tempfile.tempdir = {str(scratch)!r}
+        def killed(*arguments, **keywords):
+            os.kill(os.getpid(), signal.SIGKILL)
+        api.verify_written = killed  # killed once the folder is written
+        api.upcycle({str(source)!r}, max_new_tokens=1, progress=False)
+    """)], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert killed.returncode == -9, killed.stderr
+    (left,) = scratch.iterdir()
+    assert left.name.startswith(".dar-convert.") and left.name.endswith(".partial"), left.name
+    assert list(left.rglob("*.safetensors")), list(left.rglob("*"))  # a model's size
+
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    model = convert(source, tolerance=1e-5, **FAST)
+    assert list(scratch.iterdir()) == []  # the killed run's folder and this run's own are gone
+    assert isinstance(model, DARForCausalLM)
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if str(scratch) in line], "the returned model maps removed files"
+    torch.testing.assert_close(logits(model, IDS), logits(AutoModelForCausalLM.from_pretrained(source), IDS),
+                               atol=1e-5, rtol=0)

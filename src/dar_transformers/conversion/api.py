@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from ..modeling_dar_moe import DARMoeForCausalLM
 from .card import chat_answers, render_model_card
 from .families import MOE_SOURCE_FAMILIES, source_family
 from .options import ConversionOptions
-from .output import check_output_folder, write_repo_folder
+from .output import check_output_folder, scratch_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
 from .plan import (
     cast_model, check_finite, check_tied_output_head, in_memory_source, kept_source_dtypes, logging_level_error,
@@ -163,8 +162,8 @@ def upcycle(
                 written = True
                 logger.info(f"Wrote the converted model to {output}")
             else:  # a check only: written to a temporary folder, verified, removed
-                with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:
-                    write(Path(scratch))
+                with scratch_folder() as scratch:
+                    write(scratch)
         loaded.model = None
         return ConversionResult(model=None, tokenizer=loaded.tokenizer, report=outcome.get("report"), source=loaded,
                                 output=output, config=config)
@@ -281,13 +280,17 @@ def convert(
                 "folder, verified and loaded back from it, and only verified conversions are written; verify=False "
                 "converts an in-memory model (convert(model, verify=False))."
             )
-        with tempfile.TemporaryDirectory(prefix="dar-convert-") as scratch:
-            return convert(source, Path(scratch) / "dar", **keywords)
+        with scratch_folder() as scratch:  # read into memory, not mapped: the folder goes before the model
+            return _load_written(upcycle(source, scratch / "dar", **keywords).output, disable_mmap=True)
     result = upcycle(source, output, **keywords)
     if result.model is not None:
         return result.model
+    return _load_written(result.output)
+
+
+def _load_written(folder: Path, **keywords) -> PreTrainedModel:
     with logging_level_error():
-        return AutoModelForCausalLM.from_pretrained(result.output, dtype="auto", trust_remote_code=False).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype="auto", trust_remote_code=False, **keywords).eval()
 
 
 def _moe_target(expert_noise: float, seed: int) -> TargetKind | str:

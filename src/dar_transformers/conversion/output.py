@@ -441,6 +441,25 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
         raise
 
 
+@contextlib.contextmanager
+def scratch_folder() -> Iterator[Path]:
+    """A marked folder in the temporary folder (`tempfile.gettempdir()`, `$TMPDIR`) for a conversion that has no
+    output (`upcycle(path)`, a check only; `convert(path)`, loaded back and returned), removed on exit. A run killed
+    where nothing runs its clean-up (SIGKILL, the out-of-memory killer) left an unmarked `dar-convert-*` folder, a
+    model's size, that nothing removed; a marked one is removed by the next run that has no output, as
+    `write_repo_folder` removes stale staging folders beside an output (`remove_stale_runs`)."""
+    parent = resolve_path(tempfile.gettempdir())
+    remove_stale_runs(parent)
+    with signals_held():
+        folder = _marked_folder(parent / "dar-convert", STAGING_SUFFIX)
+    try:
+        yield folder
+    finally:
+        with signals_held():
+            _remove_own_folder(folder)
+            _release_marker(folder)
+
+
 def _remove_own_folder(folder: Path) -> None:
     """Remove a folder this run created (its staging folder), writable first: it may have taken over the mode of a
     read-only output it was to replace (`_take_over_metadata`) before that swap failed, and then neither `rmtree`
