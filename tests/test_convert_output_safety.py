@@ -214,7 +214,7 @@ def test_read_only_output_is_one_line_and_leaves_nothing(tmp_path, tiny_source):
         code, stderr = run_convert_in_process(tiny_source, disk / "a" / "out", cwd=tmp_path)
         assert code == 1
         (line,) = messages(stderr)
-        assert f"Could not write {disk / 'a' / 'out'}: Read-only file system" in line
+        assert f"the folder {disk} is not writable (a read-only file system)" in line
         assert list(disk.iterdir()) == []
 
 
@@ -232,7 +232,9 @@ def test_no_space_simulated_in_process_leaves_nothing(tmp_path, tiny_source, mon
     assert list(tmp_path.iterdir()) == []  # the parent folders it created are gone too
 
 
-def test_immutable_previous_output_is_refused_at_the_swap_and_kept(tmp_path, tiny_source):
+def test_immutable_previous_output_is_refused_before_any_work_and_kept(tmp_path, tiny_source):
+    """chattr +i on a previous output: `--overwrite` cannot move it aside, which was found only at the swap, after the
+    whole conversion; refused at once now, saying why a folder whose mode allows writing cannot be written."""
     out = tmp_path / "out"
     assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     before = tree_state(tmp_path)
@@ -244,7 +246,8 @@ def test_immutable_previous_output_is_refused_at_the_swap_and_kept(tmp_path, tin
         subprocess.run(["chattr", "-i", str(out)], check=True)
     assert code == 1
     (line,) = messages(stderr)
-    assert f"Could not write {out}: Operation not permitted" in line
+    assert f"Output folder {out} is not writable (mode drwxr-xr-x, owner {os.geteuid()}, which allows it: an " \
+           "immutable attribute (chattr +i)" in line and "Verifying" not in stderr
     assert tree_state(tmp_path) == before
 
 

@@ -197,34 +197,90 @@ def test_a_staging_folder_of_a_live_run_whose_process_id_means_nothing_here_is_l
     assert output_module.remove_stale_runs(tmp_path) == [staging] and not staging.exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
-                    reason="as root, permission bits need util-linux's setpriv to take effect")
-def test_a_failed_swap_with_a_read_only_output_leaves_no_staging_copy(tmp_path):
-    """`dar convert SRC out --overwrite` over a previous output its owner made read-only (chmod 555): the swap
-    cannot move that folder (moving a folder to another parent needs write permission on it), so the run fails with
-    the output unchanged. But the staging folder, holding the complete new model, had already taken over mode 555,
-    so its removal failed silently and it stayed behind without a marker, which no later run removed (16 GB at 8B)
-    while the error said "nothing was written". Run as a normal user's permission rules (root without override)."""
+AS_A_USER = pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
+                               reason="as root, permission bits need util-linux's setpriv to take effect")
+# Root's permission rules without its override of them (a normal user's), for a subprocess.
+DROP_OVERRIDES = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+
+
+@AS_A_USER
+def test_an_output_the_swap_could_not_make_is_refused_before_any_work(tmp_path):
+    """`dar convert SRC out --overwrite` over a previous output its owner made read-only (chmod 555): the swap cannot
+    move that folder aside (moving a folder to another parent needs write permission on it), which was found only at
+    the swap, after the whole conversion (hours at 8B). A read-only parent was refused at once but named the hidden
+    staging folder the run had tried to create (`.out.XXXXXXXX.partial`), not the folder to fix. Both are refused
+    before anything is read or created, naming the folder and its mode."""
     source = save_source(tmp_path / "source")
     out = tmp_path / "out"
-    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
-    def convert(*flags):
-        return subprocess.run([*drop, sys.executable, "-m", "dar_transformers.cli", "convert", str(source), str(out),
-                               "--max-new-tokens", "1", *flags], env=env, stdin=subprocess.DEVNULL,
+    def convert(output, *flags):
+        return subprocess.run([*DROP_OVERRIDES, sys.executable, "-m", "dar_transformers.cli", "convert", str(source),
+                               str(output), "--max-new-tokens", "1", *flags], env=env, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=300)
 
-    assert convert().returncode == 0
+    assert convert(out).returncode == 0
     before = {path.name: path.read_bytes() for path in out.iterdir()}
-    os.chmod(out, 0o555)
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    for folder in (out, read_only):
+        os.chmod(folder, 0o555)
     try:
-        failed = convert("--overwrite")
-        assert failed.returncode == 1 and "Permission denied" in failed.stderr and "nothing was written" in failed.stderr
-        assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "source"]  # no hidden copy left
+        failed = convert(out, "--overwrite")
+        assert failed.returncode == 1, failed.stderr
+        assert (f"Output folder {out} is not writable (mode dr-xr-xr-x" in failed.stderr
+                and "Make it writable" in failed.stderr and "Verifying" not in failed.stderr), failed.stderr
+        for output in (read_only / "out", read_only / "new" / "deeper" / "out"):
+            failed = convert(output)
+            assert failed.returncode == 1 and "partial" not in failed.stderr, failed.stderr
+            assert f"the folder {read_only} is not writable (mode dr-xr-xr-x" in failed.stderr, failed.stderr
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "read-only", "source"]
+        assert list(read_only.iterdir()) == []
         assert {path.name: path.read_bytes() for path in out.iterdir()} == before
     finally:
+        for folder in (out, read_only):
+            os.chmod(folder, 0o755)
+
+
+@AS_A_USER
+def test_a_failed_swap_with_a_read_only_output_leaves_no_staging_copy(tmp_path):
+    """An output made read-only after the last check, just before the swap (a race `check_output_folder` cannot
+    close): the swap cannot move it aside and the run fails with it unchanged. The staging folder, holding the complete
+    new model, had already taken over mode 555, so its removal failed silently and it stayed behind without a marker,
+    which no later run removed (16 GB at 8B) while the error said "nothing was written"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = f"""
+import os
+from pathlib import Path
+from dar_transformers.conversion import output as output_module
+
+out = Path({str(out)!r})
+refuse = output_module._refuse_unwritable
+checks = []
+
+def checked(*arguments):  # the last check passes: the folder becomes read-only after it
+    checks.append(arguments)
+    if len(checks) == 1:
+        refuse(*arguments)
+
+def write(staging):
+    (staging / "model.safetensors").write_bytes(b"weights")
+    os.chmod(out, 0o555)
+
+output_module._refuse_unwritable = checked
+try:
+    output_module.write_repo_folder(out, write, overwrite=False)
+except OSError as error:
+    print(error)
+"""
+    try:
+        run = subprocess.run([*DROP_OVERRIDES, sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120)
+    finally:
         os.chmod(out, 0o755)
+    assert "Permission denied" in run.stdout and "nothing was written" in run.stdout, run.stdout + run.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"] and list(out.iterdir()) == []
 
 
 def test_parent_folders_made_before_one_that_fails_are_removed(tmp_path):

@@ -125,7 +125,48 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
                 f"Output folder {shown} is not empty and is not a previous conversion output ({reason}); --overwrite "
                 "replaces only those. Choose a new or empty folder, or move this one away yourself."
             )
+    _refuse_unwritable(output, shown)
     return output
+
+
+def _refuse_unwritable(output: Path, shown: str) -> None:
+    """Refuse, before any work, an output the swap could not make: the staging folder is created in the output's
+    parent (or the nearest existing ancestor, which gets the missing folders), which needs write permission there,
+    and an existing output folder is moved aside into a folder beside it (`_retire`), which needs write permission on
+    it (a folder's `..` entry changes). Else a read-only previous output was found only at the swap, after the whole
+    conversion, and a read-only parent was named by the hidden staging path the run had tried to create."""
+    effective = os.access in os.supports_effective_ids
+    parent = _nearest_existing(output.parent)
+    if not os.access(parent, os.W_OK | os.X_OK, effective_ids=effective):
+        raise PermissionError(
+            f"Output {shown}: the folder {parent} is not writable ({_mode_and_file_system(parent)}), and the "
+            f"conversion creates its staging folder (and any missing folder) there. Choose an output in a folder you "
+            "can write to."
+        )
+    if os.path.lexists(output) and not os.access(output, os.W_OK, effective_ids=effective):
+        raise PermissionError(
+            f"Output folder {shown} is not writable ({_mode_and_file_system(output)}): replacing it moves it aside "
+            f"into a folder beside it, which needs write permission on it. Make it writable (chmod u+w {output}) or "
+            "choose another output."
+        )
+
+
+def _mode_and_file_system(path: Path) -> str:
+    """Why `path` cannot be written, as far as its status tells: "mode dr-xr-xr-x, owner 1000", "a read-only file
+    system", or a mode that would allow it followed by what else forbids it."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "a read-only file system"
+        status = os.stat(path)
+    except OSError as error:
+        return _describe(error)
+    mode = f"mode {stat.filemode(status.st_mode)}, owner {status.st_uid}"
+    user = os.geteuid() if hasattr(os, "geteuid") else None
+    bit = stat.S_IWUSR if status.st_uid == user else stat.S_IWGRP if status.st_gid in os.getgroups() else stat.S_IWOTH
+    if status.st_mode & bit:
+        mode += (", which allows it: an immutable attribute (chattr +i), an access control list or a security module "
+                 "forbids it")
+    return mode
 
 
 def _refuse_names_too_long_to_stage(output: Path, shown: str, existing: Path) -> None:
