@@ -77,6 +77,8 @@ def test_a_failed_relaxed_check_does_not_announce_a_model_card(tmp_path, caplog)
                      "--max-new-tokens", "4"])
     assert code == 2 and not (tmp_path / "out").exists()
     assert "The model card says so" not in caplog.text
+    # nor the rounding warning, before any check: "computes the source's function ... (the model card says so)"
+    assert "model card says so" not in caplog.text and "the model card of a written output says so" in caplog.text
 
 
 def test_moe_flags_with_an_explicit_dense_kind_are_refused_naming_both(tmp_path, capsys):

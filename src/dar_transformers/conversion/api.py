@@ -123,8 +123,10 @@ def upcycle(
                        else describe_rounding(rounded_tensors(loaded.checkpoint, storage_dtype), storage_dtype))
             if rounded:
                 logger.warning(f"--dtype {str(storage_dtype).removeprefix('torch.')} rounds {rounded}: the converted "
-                               "model computes the source's function with those weights rounded, not bit for bit the "
-                               "source's (the model card says so); --dtype auto stores every tensor exactly.")
+                               "model can at most compute the source's function with those weights rounded, not bit "
+                               "for bit the source's, so the check may fail at its default tolerance (--tolerance "
+                               "accepts the rounding, and the model card of a written output says so); --dtype auto "
+                               "stores every tensor exactly.")
             if kept:
                 logger.info(f"The source mixes dtypes: {describe_kept_dtypes(kept)} stay as it stores them beside "
                             f"{str(storage_dtype).removeprefix('torch.')} (--dtype auto); --dtype "
