@@ -43,7 +43,8 @@ def _shard_size(text: str) -> str | int:
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="an HF model folder (safetensors) or a .gguf file")
+    parser.add_argument("source", help="an HF model folder (safetensors) or a .gguf file; a dense DAR folder converts "
+                        "to DAR-MoE (--experts/--top-k), keeping its DAR parameters")
     parser.add_argument(
         "output", help="the folder to write: new or empty (or a previous conversion output with --overwrite); never the "
         "source, inside it or around it",

@@ -295,21 +295,19 @@ def test_a_custom_model_type_is_refused_before_any_code_runs(tmp_path):
     assert tree_digest(source) == before
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_a_dar_folder_as_the_source_is_refused_saying_what_converts_instead(tmp_path, moe):
-    """A converted DAR folder given back to the converter (say, to upcycle a trained DAR to DAR-MoE) is refused in
-    one line that says it already is DAR, names the Llama-family route and says why loading it into DAR-MoE is no
-    substitute, not the generic "custom model code" refusal; nothing is written and the folder is untouched."""
+def test_a_dar_folder_as_the_source_of_dense_dar_is_refused_saying_what_converts_instead(tmp_path):
+    """A converted DAR folder given back to the converter without MoE flags is refused in one line that says it
+    already is DAR and names the route that does convert it (DAR-MoE, `test_convert_dar_to_moe.py`), not the generic
+    "custom model code" refusal; nothing is written and the folder is untouched."""
     from conftest import tiny_dar_config
 
     from dar_transformers import DARForCausalLM
 
     DARForCausalLM(tiny_dar_config()).save_pretrained(tmp_path / "dar")
     before = tree_digest(tmp_path / "dar")
-    flags = ("--experts", "4", "--top-k", "2") if moe else ()
-    code, stderr = run_convert_in_process(tmp_path / "dar", tmp_path / "out", *flags, cwd=tmp_path)
-    assert_refused_in_one_line(code, stderr, r"model_type 'dar'", r"already a DAR checkpoint",
-                               r"--experts/--top-k", r"not exact")
+    code, stderr = run_convert_in_process(tmp_path / "dar", tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"model_type 'dar'", r"already a dense DAR model",
+                               r"--kind dar_moe with --experts/--top-k")
     assert "custom model code" not in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dar"]
     assert tree_digest(tmp_path / "dar") == before

@@ -118,7 +118,7 @@ def upcycle(
             plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
                                                loaded.checkpoint.description, loaded.checkpoint.config_name,
                                                keep_source_dtypes)
-            kept = kept_source_dtypes(plans, new_names, storage_dtype)
+            kept = kept_source_dtypes(plans, target, storage_dtype)
             rounded = ("" if keep_source_dtypes  # "auto" keeps every tensor as the source stores it
                        else describe_rounding(rounded_tensors(loaded.checkpoint, storage_dtype), storage_dtype))
             if rounded:

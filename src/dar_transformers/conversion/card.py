@@ -18,9 +18,7 @@ CARD_TEMPLATE = """---
 {source_sentence} converted into **{kind}** (DAR; Yu, Li, Liu et al., arXiv 2607.18730) with
 [dar-transformers](https://pypi.org/project/dar-transformers/) {package_version}.
 
-{architecture_sentence} are initialised so that every depth read is the standard residual
-sum: {function_sentence} Training (fine-tuning
-or continued pre-training) is what lets the depth attention depart from the plain residual stream.
+{conversion_paragraph}
 
 ## DAR settings
 
@@ -172,15 +170,35 @@ ROUTING_DESCRIPTIONS = {  # DESIGN.md section 2: which stream's history keys and
 }
 
 
-def _architecture_sentence(config) -> str:
-    """What the model's config makes of the residual path, and the parameters that adds (no gates for one stream)."""
+def _architecture_sentences(config) -> tuple[str, str]:
+    """What the model's config makes of the residual path, and the DAR parameters that adds (no gates for one
+    stream)."""
     if config.dar_num_streams == 1:
         return ("This model runs DAR's one-stream special case (Attention Residuals): the residual add around every "
-                "attention and MLP branch becomes a softmax attention over depth of one residual stream. The new "
-                "parameters (depth queries and key norms)")
+                "attention and MLP branch becomes a softmax attention over depth of one residual stream.",
+                "depth queries and key norms")
     return ("DAR replaces the residual add around every attention and MLP branch with two residual streams and a "
-            f"softmax attention over depth with {ROUTING_DESCRIPTIONS[config.dar_routing]}. The new parameters "
-            f"(depth queries, key norms, read and write gates{', transport' if config.dar_block_size > 1 else ''})")
+            f"softmax attention over depth with {ROUTING_DESCRIPTIONS[config.dar_routing]}.",
+            f"depth queries, key norms, read and write gates{', transport' if config.dar_block_size > 1 else ''}")
+
+
+def _from_dar(source) -> bool:
+    """Whether the source is a dense DAR model (upcycled to DAR-MoE)."""
+    return getattr(source.config, "model_type", None) == "dar"
+
+
+def _conversion_paragraph(config, source, function_sentence: str) -> str:
+    """What the conversion made of the source, ending with what training changes. A dense DAR source (its DAR-MoE
+    upcycle) keeps its DAR parameters, trained or not; a Llama-family source gets them new, at the residual sum."""
+    described, parameters = _architecture_sentences(config)
+    if _from_dar(source):
+        return (f"{described} The source is a DAR model already: its DAR parameters ({parameters}) are kept as they "
+                f"are, and each MLP became {config.num_experts} identical experts behind a new router, so whichever "
+                f"experts the router picks compute the source's MLP: {function_sentence} Training is what lets the "
+                "experts specialise.")
+    return (f"{described} The new parameters ({parameters}) are initialised so that every depth read is the standard "
+            f"residual sum: {function_sentence} Training (fine-tuning or continued pre-training) is what lets the "
+            "depth attention depart from the plain residual stream.")
 
 
 def render_model_card(
@@ -221,11 +239,10 @@ def render_model_card(
         )
     return CARD_TEMPLATE.format(
         chat_check=chat_check,
-        architecture_sentence=_architecture_sentence(config),
-        function_sentence=_function_sentence(exact, report, source, rounded,
-                                             str(getattr(config, "dtype", "")).removeprefix("torch.")),
+        conversion_paragraph=_conversion_paragraph(config, source, _function_sentence(
+            exact, report, source, rounded, str(getattr(config, "dtype", "")).removeprefix("torch."))),
         front_matter="\n".join(front_matter),
-        title=f"{base_model or source.name} + DAR",
+        title=f"{base_model or source.name} + {'MoE' if _from_dar(source) else 'DAR'}",
         source_sentence=source_sentence,
         kind=kind,
         package_version=__version__,

@@ -25,6 +25,9 @@ SOURCE_FAMILIES: dict[str, str] = {family: family for family in DAR_BRANCH_FAMIL
 # MoE sources convert to kind "dar_moe" only, with the branches of their dense sibling.
 MOE_SOURCE_FAMILIES: dict[str, str] = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 ALL_SOURCE_FAMILIES: dict[str, str] = {**SOURCE_FAMILIES, **MOE_SOURCE_FAMILIES}
+# A dense DAR checkpoint (say, one trained after conversion) converts to DAR-MoE only: sparse upcycling of its MLPs,
+# every DAR parameter kept.
+DAR_SOURCE_TYPE = "dar"
 # Families whose sliding window applies only through `use_sliding_window` / `layer_types` (refused below).
 LAYER_TYPED_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Families whose attention reads `sliding_window` directly. Any other family's attention ignores the key (a stray one
@@ -77,18 +80,17 @@ def one_line(error: BaseException) -> str:
 
 def supported_families_sentence() -> str:
     return (f"DAR converts model_type {sorted(SOURCE_FAMILIES)} (Llama, SmolLM, TinyLlama, Mistral, Qwen2, Qwen3) and, "
-            f"to DAR-MoE, {sorted(MOE_SOURCE_FAMILIES)}")
+            f"to DAR-MoE, {sorted(MOE_SOURCE_FAMILIES)} and a dense {DAR_SOURCE_TYPE!r} checkpoint")
 
 
 def check_model_type(model_type: object, where: str) -> str:
     """The branch family of a source `model_type` read from `where`, or a one-line error listing the supported ones."""
-    if model_type in ("dar", "dar_moe"):
+    if model_type == DAR_SOURCE_TYPE:  # a dense DAR upcycles to DAR-MoE (its branch family: its config's)
+        return DAR_SOURCE_TYPE
+    if model_type == "dar_moe":
         raise UnsupportedArchitectureError(
-            f"Cannot convert model_type {model_type!r} ({where}): it is already a DAR checkpoint; the converter takes "
-            f"Llama-family sources only ({supported_families_sentence()}). To get DAR-MoE, convert the Llama-family "
-            "checkpoint it came from with --experts/--top-k; upcycling a trained dense DAR (keeping its DAR "
-            "parameters) is not supported: DARMoeForCausalLM.from_pretrained on a dense DAR folder starts every expert "
-            "and router afresh, which is not exact."
+            f"Cannot convert model_type {model_type!r} ({where}): it is already a DAR-MoE checkpoint; "
+            f"{supported_families_sentence()}."
         )
     if not isinstance(model_type, str) or model_type not in ALL_SOURCE_FAMILIES:  # a list or object is no type either
         raise UnsupportedArchitectureError(
@@ -102,7 +104,8 @@ def source_family(config: PreTrainedConfig) -> str:
     """The DAR branch family of a source config, or a clear error listing the supported ones."""
     architectures = getattr(config, "architectures", None) or [type(config).__name__]
     where = ", ".join(map(str, architectures)) if isinstance(architectures, (list, tuple)) else str(architectures)
-    return check_model_type(config.model_type, where)
+    family = check_model_type(config.model_type, where)
+    return config.dar_branch_family if family == DAR_SOURCE_TYPE else family
 
 
 def check_full_attention(source_config: PreTrainedConfig) -> None:
@@ -130,16 +133,20 @@ def architecture_fields() -> tuple[str, ...]:
 
 
 def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
-    """The architecture fields of a source (those its config has, None included), checked for full attention."""
-    if source_config.model_type in LAYER_TYPED_FAMILIES:
+    """The architecture fields of a source (those its config has, None included), checked for full attention. A dense
+    DAR source's attention is that of its branch family (a Mistral-branch DAR keeps its sliding window)."""
+    model_type = source_config.model_type
+    if model_type == DAR_SOURCE_TYPE:
+        model_type = source_config.dar_branch_family
+    if model_type in LAYER_TYPED_FAMILIES:
         check_full_attention(source_config)
     values = source_config.to_dict()
     fields = {name: values[name] for name in architecture_fields() if name in values}
-    if source_config.model_type not in SLIDING_WINDOW_FAMILIES:
+    if model_type not in SLIDING_WINDOW_FAMILIES:
         window = fields.pop("sliding_window", None)  # Qwen: only with use_sliding_window (refused above)
-        if window is not None and source_config.model_type not in LAYER_TYPED_FAMILIES:
+        if window is not None and model_type not in LAYER_TYPED_FAMILIES:
             logger.warning(
-                f"The {source_config.model_type} source's sliding_window={window} is not carried: its attention ignores "
+                f"The {model_type} source's sliding_window={window} is not carried: its attention ignores "
                 "the key (the converted model reproduces that full attention), though transformers' generation cache "
                 f"keeps only the last {window} tokens of such a config; remove the key from the source's config.json."
             )

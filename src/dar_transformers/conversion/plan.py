@@ -119,27 +119,37 @@ def plan_conversion(
     if mismatched:
         raise ValueError(f"The weights in {description} do not match {config_name}: shapes (found, expected) "
                          f"{dict(list(mismatched.items())[:8])}.")
+    new_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # DESIGN.md section 4: DAR stays fp32
     if keep_source_dtypes:  # "auto": each floating tensor as the source stores it (float8 widened, exactly)
         plans = {name: dataclasses.replace(plan, dtype=model_dtype_of(plan.dtype)) if plan.dtype.is_floating_point
                  else plan for name, plan in shared.items()}
     else:
         plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
-    new_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # DESIGN.md section 4: DAR stays fp32
+    # DAR's parameters taken from a dense DAR source (its DAR-MoE upcycle) stay float32 whatever the storage dtype.
+    plans.update({name: dataclasses.replace(plan, dtype=new_dtype) for name, plan in plans.items()
+                  if stays_float32(target, name) and plan.dtype.is_floating_point})
     # Other new parameters (the routers of sparse upcycling) in the checkpoint's dtype, as from_pretrained loads them.
-    kept_float32 = set(getattr(target.model_class, "_keep_in_fp32_modules_strict", None) or ())
     for name, value in new_parameter_values(target.model_class, config, missing).items():
-        stays_float32 = not kept_float32.isdisjoint(name.split("."))
-        plans[name] = TensorPlan(tuple(value.shape), new_dtype if stays_float32 else dtype, value=value)
+        plans[name] = TensorPlan(tuple(value.shape), new_dtype if stays_float32(target, name) else dtype, value=value)
     ordered = {name: plans[name] for name in expected if name in plans}  # the model's own parameter order
     return ordered, sorted(missing)
 
 
-def kept_source_dtypes(plans: Mapping[str, TensorPlan], new_names, dtype: torch.dtype) -> dict[torch.dtype, list[str]]:
+def stays_float32(target: TargetKind, name: str) -> bool:
+    """Whether the target parameter `name` lies in a module its model keeps float32 (`_keep_in_fp32_modules_strict`:
+    DAR's residual modules, DESIGN.md section 4), whatever the model's dtype."""
+    kept_float32 = getattr(target.model_class, "_keep_in_fp32_modules_strict", None) or ()
+    return not set(kept_float32).isdisjoint(name.split("."))
+
+
+def kept_source_dtypes(plans: Mapping[str, TensorPlan], target: TargetKind,
+                       dtype: torch.dtype) -> dict[torch.dtype, list[str]]:
     """The tensors planned from the source in a floating dtype other than the checkpoint's `dtype`, by dtype (what
-    `keep_source_dtypes` kept of a mixed-precision source; DAR's new parameters, float32 by design, are not counted)."""
+    `keep_source_dtypes` kept of a mixed-precision source; DAR's parameters, new or a DAR source's, float32 by design,
+    are not counted)."""
     kept: dict[torch.dtype, list[str]] = {}
     for name, plan in plans.items():
-        if name not in new_names and plan.dtype.is_floating_point and plan.dtype != dtype:
+        if not stays_float32(target, name) and plan.dtype.is_floating_point and plan.dtype != dtype:
             kept.setdefault(plan.dtype, []).append(name)
     return kept
 
@@ -258,7 +268,7 @@ def upcycle_model(
     config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
     checkpoint = StateDictCheckpoint(source_model.state_dict())
     check_tied_output_head(checkpoint, source_model.config, "the in-memory model")
-    plans, new_names = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model", "its config",
+    plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model", "its config",
                                        keep_source_dtypes)
     # Cloned: the target never shares storage with the source (training one must not change the other).
     state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
@@ -266,7 +276,7 @@ def upcycle_model(
         require_finite_cast(tensor, name, "dtype=...")
     with logging_level_error():
         model = target.model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
-    for names in kept_source_dtypes(plans, new_names, dtype).values():  # from_pretrained cast them to `dtype`
+    for names in kept_source_dtypes(plans, target, dtype).values():  # from_pretrained cast them to `dtype`
         for name in names:
             model.get_parameter(name).data = state[name]
     model.config.name_or_path = ""

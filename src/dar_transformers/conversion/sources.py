@@ -26,7 +26,14 @@ from transformers.utils import logging
 from .checkpoints import (
     Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors, source_read_error,
 )
-from .families import ALL_SOURCE_FAMILIES, architecture_fields, check_model_type, one_line, source_family
+from .families import (
+    ALL_SOURCE_FAMILIES,
+    DAR_SOURCE_TYPE,
+    architecture_fields,
+    check_model_type,
+    one_line,
+    source_family,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -223,13 +230,17 @@ def undefined_config_fields(config: PreTrainedConfig) -> list[str]:
     hand) and that the converted config leaves out. A field DAR's config carries (`architecture_fields`) is not one of
     them, defined or not: Qwen2Config and Qwen3MoeConfig define no `head_dim`, yet their attention reads it through
     `getattr`, and the converted config keeps it for the same modules to read."""
-    defined = set(type(config)().to_dict()) | set(architecture_fields())
+    defined = set(type(config)().to_dict()) | set(architecture_fields()) | {"auto_map"}  # `custom_code_entries`
     return sorted(name for name in config.to_dict() if name not in defined)
 
 
 def custom_code_entries(config: PreTrainedConfig) -> tuple[str, ...]:
     """A folder config's `auto_map` ("AutoModelForCausalLM: module.Class", ...): the source's own code for its config
-    or model, which the converter never runs (the model's `model_type` picks transformers' built-in classes)."""
+    or model, which the converter never runs (the model's `model_type` picks transformers' built-in classes). A dense
+    DAR source's maps to the copy of this package's code that its folder carries for loading without the package:
+    the converter runs the package itself, not an entry of its own."""
+    if config.model_type == DAR_SOURCE_TYPE:
+        return ()
     auto_map = getattr(config, "auto_map", None)
     return tuple(f"{name}: {target}" for name, target in auto_map.items()) if isinstance(auto_map, dict) else ()
 

@@ -33,10 +33,12 @@ from ..modeling_dar_moe import DARMoeForCausalLM
 from .families import (
     ALL_SOURCE_FAMILIES,
     MOE_CONFIG_FIELDS,
+    DAR_SOURCE_TYPE,
     MOE_SOURCE_FAMILIES,
     SOURCE_FAMILIES,
     UnsupportedArchitectureError,
     source_architecture,
+    source_family,
 )
 from .keymaps import (
     DAR_NEW_PARAMETERS,
@@ -109,6 +111,12 @@ def build_dar_config(
 ) -> DARConfig:
     """The DAR config of a source: its architecture fields, the DAR fields from `fields` (validated)."""
     _check_fields(fields, DAR_OPTION_FIELDS, "DAR")
+    if source_config.model_type == DAR_SOURCE_TYPE:
+        raise UnsupportedArchitectureError(
+            "The source is already a dense DAR model (model_type 'dar'); kind 'dar' converts Llama-family models. "
+            "--kind dar_moe with --experts/--top-k (upcycle_to_dar_moe in Python) upcycles it to DAR-MoE, keeping its "
+            "DAR parameters."
+        )
     if source_config.model_type not in SOURCE_FAMILIES:  # an MoE family: DAR-MoE converts it
         raise UnsupportedArchitectureError(
             f"Kind 'dar' converts dense {sorted(SOURCE_FAMILIES)} models; model_type {source_config.model_type!r} is "
@@ -151,13 +159,15 @@ def dar_moe_config_from_source(
     """
     _check_fields(dar_fields, DAR_MOE_OPTION_FIELDS, "DAR-MoE")
     model_type = source_config.model_type
-    if model_type not in ALL_SOURCE_FAMILIES:
+    if model_type == DAR_SOURCE_TYPE:
+        dar_fields = {**_kept_dar_fields(source_config, dar_fields), **dar_fields}
+    elif model_type not in ALL_SOURCE_FAMILIES:
         raise UnsupportedArchitectureError(
             f"Cannot convert model_type {model_type!r} to DAR-MoE: the source must be one of "
             f"{sorted(SOURCE_FAMILIES) + sorted(MOE_SOURCE_FAMILIES)}."
         )
     fields = source_architecture(source_config)
-    fields["dar_branch_family"] = ALL_SOURCE_FAMILIES[model_type]
+    fields["dar_branch_family"] = source_family(source_config)
     if model_type == "qwen2_moe" and not source_config.qkv_bias:
         # Qwen2's attention always has q/k/v biases; without them it is Llama's attention (o_proj has none in both).
         fields.update(dar_branch_family="llama", attention_bias=False)
@@ -181,8 +191,9 @@ def dar_moe_config_from_source(
         if _mlp_has_biases(source_config):
             raise ValueError(
                 f"Sparse upcycling needs a bias-free MLP (HF experts have no biases), but "
-                f"{_config_file(source_config)} says mlp_bias=true: this model converts to dense DAR only (leave out "
-                "--experts/--top-k)."
+                f"{_config_file(source_config)} says mlp_bias=true: "
+                + ("a dense DAR model with MLP biases has no DAR-MoE upcycle." if model_type == DAR_SOURCE_TYPE else
+                   "this model converts to dense DAR only (leave out --experts/--top-k).")
             )
         fields.update(
             num_experts=num_experts,
@@ -194,11 +205,31 @@ def dar_moe_config_from_source(
     return validated_config(DARMoeConfig, {**fields, **dar_fields})
 
 
+# What a run of a model may choose for itself (backend, kernels, history precision): everything else of a dense DAR
+# source's DAR configuration shapes or initialised its DAR parameters, which its DAR-MoE upcycle keeps.
+DAR_RUNTIME_FIELDS = frozenset({"dar_implementation", "dar_history_dtype", "dar_compiled_read",
+                                "dar_inference_kernel", "dar_training_kernel"})
+
+
+def _kept_dar_fields(source_config: DARConfig, requested: Mapping[str, object]) -> dict[str, object]:
+    """The DAR fields of a dense DAR source, which its DAR-MoE upcycle keeps with its DAR parameters; a requested
+    structural field (`dar_block_size`, `dar_routing`, ...) that differs from the source's is refused, naming both."""
+    kept = {field: getattr(source_config, field) for field in _option_fields(DARConfig)}
+    for field, value in requested.items():
+        if field in kept and field not in DAR_RUNTIME_FIELDS and value != kept[field]:
+            raise ValueError(
+                f"{field}={value!r} differs from the dense DAR source's {kept[field]!r}: upcycling a DAR model to "
+                f"DAR-MoE keeps its DAR parameters, which that setting shapes; leave {field} unset. Only "
+                f"{sorted(DAR_RUNTIME_FIELDS)} may be chosen anew."
+            )
+    return kept
+
+
 def _mlp_has_biases(source_config: PreTrainedConfig) -> bool:
     """Whether a dense source's MLP has biases: Llama's reads `mlp_bias`, while Mistral's and Qwen's have none whatever
     their config.json says (a stray `mlp_bias: true` there is no reason to refuse). Asked of the family's own MLP,
     built on the meta device."""
-    mlp_class = DAR_BRANCH_MODULES[SOURCE_FAMILIES[source_config.model_type]][1]
+    mlp_class = DAR_BRANCH_MODULES[source_family(source_config)][1]
     with torch.device("meta"):
         mlp = mlp_class(source_config)
     return any(name.rsplit(".", 1)[-1] == "bias" for name, _ in mlp.named_parameters())
