@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import (
     REPO, SHAPE, VOCAB, assert_refused_in_one_line, edit_json, make_tokenizer, run_convert_in_process, save_source,
@@ -266,6 +266,27 @@ def test_a_source_that_fails_to_read_is_named_as_the_source_not_the_output(tmp_p
     assert_refused_in_one_line(code, stderr, rf"Could not read the source file {re.escape(str(weights))}: .*{reason}")
     assert "Could not write" not in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+@pytest.mark.parametrize("spelling", ["every", "some", "single"])
+def test_an_index_that_names_its_shards_with_a_leading_dot_slash_reads_each_once(tmp_path, caplog, spelling):
+    """An index naming its files "./model-00001-of-00005.safetensors" (as transformers reads, the shards beside it)
+    converted, but warned that the shards it had just read were "not read"; one that spelled some entries each way was
+    refused for a tensor "in both" a file and itself, and mlx's index of "./model.safetensors" as two checkpoints."""
+    source = save_source(tmp_path / "source", tied=False, shard=None if spelling == "single" else "20KB")
+    index = source / "model.safetensors.index.json"
+    if spelling == "single":
+        weight_map = {name: "./model.safetensors" for name in load_file(source / "model.safetensors")}
+    else:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = {name: ("./" if spelling == "every" or number % 2 else "") + file
+                      for number, (name, file) in enumerate(weight_map.items())}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "not read" not in caplog.text
+    assert written_tensors(tmp_path / "out")["lm_head.weight"].equal(
+        AutoModelForCausalLM.from_pretrained(source).lm_head.weight)
 
 
 def test_a_safetensors_file_beside_an_index_that_does_not_list_it_is_named_not_read(tmp_path, caplog):

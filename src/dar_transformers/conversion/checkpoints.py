@@ -202,7 +202,9 @@ class SafetensorsCheckpoint(Checkpoint):
                         f"{index} is not a safetensors index: its weight_map must map each tensor name to the "
                         f"safetensors file that holds it (a non-empty object of file names), got {weight_map!r:.200}."
                     )
-                files = sorted(set(weight_map.values()))
+                # One file however the index spells it ("./model-00001-of-00005.safetensors", as some tools write
+                # it, is the shard beside it): else read twice, and named "not read" or "in both" itself.
+                files = sorted({os.path.normpath(file) for file in weight_map.values()})
                 outside = [file for file in files
                            if os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] == os.pardir]
                 if outside:  # read as transformers would, but beyond the source folder the output check protects
