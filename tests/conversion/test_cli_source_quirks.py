@@ -352,3 +352,26 @@ def test_a_config_dtype_other_than_the_stored_one_is_named_in_a_warning(tmp_path
     caplog.clear()
     code, stderr = run_convert_in_process(source, tmp_path / "out2", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0 and "config.json says dtype" not in caplog.text
+
+
+def test_a_mixed_source_whose_declared_dtype_rounds_the_source_itself_is_named_that_way(tmp_path, caplog):
+    """float32 embedding and head (most of the bytes) beside bf16 layers, under a config.json that says bfloat16: the
+    warning said the output's float32 load rounded "those bfloat16 tensors" (float32 holds every bf16 value) and did
+    not say that the source's own bf16 load rounds its float32 embedding and head, which it does."""
+    from transformers import AutoModelForCausalLM
+
+    source = save_source(tmp_path / "source", tied=False)
+    weights = load_file(source / "model.safetensors")
+    wide = ("model.embed_tokens.weight", "lm_head.weight")
+    save_file({name: tensor if name in wide else tensor.bfloat16() for name, tensor in weights.items()},
+              source / "model.safetensors", metadata={"format": "pt"})
+    edit_json(source / "config.json", dtype="bfloat16")
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert ("so from_pretrained loads it in bfloat16, rounding its 2 tensor(s) stored in float32 (lm_head.weight, "
+            "model.embed_tokens.weight)") in caplog.text
+    assert "which holds every stored value" in caplog.text and "rounding those bfloat16 tensors" not in caplog.text
+    output = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.equal(output.model.embed_tokens.weight, weights["model.embed_tokens.weight"])  # as it says
+    assert not torch.equal(AutoModelForCausalLM.from_pretrained(source).model.embed_tokens.weight.float(),
+                           weights["model.embed_tokens.weight"])

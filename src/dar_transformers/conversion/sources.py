@@ -623,14 +623,26 @@ def warn_if_declared_dtype_differs(config: PreTrainedConfig, checkpoint: Checkpo
         )
         return
     others = " and ".join(sorted(str(dtype).removeprefix("torch.") for dtype in stored - {storage_dtype}))
-    suggestion = (f" Pass --dtype {short} to store it as the source loads." if not rounded_tensors(checkpoint, declared)
-                  else "")
+    # Which side's default load rounds what: the source's in the declared dtype, the output's in the stored one (a
+    # wider dtype holds every value of a narrower one, so either may round nothing).
+    source_rounds, output_rounds = rounded_tensors(checkpoint, declared), rounded_tensors(checkpoint, storage_dtype)
+    source_load = f"so from_pretrained loads it in {short}" + (f", rounding {_tensors_phrase(source_rounds)}"
+                                                               if source_rounds else "")
+    output_load = (f"rounding those {others} tensors" if output_rounds else
+                   f"which holds every stored value (the source's own load is the one that rounds)")
+    suggestion = f" Pass --dtype {short} to store it as the source loads." if not source_rounds else ""
     logger.warning(
-        f"The source's config.json says dtype {short}, so from_pretrained loads it in {short}; its weights are stored in "
-        f"{storage} with some in {others}, which the output keeps exactly, but its config says {storage}, so "
-        f"from_pretrained loads the output in {storage} by default, rounding those {others} tensors: by default the two "
-        f"load as different functions.{suggestion}"
+        f"The source's config.json says dtype {short}, {source_load}; its weights are stored in {storage} with some in "
+        f"{others}, which the output keeps exactly, but its config says {storage}, so from_pretrained loads the output "
+        f"in {storage} by default, {output_load}: by default the two load as different functions.{suggestion}"
     )
+
+
+def _tensors_phrase(tensors: list[tuple[str, torch.dtype]]) -> str:
+    """"its 2 tensor(s) stored in float32 (model.embed_tokens.weight, lm_head.weight)" of `rounded_tensors`."""
+    dtypes = " and ".join(sorted({str(dtype).removeprefix("torch.") for _, dtype in tensors}))
+    names = ", ".join(name for name, _ in tensors[:2]) + (", ..." if len(tensors) > 2 else "")
+    return f"its {len(tensors)} tensor(s) stored in {dtypes} ({names})"
 
 
 def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
