@@ -475,3 +475,27 @@ def test_a_field_the_converted_config_carries_is_not_named_as_dropped(tmp_path, 
     assert code == 0, stderr[-3000:]
     assert "does not define" not in caplog.text
     assert json.loads((tmp_path / "out" / "config.json").read_text())["head_dim"] == 16
+
+
+def test_a_quantized_folder_is_refused_as_quantized_before_reading_its_tensors(tmp_path, caplog):
+    """A block-FP8 release (float8 weights, `weight_scale_inv` beside them, a `quantization_config`): the converter
+    first said the config's `quantization_config` was a field the model "never reads", so the conversion "computes the
+    same without" it (transformers' loader dequantises with it), then refused the scales as parameters "DAR has no
+    place for", never saying the folder is quantized."""
+    source = save_source(tmp_path / "source")
+    quantized = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            scale = tensor.abs().amax() / 448
+            quantized[name] = (tensor / scale).to(torch.float8_e4m3fn)
+            quantized[name.replace(".weight", ".weight_scale_inv")] = scale.reshape(1, 1)
+        else:
+            quantized[name] = tensor.bfloat16()
+    save_file(quantized, source / "model.safetensors", metadata={"format": "pt"})
+    edit_json(source / "config.json", quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                           "weight_block_size": [128, 128]})
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"config\.json has a quantization_config \(quant_method 'fp8'\)",
+                               r"quantized weights", r"unquantized checkpoint")
+    assert "never reads" not in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]

@@ -166,6 +166,14 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         raise ValueError(f"Could not read {config_file}: it holds a JSON {type(fields).__name__}, not an object.")
     # Before any Auto call: a custom model_type (with an auto_map to code in the folder) never reaches transformers.
     check_model_type(fields.get("model_type"), str(config_file))
+    quantization = fields.get("quantization_config")
+    if quantization is not None:  # its tensors are not the weights: FP8 values beside their scales, packed integers
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{config_file} has a quantization_config (quant_method {method!r}): the folder holds quantized weights "
+            "(with their scales or packing), which the converter reads only as GGUF files. Convert the unquantized "
+            "checkpoint it was made from, or a dequantized copy of it (saved without quantization_config)."
+        )
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as error:  # transformers' validators raise StrictDataclass*, ValueError, TypeError, KeyError
