@@ -375,3 +375,19 @@ def test_a_mixed_source_whose_declared_dtype_rounds_the_source_itself_is_named_t
     assert torch.equal(output.model.embed_tokens.weight, weights["model.embed_tokens.weight"])  # as it says
     assert not torch.equal(AutoModelForCausalLM.from_pretrained(source).model.embed_tokens.weight.float(),
                            weights["model.embed_tokens.weight"])
+
+
+def test_a_float8_source_card_says_its_tensors_were_widened_not_stored_so(tmp_path):
+    """Plain float8 matrices (no scales) beside float32 norms and embedding: `auto` widens the float8 ones to bfloat16
+    exactly, and the card's weights row said "as the source stores them, 14 tensor(s) in bfloat16", while its first
+    sentence said float8_e4m3fn x 14."""
+    source = save_source(tmp_path / "source")
+    weights = load_file(source / "model.safetensors")
+    save_file({name: tensor.to(torch.float8_e4m3fn) if name.endswith("proj.weight") else tensor
+               for name, tensor in weights.items()}, source / "model.safetensors", metadata={"format": "pt"})
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert re.search(r"\| weights dtype \| float32; 21 tensor\(s\) in bfloat16, widened exactly from the source's "
+                     r"float8_e4m3fn \(model\.layers\.0\.self_attn\.q_proj\.weight, ", card), card
+    assert "as the source stores them" not in card

@@ -23,6 +23,7 @@ from .families import MOE_SOURCE_FAMILIES, source_family
 from .options import ConversionOptions
 from .output import check_output_folder, scratch_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
+from .keymaps import TensorPlan
 from .plan import (
     cast_model, check_finite, check_tied_output_head, in_memory_source, kept_source_dtypes, logging_level_error,
     plan_conversion, upcycle_model,
@@ -128,9 +129,10 @@ def upcycle(
                                "accepts the rounding, and the model card of a written output says so); --dtype auto "
                                "stores every tensor exactly.")
             if kept:
-                logger.info(f"The source mixes dtypes: {describe_kept_dtypes(kept)} stay as it stores them beside "
-                            f"{str(storage_dtype).removeprefix('torch.')} (--dtype auto); --dtype "
-                            f"{str(storage_dtype).removeprefix('torch.')} would round them.")
+                rounds = (f"; --dtype {_short(storage_dtype)} would round them"
+                          if rounded_tensors(loaded.checkpoint, storage_dtype) else "")
+                logger.info(f"The source mixes dtypes: {describe_kept_dtypes(kept, plans, loaded.checkpoint)} beside "
+                            f"{_short(storage_dtype)} (--dtype auto){rounds}.")
             # NaN/inf in the source: refused by the writer as it reads each tensor (its one read), when staging.
             check_dtype = options.verification_dtype(storage_dtype)
             prompt_ids = (build_prompts(loaded.tokenizer, source_config.vocab_size, options.prompts) if options.verify
@@ -156,7 +158,8 @@ def upcycle(
                 answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
                 card = render_model_card(config, report, loaded, base_model=options.base_model,
                                          kind=target.description, answers=answers, exact=target.exact,
-                                         kept_dtypes=describe_kept_dtypes(kept), rounded=rounded)
+                                         kept_dtypes=describe_kept_dtypes(kept, plans, loaded.checkpoint),
+                                         rounded=rounded)
                 (folder / "README.md").write_text(card, encoding="utf-8")
 
             if output is not None:
@@ -223,13 +226,25 @@ def rounded_rotary_hint(source: PreTrainedModel) -> str:
             "that.")
 
 
-def describe_kept_dtypes(kept: Mapping[torch.dtype, list[str]]) -> str:
-    """"7 tensors in float32 (model.norm.weight, model.layers.0.input_layernorm.weight, ...)" of `kept_source_dtypes`;
-    empty when nothing was kept apart."""
-    return "; ".join(
-        f"{len(names)} tensor(s) in {str(dtype).removeprefix('torch.')} ({', '.join(names[:2])}"
-        f"{', ...' if len(names) > 2 else ''})" for dtype, names in kept.items()
-    )
+def describe_kept_dtypes(kept: Mapping[torch.dtype, list[str]], plans: Mapping[str, TensorPlan],
+                         checkpoint) -> str:
+    """"7 tensor(s) in float32 as the source stores them (model.norm.weight, ...)" of `kept_source_dtypes`, or, for
+    tensors the source stores in a narrower dtype that `auto` widens exactly (float8), "14 tensor(s) in bfloat16,
+    widened exactly from the source's float8_e4m3fn (...)"; empty when nothing was kept apart."""
+    infos = checkpoint.infos()
+
+    def group(dtype: torch.dtype, names: list[str]) -> str:
+        stored = {infos[part].dtype for name in names for part in plans[name].parts if part in infos} - {dtype}
+        how = (f", widened exactly from the source's {' and '.join(sorted(_short(each) for each in stored))}"
+               if stored else " as the source stores them")
+        shown = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+        return f"{len(names)} tensor(s) in {_short(dtype)}{how} ({shown})"
+
+    return "; ".join(group(dtype, names) for dtype, names in kept.items())
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOptions) -> ConversionResult:

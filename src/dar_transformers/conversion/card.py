@@ -85,7 +85,7 @@ def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
         ("partial block as a source / count scaling", f"{config.dar_include_partial} / {config.dar_count_scaling}"),
         ("branch family (HF attention / MLP modules)", config.dar_branch_family),
         ("weights dtype", str(config.dtype).removeprefix("torch.") + (
-            f"; as the source stores them, {kept_dtypes}" if kept_dtypes else "")),
+            f"; {kept_dtypes}" if kept_dtypes else "")),
         ("tied input/output embeddings", str(config.tie_word_embeddings)),
     ]
     if hasattr(config, "num_experts"):  # DAR-MoE
@@ -209,7 +209,7 @@ def render_model_card(
 
     `answers`: (source, converted) greedy answers to the chat prompt, shown side by side when given. `exact`: False
     when the target deliberately differs from the source (`TargetKind.exact`), which the card then says.
-    `kept_dtypes`: the source tensors stored in another dtype than the config's, as the source stores them.
+    `kept_dtypes`: the source tensors stored in another dtype than the config's (`api.describe_kept_dtypes`).
     `rounded`: the source tensors the stored dtype rounds (`api.describe_rounding`), named by the function claim.
     """
     front_matter = ["library_name: transformers", "pipeline_tag: text-generation", *_license_front_matter(source)]
