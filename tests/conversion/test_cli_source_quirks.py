@@ -391,3 +391,19 @@ def test_a_float8_source_card_says_its_tensors_were_widened_not_stored_so(tmp_pa
     assert re.search(r"\| weights dtype \| float32; 21 tensor\(s\) in bfloat16, widened exactly from the source's "
                      r"float8_e4m3fn \(model\.layers\.0\.self_attn\.q_proj\.weight, ", card), card
     assert "as the source stores them" not in card
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "no-chat-template"])
+def test_the_cards_generation_code_runs_on_the_written_folder(tmp_path, chat):
+    """The card's code, run as a user copies it: with the package, load, then generate. Its "Chat:" block called
+    `apply_chat_template` whatever the tokenizer, which raises for one without a chat template."""
+    source = save_source(tmp_path / "source")
+    if not chat:
+        (source / "chat_template.jinja").unlink()
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    card = (tmp_path / "out" / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", card, re.S)
+    loading, usage = blocks[0], blocks[-1]
+    assert ("apply_chat_template" in usage) == chat
+    exec(loading.replace("<this repo or folder>", str(tmp_path / "out")) + usage.replace("48", "3"), {})

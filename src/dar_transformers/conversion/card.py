@@ -8,6 +8,7 @@ import yaml
 from huggingface_hub.repocard import metadata_load
 
 from .. import TRANSFORMERS_REQUIREMENT, __version__
+from .verify import has_default_chat_template
 
 CARD_TEMPLATE = """---
 {front_matter}
@@ -56,15 +57,29 @@ model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
 tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)  # the config's code; the tokenizer has none
 ```
 
-Requires `{transformers_requirement}` and torch. Chat:
+Requires `{transformers_requirement}` and torch. {usage}
+"""
+
+# How to generate: a chat for a tokenizer with a chat template, plain text otherwise (its tokenizer cannot
+# `apply_chat_template`, and `dar generate` then continues the prompt as text).
+CHAT_USAGE = """Chat:
 
 ```python
-messages = [{{"role": "user", "content": "What is the capital of France?"}}]
+messages = [{"role": "user", "content": "What is the capital of France?"}]
 input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
 print(tokenizer.decode(model.generate(input_ids, max_new_tokens=48)[0, input_ids.shape[1]:]))
 ```
 
 or from the command line: `dar generate <this folder> --prompt "What is the capital of France?"`.
+"""
+TEXT_USAGE = """The tokenizer has no chat template, so continue text:
+
+```python
+input_ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+print(tokenizer.decode(model.generate(input_ids, max_new_tokens=48)[0, input_ids.shape[1]:]))
+```
+
+or from the command line: `dar generate <this folder> --prompt "The capital of France is"`.
 """
 
 
@@ -250,6 +265,7 @@ def render_model_card(
         verification=verification,
         repo="<this repo or folder>",
         transformers_requirement=TRANSFORMERS_REQUIREMENT,
+        usage=CHAT_USAGE if has_default_chat_template(source.tokenizer) else TEXT_USAGE,
         model_type=config.model_type,
     )
 
