@@ -185,3 +185,46 @@ def test_every_written_folder_names_every_auto_class_and_loads_each_without_the_
             expected = output.logits if hasattr(output, "logits") else output.last_hidden_state
         assert expected.abs().max() > 0
         torch.testing.assert_close(remote_outputs, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("config_class", list(AUTO_CLASSES))
+def test_each_config_names_the_classes_a_folder_of_its_type_names(config_class):
+    """`remote_code_auto_map` is a literal in the config's own file (remote code saves folders too, and it used to be
+    filled in only by the package's import): it must say what the registration table and the folders say."""
+    assert config_class.remote_code_auto_map == expected_auto_map(config_class.model_type)
+
+
+def test_a_dar_moe_saved_by_remote_code_from_a_dense_dar_folder_names_only_moe_classes(tmp_path):
+    """Without the package: the DAR-MoE class of a DAR-MoE folder's code, loaded from a dense DAR folder and saved,
+    wrote an `auto_map` whose AutoConfig, AutoModel and heads still named the dense classes (model_type dar_moe), so
+    `AutoModel` (what vLLM builds) made a dense DARModel of the folder, 0.66 off the saved model's hidden states."""
+    config = dict(TINY_LLAMA_FIELDS, dar_block_size=2)
+    DARForCausalLM(tiny_dar_config(dar_block_size=2)).save_pretrained(tmp_path / "dense")
+    DARMoeForCausalLM(DARMoeConfig(**config, num_experts=4)).save_pretrained(tmp_path / "moe")
+    script = REMOTE_SCRIPT.split("import torch\n")[0] + textwrap.dedent(f"""
+        import json
+        from transformers import AutoModel, AutoModelForCausalLM
+        moe_class = type(AutoModelForCausalLM.from_pretrained({str(tmp_path / "moe")!r}, trust_remote_code=True))
+        moe_class.from_pretrained({str(tmp_path / "dense")!r}, num_experts=4).save_pretrained({str(tmp_path / "out")!r})
+        print(type(AutoModel.from_pretrained({str(tmp_path / "out")!r}, trust_remote_code=True)).__name__)
+    """)
+    environment = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                   "HF_HOME": str(tmp_path / "hf_home"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "DARMoeModel"
+    auto_map = json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
+    assert auto_map == expected_auto_map("dar_moe")
+
+
+def test_a_dense_dar_saved_where_a_dar_moe_was_names_the_moe_code_left_there(tmp_path, caplog):
+    """transformers removes no file when it saves; the DAR-MoE code files stayed beside the dense DAR's, unnamed, and
+    push_to_hub would upload them. The save names them (it removes nothing it did not write)."""
+    DARMoeForCausalLM(DARMoeConfig(**TINY_LLAMA_FIELDS, num_experts=4)).save_pretrained(tmp_path)
+    DARForCausalLM(tiny_dar_config()).save_pretrained(tmp_path)
+    assert "also holds configuration_dar_moe.py, modeling_dar_moe.py" in caplog.text
+    assert (tmp_path / "modeling_dar_moe.py").is_file()
+    caplog.clear()
+    DARForCausalLM(tiny_dar_config()).save_pretrained(tmp_path / "clean")
+    assert "also holds" not in caplog.text

@@ -63,21 +63,15 @@ AUTO_CLASSES = {
 }
 
 
-def _remote_code_name(cls: type) -> str:
-    """The file (flat, as written into a folder) and class that `auto_map` names, e.g. `modeling_dar.DARModel`."""
-    return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
-
-
 def _register_auto_classes() -> None:
-    """Register `AUTO_CLASSES` with transformers and for remote code; idempotent (runs once at import)."""
+    """Register `AUTO_CLASSES` with transformers and for remote code; idempotent (runs once at import). Each config
+    class's `remote_code_auto_map` names the same classes as they are written into a folder."""
     for config_class, model_classes in AUTO_CLASSES.items():
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         config_class.register_for_auto_class()
-        config_class.remote_code_auto_map = {"AutoConfig": _remote_code_name(config_class)}
         for auto_class, model_class in model_classes.items():
             auto_class.register(config_class, model_class, exist_ok=True)
             model_class.register_for_auto_class(auto_class.__name__)
-            config_class.remote_code_auto_map[auto_class.__name__] = _remote_code_name(model_class)
 
 
 _register_auto_classes()

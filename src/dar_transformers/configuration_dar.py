@@ -57,6 +57,7 @@ from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
+from transformers.utils import logging
 
 DAR_ROUTINGS = ("dar", "selfkv", "crossv", "fixedkv")
 DAR_WRITE_MODES = ("duplicate", "split")
@@ -68,6 +69,10 @@ DAR_INFERENCE_KERNELS = ("torch", "cpp")
 DAR_TRAINING_KERNELS = ("torch", "cpp")
 DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
 DAR_DEFAULT_DELTA = 0.7
+# The code files a DAR-MoE folder holds beyond a dense DAR folder's (`DARMoeConfig.remote_code_auto_map`'s modules).
+DAR_MOE_CODE_FILES = frozenset({"configuration_dar_moe", "modeling_dar_moe"})
+
+logger = logging.get_logger(__name__)
 
 # Target stream j -> (key stream, value stream), DESIGN.md section 2 "routing".
 ROUTING_KEY_VALUE_STREAMS = {
@@ -148,9 +153,18 @@ class DARConfig(LlamaConfig):
     # would have to carry the whole depth state, the committed history and the open block's partial, not one tensor
     # (README, "Serving"); without a plan `supports_pp_plan` is False.
     base_model_pp_plan = None
-    # Auto class name -> "file.Class" of every class of this model type; set by the package's registration table
-    # (`dar_transformers.AUTO_CLASSES`) at import, empty where only the remote-code files are loaded.
-    remote_code_auto_map: ClassVar[dict[str, str]] = {}
+    # Auto class name -> "file.Class" of every class of this model type, as the folders the package writes name them
+    # (the package's registration table, `dar_transformers.AUTO_CLASSES`, says the same: tests/test_remote_code.py).
+    # A literal, not filled in at the package's import: remote code (a folder loaded without the package) saves
+    # folders too, and a DAR-MoE it loaded from a dense DAR folder would keep the dense entries (`save_pretrained`).
+    remote_code_auto_map: ClassVar[dict[str, str]] = {
+        "AutoConfig": "configuration_dar.DARConfig",
+        "AutoModel": "modeling_dar.DARModel",
+        "AutoModelForCausalLM": "modeling_dar.DARForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_dar.DARForSequenceClassification",
+        "AutoModelForQuestionAnswering": "modeling_dar.DARForQuestionAnswering",
+        "AutoModelForTokenClassification": "modeling_dar.DARForTokenClassification",
+    }
 
     dar_block_size: int | None = None
     dar_num_streams: int = 2
@@ -240,6 +254,12 @@ class DARConfig(LlamaConfig):
             for auto_class, reference in self.remote_code_auto_map.items():
                 if reference.split(".")[0] in written:  # replaced: an entry of another model type (a DAR-MoE loaded
                     self.auto_map[auto_class] = reference  # from a dense DAR folder) names classes of the wrong config
+            # A dense DAR saved where a DAR-MoE was: transformers removes no file, and push_to_hub uploads them all.
+            stale = sorted(f"{name}.py" for name in written & DAR_MOE_CODE_FILES if self.model_type == "dar")
+            if stale:
+                logger.warning(f"{save_directory} also holds {', '.join(stale)}, the code of a DAR-MoE model saved "
+                               "there before, which this DAR model does not use: remove them before sharing the "
+                               "folder (push_to_hub uploads every file in it).")
         return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     @property

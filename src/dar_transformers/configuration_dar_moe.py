@@ -41,6 +41,14 @@ class DARMoeConfig(DARConfig):
     ```"""
 
     model_type = "dar_moe"
+    remote_code_auto_map: ClassVar[dict[str, str]] = {  # `DARConfig.remote_code_auto_map`
+        "AutoConfig": "configuration_dar_moe.DARMoeConfig",
+        "AutoModel": "modeling_dar_moe.DARMoeModel",
+        "AutoModelForCausalLM": "modeling_dar_moe.DARMoeForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_dar_moe.DARMoeForSequenceClassification",
+        "AutoModelForQuestionAnswering": "modeling_dar_moe.DARMoeForQuestionAnswering",
+        "AutoModelForTokenClassification": "modeling_dar_moe.DARMoeForTokenClassification",
+    }
 
     # Tensor/expert parallel plans: Qwen3-MoE's for the experts (the same modules), Llama's for attention and MLPs.
     base_model_tp_plan = {
