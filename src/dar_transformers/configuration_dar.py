@@ -229,7 +229,9 @@ class DARConfig(LlamaConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """HF's `from_dict`, with the DAR fields and `derivation_fields` among the keyword overrides
-        (`from_pretrained(folder, dar_num_streams=1)`) built into the config as `DARConfig(...)` takes them: HF builds
+        (`DARConfig.from_dict(llama_config.to_dict(), dar_num_streams=1)`) built into the config as `DARConfig(...)`
+        takes them (a saved DAR folder's config.json holds the derived fields too, so an override there that
+        contradicts one, `dar_num_streams=1` beside its stored routing 'dar', is refused naming it): HF builds
         the config from the file first and sets overrides on it after, when `__post_init__` has already derived the
         defaults that depend on them (routing from the stream count, the gate spread from the routing, the block size
         from the layers), so an override valid in `DARConfig(...)` failed, or got another default. Then the DAR
