@@ -33,6 +33,7 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
 
 import contextlib
 import errno
+import gc
 import json
 import os
 import re
@@ -499,6 +500,9 @@ def scratch_folder() -> Iterator[Path]:
         with signals_held():
             _remove_own_folder(folder)
             _release_marker(folder)
+        # The verification's models of the folder (loaded memory-mapped) may be left in reference cycles until the
+        # next collection, each mapping the removed files, whose space stays taken until then.
+        gc.collect()
 
 
 def _remove_own_folder(folder: Path) -> None:
