@@ -364,7 +364,7 @@ def test_code_in_the_source_never_runs_and_never_reaches_the_output(converted_wi
     # (the card claimed "the source model's function, verified below" while the source's code could differ).
     assert re.search(r"config\.json maps the model to code in the source \(auto_map: AutoConfig: evil\.EvilConfig; "
                      r"AutoModelForCausalLM: evil\.EvilModel\), which the converter never runs: the conversion "
-                     r"reproduces, and is verified against, transformers' built-in LlamaForCausalLM for model_type "
+                     r"reproduces, and is verified against, transformers' built-in `LlamaForCausalLM` for model_type "
                      r"'llama'", completed.stderr)
     card = (out / "README.md").read_text()
     assert "computes the source model's function" not in card

@@ -5,10 +5,11 @@ DAR source's function (1e-5 in float32), whatever its DAR settings; the DAR sett
 cannot be changed on the way, and a source that is DAR already cannot be converted to dense DAR again."""
 
 import json
+import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dar_transformers import DARConfig, DARForCausalLM, DARMoeForCausalLM
 from dar_transformers.cli import main as cli_main
@@ -84,21 +85,68 @@ def test_a_trained_dense_dar_folder_upcycles_to_dar_moe_keeping_its_dar_paramete
     assert "README.md" in manifest["files"]
 
 
-def test_a_bf16_dense_dar_upcycle_keeps_its_dar_parameters_float32(tmp_path):
+def test_a_bf16_dense_dar_upcycle_keeps_its_dar_parameters_float32(tmp_path, caplog):
     """`--dtype bfloat16` rounds the shared weights, never DAR's parameters, which a dense DAR source stores float32
-    (DESIGN.md section 4) and its DAR-MoE upcycle keeps float32; a bf16 source converts exactly under `auto`."""
+    (DESIGN.md section 4) and its DAR-MoE upcycle keeps float32: the rounding warning counted them, and of a bf16
+    save (whose DAR parameters are float32) said --dtype bfloat16 rounded them, which the card repeated."""
     source = saved(trained_dar(dar_block_size=2), tmp_path / "dar")
+    caplog.set_level(logging.WARNING)
     upcycle_to_dar_moe(source, tmp_path / "rounded", num_experts=4, top_k=2, dtype="bfloat16", tolerance=1.0,
                        **FAST)
     written = written_tensors(tmp_path / "rounded")
     assert {tensor.dtype for name, tensor in written.items() if is_dar_parameter(name)} == {torch.float32}
     assert {tensor.dtype for name, tensor in written.items() if not is_dar_parameter(name)} == {torch.bfloat16}
+    shared = [name for name in written_tensors(source) if not is_dar_parameter(name)]
+    assert f"--dtype bfloat16 rounds {len(shared)} source tensor(s) stored in float32" in caplog.text  # not DAR's
 
+    # A bf16 save: nothing is rounded by --dtype bfloat16 (the DAR parameters stay float32), and nothing is said to be.
     bf16 = saved(DARForCausalLM.from_pretrained(source, dtype=torch.bfloat16), tmp_path / "dar-bf16")
-    result = upcycle_to_dar_moe(bf16, tmp_path / "exact", num_experts=4, top_k=2, **FAST)
+    caplog.clear()
+    result = upcycle_to_dar_moe(bf16, tmp_path / "exact", num_experts=4, top_k=2, dtype="bfloat16", **FAST)
     assert result.report.passed and not result.report.relaxed and result.report.storage_dtype == "bfloat16"
+    assert "rounds" not in caplog.text and "config.json says dtype" not in caplog.text
     card = (tmp_path / "exact" / "README.md").read_text()
     assert "| weights dtype | bfloat16 |" in card  # DAR's float32 parameters are not "kept as the source stores them"
+    assert "rounded" not in card
+    assert all(torch.equal(tensor, written_tensors(bf16)[name])
+               for name, tensor in written_tensors(tmp_path / "exact").items() if is_dar_parameter(name))
+
+
+def test_float64_dar_parameters_stay_float64_under_auto(tmp_path):
+    """`--dtype auto` rounds nothing: a source whose DAR parameters are stored float64 beside float32 weights had
+    them written float32, without a word (its own load computes them in float32, but the stored bits were lost)."""
+    source = saved(trained_dar(), tmp_path / "dar")
+    weights = written_tensors(source)
+    widened = {name: tensor.double() if is_dar_parameter(name) else tensor for name, tensor in weights.items()}
+    for file in source.glob("*.safetensors"):
+        file.unlink()
+    save_file(widened, source / "model.safetensors", metadata={"format": "pt"})
+    upcycle_to_dar_moe(source, tmp_path / "moe", num_experts=4, top_k=2, **FAST)
+    written = written_tensors(tmp_path / "moe")
+    assert all(written[name].dtype == torch.float64 and torch.equal(written[name], tensor)
+               for name, tensor in widened.items() if is_dar_parameter(name))
+
+
+def test_a_dar_source_with_code_of_its_own_is_named_as_not_run(tmp_path):
+    """A DAR folder whose auto_map names code other than the package's: the card claimed the source's function with
+    no caveat (a Llama source's gets one), since every auto_map entry of a DAR source was taken for the package's."""
+    source = saved(trained_dar(), tmp_path / "dar")
+    config = json.loads((source / "config.json").read_text())
+    config["auto_map"]["AutoModelForCausalLM"] = "my_dar.MyDARForCausalLM"
+    (source / "config.json").write_text(json.dumps(config))
+    upcycle_to_dar_moe(source, tmp_path / "moe", num_experts=4, top_k=2, **FAST)
+    card = " ".join((tmp_path / "moe" / "README.md").read_text().split())
+    assert "computes the function of this package's `DARForCausalLM` with the source's weights and config" in card
+    assert "`AutoModelForCausalLM: my_dar.MyDARForCausalLM`" in card
+    assert "configuration_dar.DARConfig" not in card  # the package's own entries are not "code it did not run"
+
+
+def test_drop_upcycling_a_dar_source_says_the_experts_differ(tmp_path):
+    source = saved(trained_dar(), tmp_path / "dar")
+    upcycle_to_dar_moe(source, tmp_path / "moe", num_experts=4, top_k=2, expert_noise=0.5, **FAST)
+    card = " ".join((tmp_path / "moe" / "README.md").read_text().split())
+    assert "identical experts" not in card and "that much holds" not in card
+    assert "re-initialised (Drop-Upcycling), which **deliberately changes the function**" in card
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3"])

@@ -147,7 +147,7 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
     """What the card claims about the converted function: only what the conversion made true and the check showed.
 
     The function is the source model's, or, for a source whose config.json maps the model to its own code
-    (`Source.custom_code`, never run), that of transformers' built-in class for its model_type. The claim is exact
+    (`Source.custom_code`, never run), that of the class its model_type names (`Source.reference_class`). The claim is exact
     when verified at the default bar, approximate (within the tolerance) when the bar was relaxed, and unverified
     when nothing was compared at it (`VerificationReport.verified`). `rounded`: the source tensors the stored dtype
     `storage` rounds (`api.describe_rounding`), which the claim then names."""
@@ -158,7 +158,7 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
     function = "the source model's function"
     caveat = ""
     if source.custom_code:
-        function = (f"the function of transformers' built-in `{source.builtin_class}` with the source's weights and "
+        function = (f"the function of {source.reference_class} with the source's weights and "
                     "config")
         caveat = (f" The source's config.json maps the model to its own code (auto_map: "
                   f"{'; '.join(f'`{entry}`' for entry in source.custom_code)}), which the conversion neither ran nor "
@@ -202,15 +202,18 @@ def _from_dar(source) -> bool:
     return getattr(source.config, "model_type", None) == "dar"
 
 
-def _conversion_paragraph(config, source, function_sentence: str) -> str:
+def _conversion_paragraph(config, source, function_sentence: str, exact: bool = True) -> str:
     """What the conversion made of the source, ending with what training changes. A dense DAR source (its DAR-MoE
     upcycle) keeps its DAR parameters, trained or not; a Llama-family source gets them new, at the residual sum."""
     described, parameters = _architecture_sentences(config)
     if _from_dar(source):
+        experts = (f"each MLP became {config.num_experts} identical experts behind a new router, so whichever experts "
+                   f"the router picks compute the source's MLP: {function_sentence}" if exact else
+                   f"each MLP became {config.num_experts} experts behind a new router, copies of it with part of their "
+                   "hidden units re-initialised (Drop-Upcycling), which **deliberately changes the function**: the "
+                   "model does NOT compute the source model's function; the differences are reported below.")
         return (f"{described} The source is a DAR model already: its DAR parameters ({parameters}) are kept as they "
-                f"are, and each MLP became {config.num_experts} identical experts behind a new router, so whichever "
-                f"experts the router picks compute the source's MLP: {function_sentence} Training is what lets the "
-                "experts specialise.")
+                f"are, and {experts} Training is what lets the experts specialise.")
     return (f"{described} The new parameters ({parameters}) are initialised so that every depth read is the standard "
             f"residual sum: {function_sentence} Training (fine-tuning or continued pre-training) is what lets the "
             "depth attention depart from the plain residual stream.")
@@ -255,7 +258,7 @@ def render_model_card(
     return CARD_TEMPLATE.format(
         chat_check=chat_check,
         conversion_paragraph=_conversion_paragraph(config, source, _function_sentence(
-            exact, report, source, rounded, str(getattr(config, "dtype", "")).removeprefix("torch."))),
+            exact, report, source, rounded, str(getattr(config, "dtype", "")).removeprefix("torch.")), exact),
         front_matter="\n".join(front_matter),
         title=f"{base_model or source.name} + {'MoE' if _from_dar(source) else 'DAR'}",
         source_sentence=source_sentence,

@@ -125,9 +125,11 @@ def plan_conversion(
                  else plan for name, plan in shared.items()}
     else:
         plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
-    # DAR's parameters taken from a dense DAR source (its DAR-MoE upcycle) stay float32 whatever the storage dtype.
-    plans.update({name: dataclasses.replace(plan, dtype=new_dtype) for name, plan in plans.items()
-                  if stays_float32(target, name) and plan.dtype.is_floating_point})
+    # DAR's parameters taken from a dense DAR source (its DAR-MoE upcycle) stay float32 whatever the storage dtype,
+    # and under "auto" float64 where the source stores them so (the model loads them float32, but "auto" rounds nothing).
+    plans.update({name: dataclasses.replace(plan, dtype=plan.dtype if keep_source_dtypes and plan.dtype == torch.float64
+                                            else new_dtype)
+                  for name, plan in plans.items() if stays_float32(target, name) and plan.dtype.is_floating_point})
     # Other new parameters (the routers of sparse upcycling) in the checkpoint's dtype, as from_pretrained loads them.
     for name, value in new_parameter_values(target.model_class, config, missing).items():
         plans[name] = TensorPlan(tuple(value.shape), new_dtype if stays_float32(target, name) else dtype, value=value)

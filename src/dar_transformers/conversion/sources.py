@@ -23,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
+from ..modeling_dar import DAR_MODULE_NAMES
 from .checkpoints import (
     Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors, source_read_error,
 )
@@ -110,9 +111,17 @@ class Source:
     # (`gguf_tensor_types`, `widened_tensor_types`)
 
     @property
-    def builtin_class(self) -> str:
-        """transformers' own causal-LM class for the source's model_type: what the conversion reproduces."""
-        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.config.model_type]
+    def reference_class(self) -> str:
+        """The causal-LM class the conversion reproduces, in a phrase (`reference_class`)."""
+        return reference_class(self.config.model_type)
+
+
+def reference_class(model_type: str) -> str:
+    """The class a source of `model_type` is loaded, converted and verified as, whatever its config.json's `auto_map`
+    says: "transformers' built-in `LlamaForCausalLM`", or for a dense DAR source "this package's `DARForCausalLM`"."""
+    if model_type == DAR_SOURCE_TYPE:
+        return "this package's `DARForCausalLM`"
+    return f"transformers' built-in `{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, 'causal-LM class')}`"
 
 
 
@@ -189,10 +198,9 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         )
     entries = custom_code_entries(config)
     if entries:
-        builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
         logger.warning(
             f"{config_file} maps the model to code in the source (auto_map: {'; '.join(entries)}), which the converter "
-            f"never runs: the conversion reproduces, and is verified against, transformers' built-in {builtin} for "
+            f"never runs: the conversion reproduces, and is verified against, {reference_class(config.model_type)} for "
             f"model_type {config.model_type!r} with the same weights and config, not that code. If the code computes "
             "something else (a logit scale, another rope), the converted model does not; the model card says so."
         )
@@ -228,8 +236,7 @@ def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
         with torch.device("meta"):  # a copy: from_config sets the attention and experts implementations on its config
             AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
     except Exception as error:  # whatever the constructor trips over: a config the source's own class cannot build
-        builtin = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "its built-in class")
-        raise ValueError(f"Invalid {config_file}: transformers' {builtin} cannot be built from it "
+        raise ValueError(f"Invalid {config_file}: {reference_class(config.model_type)} cannot be built from it "
                          f"({type(error).__name__}: {one_line(error)}).") from error
 
 
@@ -245,12 +252,13 @@ def undefined_config_fields(config: PreTrainedConfig) -> list[str]:
 def custom_code_entries(config: PreTrainedConfig) -> tuple[str, ...]:
     """A folder config's `auto_map` ("AutoModelForCausalLM: module.Class", ...): the source's own code for its config
     or model, which the converter never runs (the model's `model_type` picks transformers' built-in classes). A dense
-    DAR source's maps to the copy of this package's code that its folder carries for loading without the package:
-    the converter runs the package itself, not an entry of its own."""
-    if config.model_type == DAR_SOURCE_TYPE:
-        return ()
+    DAR source's entries that name the package's own classes (`DARConfig.remote_code_auto_map`: the copy of its code
+    the folder carries for loading without the package) are not listed: the converter runs the package itself."""
     auto_map = getattr(config, "auto_map", None)
-    return tuple(f"{name}: {target}" for name, target in auto_map.items()) if isinstance(auto_map, dict) else ()
+    if not isinstance(auto_map, dict):
+        return ()
+    own = set(type(config).remote_code_auto_map.values()) if config.model_type == DAR_SOURCE_TYPE else set()
+    return tuple(f"{name}: {target}" for name, target in auto_map.items() if target not in own)
 
 
 def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
@@ -619,7 +627,8 @@ def warn_if_declared_dtype_differs(config: PreTrainedConfig, checkpoint: Checkpo
     declared = getattr(config, "dtype", None)
     if not isinstance(checkpoint, SafetensorsCheckpoint) or not isinstance(declared, torch.dtype):
         return
-    stored = {info.dtype for info in checkpoint.infos().values() if info.dtype.is_floating_point}
+    stored = {info.dtype for name, info in checkpoint.infos().items()
+              if info.dtype.is_floating_point and not is_dar_parameter(name)}
     if declared == storage_dtype or storage_dtype not in stored:
         return
     short, storage = str(declared).removeprefix("torch."), str(storage_dtype).removeprefix("torch.")
@@ -653,19 +662,33 @@ def _tensors_phrase(tensors: list[tuple[str, torch.dtype]]) -> str:
     return f"its {len(tensors)} tensor(s) stored in {dtypes} ({names})"
 
 
+def is_dar_parameter(name: str) -> bool:
+    """A DAR parameter of a dense DAR source (its DAR-MoE upcycle keeps it): a model stores and loads those float32
+    (float64 in a float64 model) whatever its dtype (`_keep_in_fp32_modules_strict`), so no dtype of the model rounds
+    a float32 one."""
+    return not set(DAR_MODULE_NAMES).isdisjoint(name.split("."))
+
+
 def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     """(name, dtype) of the source's floating tensors that a conversion to `storage_dtype` rounds (a mixed-precision
-    source under "auto": bf16 matrices, float32 norms). A wider floating dtype holds a narrower one's every value
-    (bf16 or fp16 in float32, float32 in float64); bf16 and fp16 round each other."""
-    return [(name, info.dtype) for name, info in checkpoint.infos().items()
-            if info.dtype.is_floating_point and info.dtype != storage_dtype
-            and not storage_dtype.itemsize > info.dtype.itemsize]
+    source under "auto": bf16 matrices, float32 norms); a DAR parameter is stored float32 (float64 in a float64
+    model) whatever `storage_dtype`, and loads so (`is_dar_parameter`). A wider floating dtype holds a narrower one's
+    every value (bf16 or fp16 in float32, float32 in float64); bf16 and fp16 round each other."""
+    rounded = []
+    for name, info in checkpoint.infos().items():
+        dtype = storage_dtype
+        if is_dar_parameter(name):
+            dtype = torch.float64 if storage_dtype == torch.float64 else torch.float32
+        if info.dtype.is_floating_point and info.dtype != dtype and not dtype.itemsize > info.dtype.itemsize:
+            rounded.append((name, info.dtype))
+    return rounded
 
 
 def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
     """The narrowest dtype that stores every floating tensor of the source exactly: its one floating dtype, else
     float32 (bf16 with fp16 or float32), float64 if it has any."""
-    dtypes = {info.dtype for info in checkpoint.infos().values() if info.dtype.is_floating_point}
+    dtypes = {info.dtype for name, info in checkpoint.infos().items()
+              if info.dtype.is_floating_point and not is_dar_parameter(name)}  # those stay float32 in any dtype
     if len(dtypes) == 1:
         return dtypes.pop()
     return torch.float64 if torch.float64 in dtypes else torch.float32
