@@ -11,7 +11,8 @@ for a given seed, the same batches (paired runs); only the residual path differs
   two_stream_one_block   two streams, one block over the whole depth (K = 2 * layers): no depth selection,
                          the mHC-like control
 
-One command runs everything, resumably: a run whose key (variant, seed, budget, corpus) is already in the results
+One command runs everything, resumably: a run whose key (variant, seed and its configuration: budget, learning rate,
+weight decay, vocabulary, corpus; `runs.py`) is already in the results
 JSONL is skipped; each finished run appends one line. Data: the corpus of scripts/prepare_corpus.py (train.jsonl,
 validation.jsonl), a byte-level BPE trained on the training split, token arrays cached beside the results (by
 vocabulary size and a hash of the corpus: another corpus is tokenised anew).
@@ -40,6 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from runs import CONFIGURATION, configuration_hash, configuration_key, record_key  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
@@ -213,9 +215,16 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> 
     return total / count
 
 
+def configuration_of(args: argparse.Namespace) -> dict[str, object]:
+    """The `runs.CONFIGURATION` settings of this command's runs."""
+    return {name: args.corpus_tag if name == "corpus" else getattr(args, name) for name in CONFIGURATION}
+
+
 def run_key(variant: str, seed: int, args: argparse.Namespace) -> str:
-    return (f"{variant}/seed{seed}/tok{args.train_tokens}/bs{args.batch_size}x{args.seq_len}/lr{args.lr}"
-            f"/corpus{args.corpus_tag}")
+    """What a finished run is known by (`runs.record_key` of its record): variant, seed and every setting that makes
+    its loss what it is; the key left out the vocabulary size and weight decay, so a run with another one was
+    skipped as done and summarised as the earlier one."""
+    return f"{variant}/seed{seed}/{configuration_key(configuration_of(args))}"
 
 
 def train_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
@@ -265,6 +274,8 @@ def train_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
         "key": run_key(variant, seed, args),
         "variant": variant,
         "seed": seed,
+        "corpus": args.corpus_tag,
+        "requested_train_tokens": args.train_tokens,
         "train_tokens": tokens,
         "steps": steps,
         "batch_size": args.batch_size,
@@ -291,7 +302,9 @@ def train_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
 def save_checkpoint(model: torch.nn.Module, variant: str, seed: int, args: argparse.Namespace) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    directory = RESULTS / "checkpoints" / f"{variant}-seed{seed}-tok{args.train_tokens}"
+    # The configuration's hash too: runs of another learning rate, vocabulary or corpus overwrote each other's folder.
+    directory = (RESULTS / "checkpoints" /
+                 f"{variant}-seed{seed}-tok{args.train_tokens}-{configuration_hash(configuration_of(args))}")
     model.save_pretrained(directory)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(data_cache(args) / "tokenizer.json"),
@@ -316,9 +329,11 @@ def append_result(path: Path, record: dict) -> None:
 
 
 def finished_keys(path: Path) -> set[str]:
+    """The keys of the runs in the results JSONL, rebuilt from each record (`runs.record_key`): a record of an earlier
+    version of the key counts as done under the key it has now."""
     if not path.exists():
         return set()
-    return {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
+    return {record_key(json.loads(line)) for line in path.read_text().splitlines() if line.strip()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

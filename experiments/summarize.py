@@ -15,6 +15,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from runs import configuration_key, record_configuration, record_key
+
 REPO = Path(__file__).resolve().parents[1]
 ORDER = ("residual", "attnres_full", "attnres_block", "dar_full", "dar_block", "dar_selfkv", "dar_crossv",
          "dar_fixedkv", "two_stream_one_block")
@@ -22,7 +24,10 @@ BASELINES = ("residual", "attnres_block", "dar_block")
 
 
 def budget_of(record: dict) -> str:
-    return f"tok{record['train_tokens']}/bs{record['batch_size']}x{record['seq_len']}/lr{record['lr']}"
+    """The configuration a run belongs to (`runs.configuration_key`): only runs of one are compared. Budget, batch
+    shape and learning rate alone merged runs on two corpora (or vocabularies), the later corpus's baseline runs
+    overwriting the earlier's in the seed-by-seed comparison."""
+    return configuration_key(record_configuration(record))
 
 
 def spread(values: list[float]) -> float:
@@ -36,6 +41,11 @@ def relative_gain(baseline: float, value: float) -> float:
 def summarise(records: list[dict]) -> dict:
     by_variant: dict[str, dict[int, dict]] = defaultdict(dict)
     for record in records:
+        earlier = by_variant[record["variant"]].get(record["seed"])
+        if earlier is not None:  # one would silently stand for the other in every mean and pairing
+            raise SystemExit(f"summarize.py: error: two runs of {record['variant']} seed {record['seed']} in one "
+                             f"configuration ({record_key(record)}: finished {earlier.get('finished')} and "
+                             f"{record.get('finished')}); remove one from the results file.")
         by_variant[record["variant"]][record["seed"]] = record
     rows = {}
     for variant in [v for v in ORDER if v in by_variant]:
