@@ -392,3 +392,81 @@ def test_command_line_refuses_bad_paths_and_lengths_before_any_work(tmp_path, ca
         cli_main(["analyze", *arguments, "--out", str(tmp_path / "o"), "--seq-len", "1"])
     assert "argument --seq-len: 1 is below 2" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_of_another_model_is_one_line_not_an_index_error(tmp_path, capsys):
+    """A tokenizer whose ids run past the model's vocabulary (another model's): `dar analyze` and `dar generate`
+    printed the embedding's bare IndexError traceback."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    arguments = saved_checkpoint_arguments(tmp_path)
+    words = {f"w{index}": 200 + index for index in range(90)}  # ids beyond the tiny vocabulary of 97
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, **words}, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "model")
+    assert cli_main(["analyze", *arguments, "--out", str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and re.search(r"gives token id 2\d\d, but the model's vocabulary has 97 ids", error)
+    assert cli_main(["generate", str(tmp_path / "model"), "--prompt", "w1 w2", "--no-chat-template"]) == 1
+    assert "but the model's vocabulary has 97 ids" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_peft_model_is_analysed_as_the_model_it_adapts():
+    """`analyze(peft_model, ...)`: AttributeError "'DARForCausalLM' object has no attribute 'layers'" (PEFT's
+    `base_model` is its LoRA wrapper). It reads the adapted model, adapters included."""
+    from peft import LoraConfig, get_peft_model
+
+    model = trained_like_dar(dar_block_size=2)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model.eval()
+    ids = token_batch()
+    summary = analyze(peft_model, ids, rescue_branches=["L0.attn"])
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(peft_model(input_ids=ids).logits[:, :-1].flatten(0, 1).double(),
+                                                     ids[:, 1:].flatten())
+    assert summary["loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert [branch.name for branch in dar_branches(peft_model)] == [branch.name for branch in dar_branches(model)]
+
+
+def test_the_two_stream_analyses_refuse_a_one_stream_model_naming_why():
+    """`cross_stream_cka` and `rescue_gain` (exported) raised a bare IndexError on a one-stream model."""
+    from dar_transformers.analysis import cross_stream_cka
+
+    model = trained_like_dar(dar_num_streams=1)
+    ids = token_batch()
+    with record_depth_reads(model) as reads:
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match="cross_stream_cka compares the two residual streams; this model has 1"):
+        cross_stream_cka(reads, dar_branches(model))
+    with pytest.raises(ValueError, match="rescue_gain compares the two residual streams; this model has 1"):
+        rescue_gain(model, ids)
+
+
+def test_a_model_of_a_folders_remote_code_is_analysed(tmp_path):
+    """A DAR model loaded with `trust_remote_code=True` before the package registered its classes is a class of the
+    folder's copy of the code: `analyze` refused it as "Expected a DAR model (model_type 'dar'), got
+    DARForCausalLM". Loaded in a fresh process that imports the package only after the model, as from the Hub."""
+    import subprocess
+    import sys
+    import textwrap
+
+    model = trained_like_dar(dar_block_size=2)
+    model.save_pretrained(tmp_path / "model")
+    script = textwrap.dedent(f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "model")!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        from dar_transformers.analysis import analyze
+        ids = torch.randint(3, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+        print(analyze(model, ids, rescue_branches=["L0.attn"])["loss"])
+    """)
+    environment = {"PATH": __import__("os").environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
+                   "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=environment)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with torch.no_grad():
+        expected = analyze(model, token_batch(3, 12, 0), rescue_branches=["L0.attn"])["loss"]
+    assert float(run.stdout.split()[-1]) == pytest.approx(expected, rel=1e-6)

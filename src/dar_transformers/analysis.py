@@ -114,11 +114,24 @@ class DARBranchModules:
     write_gate: DARWriteGate | None
 
 
+DAR_MODEL_TYPES = ("dar", "dar_moe")
+
+
+def is_dar_config(config: object) -> bool:
+    """A DAR or DAR-MoE config, the package's own class or the copy a folder's remote code loads (a model from
+    `from_pretrained(..., trust_remote_code=True)` before the package is imported: another class of the same name)."""
+    return getattr(config, "model_type", None) in DAR_MODEL_TYPES and hasattr(config, "dar_implementation")
+
+
 def dar_branches(model: torch.nn.Module) -> list[DARBranchModules]:
-    """Every depth read of a DAR model in execution order: L{l}.attn, L{l}.mlp for each layer, then the readout."""
+    """Every depth read of a DAR model in execution order: L{l}.attn, L{l}.mlp for each layer, then the readout. A
+    PEFT model is read through the model it adapts."""
+    if hasattr(model, "get_base_model"):  # PeftModel: its `base_model` is the LoRA wrapper, not the DAR backbone
+        model = model.get_base_model()
     base = model.base_model
-    if not isinstance(base.config, DARConfig):
-        raise TypeError(f"Expected a DAR model (model_type 'dar'), got {type(model).__name__}.")
+    if not is_dar_config(getattr(base, "config", None)):
+        raise TypeError(f"Expected a DAR model (model_type 'dar' or 'dar_moe'), got {type(model).__name__} of "
+                        f"model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r}.")
     branches = []
     for layer_index, layer in enumerate(base.layers):
         for kind, residual in (("attn", layer.attn_residual), ("mlp", layer.mlp_residual)):
@@ -163,7 +176,7 @@ def record_depth_reads(
     configs = {
         id(module.config): module.config
         for module in model.modules()
-        if isinstance(getattr(module, "config", None), DARConfig)
+        if is_dar_config(getattr(module, "config", None))
     }
     previous = {key: config.dar_implementation for key, config in configs.items()}
 
@@ -243,6 +256,7 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
     Uses at most `max_tokens` tokens (the same random subset at every depth) to bound the cost on large models.
     """
     flat = [reads[branch.name].extracted.flatten(0, 1) for branch in branches]  # each [B*T, J, D]
+    _require_two_streams(flat[0].shape[1], "cross_stream_cka")
     tokens = flat[0].shape[0]
     if tokens > max_tokens:
         keep = torch.randperm(tokens, generator=torch.Generator().manual_seed(0))[:max_tokens]
@@ -263,6 +277,12 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
         "off_diagonal_mean": float(matrix[off].nanmean()) if off.any() else float("nan"),
         "within_stream0_off_diagonal_mean": float(within[off].nanmean()) if off.any() else float("nan"),
     }
+
+
+def _require_two_streams(streams: int, analysis: str) -> None:
+    if streams < 2:
+        raise ValueError(f"{analysis} compares the two residual streams; this model has {streams} (dar_num_streams=1: "
+                         "Attention Residuals). `analyze` leaves it out for such a model.")
 
 
 @torch.no_grad()
@@ -287,6 +307,8 @@ def rescue_gain(
     """
     if input_ids.shape[0] < 2:
         raise ValueError("rescue_gain needs a batch of at least 2 sequences (the donor is another sequence).")
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    _require_two_streams(config.dar_num_streams, "rescue_gain")
     if clean_logits is None or clean_reads is None:
         with record_depth_reads(model) as clean_reads:
             clean_logits = _upcast(model(input_ids=input_ids).logits)
@@ -532,6 +554,15 @@ def text_batch(tokenizer, text: str, num_sequences: int, seq_len: int) -> torch.
     return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
 
 
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int, tokenizer_name: object) -> None:
+    """Refuse token ids the model has no embedding for (a tokenizer of another model), naming both sizes; else the
+    embedding raised a bare IndexError."""
+    largest = int(input_ids.max()) if input_ids.numel() else -1
+    if largest >= vocab_size:
+        raise ValueError(f"the tokenizer of {tokenizer_name} gives token id {largest}, but the model's vocabulary has "
+                         f"{vocab_size} ids (vocab_size): a tokenizer of another model? Pass the model's own.")
+
+
 def at_least(minimum, kind=int):
     """An argparse type: a finite `kind` value of at least `minimum`, else the usual one-line usage error naming
     both ("nan" and "inf" parse as floats and compare false or true to anything)."""
@@ -633,6 +664,7 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
         raise ValueError(f"cannot load a tokenizer from {args.tokenizer or args.model}{hint}: "
                          f"{' '.join(str(error).split())}") from error
     input_ids = text_batch(tokenizer, text, args.num_sequences, args.seq_len)
+    check_token_ids(input_ids, model.config.vocab_size, args.tokenizer or args.model)
     names = evenly_spaced([branch.name for branch in dar_branches(model)], args.max_rescue_branches)
     summary = analyze(model, input_ids, rescue_branches=names)
     summary["model"] = str(args.model)

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from .analysis import add_arguments as add_analyze_arguments
-from .analysis import at_least
+from .analysis import at_least, check_token_ids
 from .analysis import run_command as run_analyze
 from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
 from .convert import DTYPES, TARGET_KINDS, VerificationError, upcycle
@@ -262,6 +262,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if input_ids.shape[-1] == 0:  # generate cannot start from nothing (a reshape error deep in it)
         print("dar generate: error: --prompt gives no tokens (an empty prompt, and the tokenizer adds none): pass some "
               "text.", file=sys.stderr)
+        return 1
+    try:  # a tokenizer of another model: the embedding raised a bare IndexError
+        check_token_ids(input_ids, model.config.vocab_size, args.model)
+    except ValueError as error:
+        print(f"dar generate: error: {error}", file=sys.stderr)
         return 1
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
