@@ -42,6 +42,14 @@ def _shard_size(text: str) -> str | int:
     return int(text) if text.isascii() and text.isdigit() else text
 
 
+def _layer_list(text: str) -> list[int]:
+    """`--mlp-only-layers 0,3`: layer indices, comma-separated (an empty string: none)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices (e.g. 0,3)") from None
+
+
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="an HF model folder (safetensors) or a .gguf file; a dense DAR folder converts "
                         "to DAR-MoE (--experts/--top-k), keeping its DAR parameters")
@@ -78,6 +86,15 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-k", type=int, default=None, help="DAR-MoE: experts per token (weights renormalised)")
     parser.add_argument(
+        "--mlp-only-layers", type=_layer_list, default=None, metavar="L[,L...]",
+        help="DAR-MoE upcycling: layers (0-based) that keep their dense MLP, e.g. 0,1 (as Qwen2/3-MoE's field)",
+    )
+    parser.add_argument(
+        "--decoder-sparse-step", type=int, default=None, metavar="N",
+        help="DAR-MoE upcycling: only every N-th layer (layer l with (l + 1) %% N == 0) becomes sparse; the others keep "
+        "their dense MLP (default 1: every layer)",
+    )
+    parser.add_argument(
         "--expert-noise", type=float, default=0.0,
         help="DAR-MoE: Drop-Upcycling share in [0, 1] of each expert's hidden units re-initialised to break expert "
         "symmetry; the result is NOT exact, so the check only reports differences unless --tolerance is given",
@@ -113,7 +130,9 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         return convert_error(f"--max-new-tokens must be 0 (no greedy continuations) or more, got {args.max_new_tokens}.")
     moe_flags = [flag for flag, value in (("--experts", args.experts), ("--top-k", args.top_k),
-                                          ("--expert-noise", args.expert_noise or None)) if value is not None]
+                                          ("--expert-noise", args.expert_noise or None),
+                                          ("--mlp-only-layers", args.mlp_only_layers),
+                                          ("--decoder-sparse-step", args.decoder_sparse_step)) if value is not None]
     if moe_flags and args.kind not in (None, "dar_moe"):
         return convert_error(f"{', '.join(moe_flags)} {'make' if len(moe_flags) > 1 else 'makes'} a DAR-MoE model, which "
                              f"contradicts --kind {args.kind}; pass --kind dar_moe or leave --kind out.")
@@ -122,6 +141,8 @@ def run_convert(args: argparse.Namespace) -> int:
     if kind == "dar_moe":
         convert_function = upcycle_to_dar_moe
         kind_options = {"num_experts": args.experts, "top_k": args.top_k, "expert_noise": args.expert_noise}
+        kind_options.update({field: getattr(args, field) for field in ("mlp_only_layers", "decoder_sparse_step")
+                             if getattr(args, field) is not None})
     try:
         result = convert_function(
             args.source,
@@ -166,7 +187,8 @@ OPTION_FLAGS = {
     "tolerance": "--tolerance", "max_shard_size": "--max-shard-size", "base_model": "--base-model",
     "expert_noise": "--expert-noise", "num_experts_per_tok": "--top-k", "num_experts": "--experts",
     "dar_block_size": "--block-size", "dar_routing": "--routing", "dar_num_streams": "--streams",
-    "dar_write_mode": "--write-mode",
+    "dar_write_mode": "--write-mode", "mlp_only_layers": "--mlp-only-layers",
+    "decoder_sparse_step": "--decoder-sparse-step",
 }
 
 

@@ -7,6 +7,7 @@ function (Drop-Upcycling) or that checks nothing (tolerance inf) is never report
 """
 
 import pytest
+import torch
 
 from dar_transformers.cli import main as cli_main
 
@@ -137,3 +138,50 @@ def test_sparse_upcycling_without_experts_or_top_k_names_both_flags(tmp_path, ca
     assert code == 1 and error == (f"dar convert: error: Upcycling a dense llama model needs num_experts and top_k "
                                    f"(--experts and --top-k; got {got}).")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, sparse", [(("--mlp-only-layers", "0"), [1, 2]), (("--decoder-sparse-step", "2"), [1]),
+                                           (("--mlp-only-layers", "0", "--decoder-sparse-step", "3"), [2])])
+def test_sparse_upcycling_of_chosen_layers_keeps_the_others_dense_and_exact(tmp_path, capsys, flags, sparse):
+    """`--mlp-only-layers` / `--decoder-sparse-step` (Qwen2/3-MoE's fields): only the chosen layers become experts,
+    the others keep their dense MLP bit for bit; the conversion stays exact. They were refused as unknown fields."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    source = save_source(tmp_path / "source")
+    code = cli_main(["convert", str(source), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2", *flags,
+                     "--max-new-tokens", "4"])
+    assert code == 0 and "PASSED" in capsys.readouterr().out
+    moe = AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
+    assert moe.config.moe_layer_indices == sparse
+    dense = load_file(source / "model.safetensors")
+    written = {}
+    for file in (tmp_path / "moe").glob("*.safetensors"):
+        written.update(load_file(file))
+    for layer in range(3):
+        kept = f"model.layers.{layer}.mlp.down_proj.weight"
+        assert (kept in written) == (layer not in sparse)
+        assert layer in sparse or torch.equal(written[kept], dense[kept])
+    card = (tmp_path / "moe" / "README.md").read_text()
+    assert f"| experts E (sparse layers) | 4 ({len(sparse)} of 3 layers) |" in card
+
+
+def test_sparse_layer_choices_are_refused_for_an_moe_source_and_named_by_flag(tmp_path, capsys):
+    source = save_source(tmp_path / "source")
+    assert cli_main(["convert", str(source), str(tmp_path / "out"), "--experts", "4", "--top-k", "2",
+                     "--mlp-only-layers", "0,1,2"]) == 1
+    assert "--mlp-only-layers: DARMoeConfig.mlp_only_layers and decoder_sparse_step leave no sparse layer" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["convert", str(source), str(tmp_path / "out"), "--mlp-only-layers", "0,x"])
+    assert "is not a comma-separated list of layer indices" in capsys.readouterr().err
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from conftest import SHAPE, VOCAB, make_tokenizer
+
+    MixtralForCausalLM(MixtralConfig(**SHAPE, vocab_size=VOCAB, num_local_experts=4)).save_pretrained(tmp_path / "mix")
+    make_tokenizer().save_pretrained(tmp_path / "mix")
+    assert cli_main(["convert", str(tmp_path / "mix"), str(tmp_path / "out"), "--kind", "dar_moe",
+                     "--decoder-sparse-step", "2"]) == 1
+    assert "the mixtral source's layers are sparse or dense as it stores them" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mix", "source"]

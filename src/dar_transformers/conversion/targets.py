@@ -79,7 +79,11 @@ def _option_fields(config_class: type[DARConfig]) -> frozenset[str]:
 
 
 DAR_OPTION_FIELDS = _option_fields(DARConfig)
-DAR_MOE_OPTION_FIELDS = _option_fields(DARMoeConfig) | {"router_aux_loss_coef", "output_router_logits"}
+# Which layers sparse upcycling makes sparse (Qwen2/3-MoE's rule, `DARMoeConfig.is_sparse_layer`): the others keep
+# their dense MLP as it is. An MoE source's layers are what they are (its own fields, which are not options).
+SPARSE_LAYER_FIELDS = frozenset({"mlp_only_layers", "decoder_sparse_step"})
+DAR_MOE_OPTION_FIELDS = (_option_fields(DARMoeConfig) | {"router_aux_loss_coef", "output_router_logits"}
+                         | SPARSE_LAYER_FIELDS)
 
 
 def _check_fields(fields: Mapping[str, object], allowed: frozenset[str], kind: str) -> None:
@@ -154,8 +158,9 @@ def dar_moe_config_from_source(
 ) -> DARMoeConfig:
     """The DAR-MoE config of a source: its architecture fields, its MoE fields (MoE source) or E and k (upcycling).
 
-    `dar_fields` sets any other DARMoeConfig option (e.g. `dar_block_size`); exactness holds for every DAR setting
-    that DESIGN.md section 3 calls exact.
+    `dar_fields` sets any other DARMoeConfig option (e.g. `dar_block_size`; for upcycling, `mlp_only_layers` and
+    `decoder_sparse_step`: the layers left dense); exactness holds for every DAR setting that DESIGN.md section 3
+    calls exact.
     """
     _check_fields(dar_fields, DAR_MOE_OPTION_FIELDS, "DAR-MoE")
     model_type = source_config.model_type
@@ -172,6 +177,12 @@ def dar_moe_config_from_source(
         # Qwen2's attention always has q/k/v biases; without them it is Llama's attention (o_proj has none in both).
         fields.update(dar_branch_family="llama", attention_bias=False)
     if model_type in MOE_SOURCE_FAMILIES:
+        chosen = sorted(SPARSE_LAYER_FIELDS & set(dar_fields))
+        if chosen:
+            raise ValueError(
+                f"{', '.join(chosen)} choose which layers sparse upcycling makes sparse; the {model_type} source's "
+                "layers are sparse or dense as it stores them (leave them unset)."
+            )
         for name, source_value in MOE_CONFIG_FIELDS[model_type].items():
             fields[name] = getattr(source_config, source_value) if isinstance(source_value, str) else source_value
         for name, requested in (("num_experts", num_experts), ("num_experts_per_tok", top_k)):
