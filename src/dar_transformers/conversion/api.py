@@ -31,7 +31,7 @@ from .plan import (
 from .report import VerificationReport
 from .sources import (
     Source, check_has_layers, display_name, load_source_config, open_source, rounded_tensors, source_storage_dtype,
-    warn_if_declared_dtype_differs,
+    tensors_phrase, warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
 from .verify import (
@@ -180,11 +180,7 @@ def upcycle(
 def describe_rounding(rounded: list, storage_dtype: torch.dtype) -> str:
     """The source tensors a conversion to `storage_dtype` rounds (`rounded_tensors`), in a phrase: "23 source
     tensor(s) stored in float32 (model.embed_tokens.weight, ...)"; empty when none."""
-    if not rounded:
-        return ""
-    dtypes = " and ".join(sorted({str(dtype).removeprefix("torch.") for _, dtype in rounded}))
-    names = ", ".join(name for name, _ in rounded[:2]) + (", ..." if len(rounded) > 2 else "")
-    return f"{len(rounded)} source tensor(s) stored in {dtypes} ({names})"
+    return tensors_phrase(rounded, "source") if rounded else ""
 
 
 def moe_routing_hint(source_config: PreTrainedConfig, config: PreTrainedConfig, check_dtype: torch.dtype) -> str:

@@ -643,7 +643,7 @@ def warn_if_declared_dtype_differs(config: PreTrainedConfig, checkpoint: Checkpo
     # Which side's default load rounds what: the source's in the declared dtype, the output's in the stored one (a
     # wider dtype holds every value of a narrower one, so either may round nothing).
     source_rounds, output_rounds = rounded_tensors(checkpoint, declared), rounded_tensors(checkpoint, storage_dtype)
-    source_load = f"so from_pretrained loads it in {short}" + (f", rounding {_tensors_phrase(source_rounds)}"
+    source_load = f"so from_pretrained loads it in {short}" + (f", rounding its {tensors_phrase(source_rounds)}"
                                                                if source_rounds else "")
     output_load = (f"rounding those {others} tensors" if output_rounds else
                    f"which holds every stored value (the source's own load is the one that rounds)")
@@ -655,11 +655,12 @@ def warn_if_declared_dtype_differs(config: PreTrainedConfig, checkpoint: Checkpo
     )
 
 
-def _tensors_phrase(tensors: list[tuple[str, torch.dtype]]) -> str:
-    """"its 2 tensor(s) stored in float32 (model.embed_tokens.weight, lm_head.weight)" of `rounded_tensors`."""
+def tensors_phrase(tensors: list[tuple[str, torch.dtype]], kind: str = "") -> str:
+    """"2 tensor(s) stored in float32 (model.embed_tokens.weight, lm_head.weight)" of `rounded_tensors` ("2 source
+    tensor(s) ..." with `kind` "source")."""
     dtypes = " and ".join(sorted({str(dtype).removeprefix("torch.") for _, dtype in tensors}))
     names = ", ".join(name for name, _ in tensors[:2]) + (", ..." if len(tensors) > 2 else "")
-    return f"its {len(tensors)} tensor(s) stored in {dtypes} ({names})"
+    return f"{len(tensors)} {kind + ' ' if kind else ''}tensor(s) stored in {dtypes} ({names})"
 
 
 def is_dar_parameter(name: str) -> bool:
@@ -695,4 +696,4 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 
 __all__ = ["Source", "check_gguf_metadata", "custom_code_entries", "display_name", "exact_storage_dtype", "load_source",
-           "load_source_config", "open_source", "rounded_tensors", "source_storage_dtype"]
+           "load_source_config", "open_source", "rounded_tensors", "source_storage_dtype", "tensors_phrase"]
