@@ -198,16 +198,26 @@ def test_a_length_dependent_rope_is_checked_one_prompt_at_a_time(tmp_path):
     assert code == 0, stderr[-3000:]
 
 
-def test_a_chat_template_that_raises_leaves_the_chat_prompt_out_with_a_warning_naming_it(tmp_path, caplog):
+@pytest.mark.parametrize("template, warning", [
+    ("{{ raise_exception('System message required') }}",
+     r"fails on one user message \(TemplateError: System message required\)"),
+    # a Python error inside the template: a one-line refusal naming no template, or a ZeroDivisionError traceback
+    ("{{ messages[0]['content'] + 1 }}", r"fails on one user message \(TypeError: can only concatenate str"),
+    ("{{ messages|length / 0 }}", r"fails on one user message \(ZeroDivisionError: "),
+    ("", r"renders one user message to no tokens"),  # was `RuntimeError: max(): Expected reduction dim`
+], ids=["raise_exception", "type-error", "zero-division", "empty"])
+def test_a_chat_template_that_fails_leaves_the_chat_prompt_out_with_a_warning_naming_it(tmp_path, caplog, template,
+                                                                                        warning):
     """A chat template that refuses one user message (real ones require a system message through
-    `raise_exception`): the conversion ended in a jinja2 traceback naming no file, and a good source could not be
-    converted. The chat prompt is left out of the check, with a warning naming the template."""
+    `raise_exception`), fails in Python, or renders nothing: the conversion ended in a traceback (or a one-line error
+    naming no template), and a good source could not be converted. The chat prompt is left out of the check, with a
+    warning naming the template."""
     source = save_source(tmp_path / "source")
-    (source / "chat_template.jinja").write_text("{{ raise_exception('System message required') }}")
+    (source / "chat_template.jinja").write_text(template)
     code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "2", cwd=tmp_path)
     assert code == 0, stderr[-3000:]
-    assert re.search(r"The chat template \(chat_template\.jinja .*\) fails on one user message \(TemplateError: "
-                     r"System message required\); the chat prompt is left out", caplog.text)
+    assert re.search(r"The source's chat template " + warning, caplog.text), caplog.text[-2000:]
+    assert "the chat prompt is left out" in caplog.text
 
 
 def test_a_verification_prompt_that_tokenizes_to_nothing_is_refused_naming_it(tmp_path):

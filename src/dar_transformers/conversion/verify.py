@@ -122,9 +122,8 @@ def check_written_tokenizer(folder: Path, tokenizer, texts: Sequence[str] | None
         try:
             compare("chat prompt ids", chat_input_ids(tokenizer, CHAT_PROMPT).tolist(),
                     chat_input_ids(written, CHAT_PROMPT).tolist())
-        except Exception as error:  # a template that fails on one message: `build_prompts` already said so
-            if type(error).__module__.split(".")[0] != "jinja2":
-                raise
+        except Exception:  # a template that fails on one message, in any way: `build_prompts` already said so
+            pass
     if differences:
         raise ValueError("The tokenizer written for the output, loaded back with AutoTokenizer, differs from the "
                          f"source's: {'; '.join(differences)}. Users of the output would tokenize differently from "
@@ -171,14 +170,22 @@ def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None
         logger.warning(f"The tokenizer has named chat templates only ({', '.join(tokenizer.chat_template)}), no "
                        "default one: the chat prompt is left out of the verification.")
     if has_default_chat_template(tokenizer):
+        # The source's template (chat_template.jinja or tokenizer_config.json of a folder, tokenizer.chat_template of a
+        # GGUF file) renders one user message, or fails in any way a template can: jinja2's errors, its
+        # raise_exception, or Python's inside it (`content + 1`: a TypeError; a division by zero). Either way, or
+        # when it renders to no tokens, the chat prompt is left out, with a warning: it is the source's own template.
         try:
-            prompts.append(("chat: " + CHAT_PROMPT, chat_input_ids(tokenizer, CHAT_PROMPT)))
-        except Exception as error:  # jinja2's TemplateSyntaxError, or TemplateError from the template's raise_exception
-            if type(error).__module__.split(".")[0] != "jinja2":
-                raise
-            logger.warning(f"The chat template (chat_template.jinja or tokenizer_config.json) fails on one user message "
-                           f"({type(error).__name__}: {one_line(error)}); the chat prompt is left out of the "
-                           "verification.")
+            text = chat_text(tokenizer, CHAT_PROMPT)
+        except Exception as error:
+            logger.warning(f"The source's chat template fails on one user message ({type(error).__name__}: "
+                           f"{one_line(error)}); the chat prompt is left out of the verification.")
+        else:
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            if ids.shape[1] == 0:
+                logger.warning("The source's chat template renders one user message to no tokens; the chat prompt is "
+                               "left out of the verification.")
+            else:
+                prompts.append(("chat: " + CHAT_PROMPT, ids))
     for name, ids in prompts:  # an id past the embedding has no row to read, in the source as in the conversion
         if ids.max() >= vocab_size:
             token = tokenizer.convert_ids_to_tokens(int(ids.max()))
@@ -192,10 +199,15 @@ def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None
     return prompts
 
 
+def chat_text(tokenizer, message: str) -> str:
+    """The chat template applied to one user message, ready for generation, as text."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
 def chat_input_ids(tokenizer, message: str) -> torch.Tensor:
     """The chat template applied to one user message, ready for generation: input_ids [1, T]."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return tokenizer(chat_text(tokenizer, message), add_special_tokens=False, return_tensors="pt")["input_ids"]
 
 
 class TokenProgress(BaseStreamer):
