@@ -278,10 +278,11 @@ GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.no
 
 
 def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, extra_tensors=None,
-                    extra_metadata=None) -> Path:
+                    extra_metadata=None, matrices_dtype=np.float32) -> Path:
     """A float32 Llama GGUF with a BPE ("gpt2") tokenizer and chat template, as llama.cpp's converter writes it;
     `extra_tensors` ({GGUF name: array}) are written after the model's, `extra_metadata` ({key: str, float, bool or int})
-    after its metadata."""
+    after its metadata; `matrices_dtype` np.float16 writes the 2-D tensors F16 (the norms stay F32, as llama.cpp's
+    `--outtype f16` writes them)."""
     config = model.config
     writer = gguf_writer(path, "llama", config)
     writer.add_name("tiny-llama")
@@ -304,7 +305,7 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTo
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        array = tensor.numpy().astype(np.float32)
+        array = tensor.numpy().astype(matrices_dtype if tensor.dim() == 2 else np.float32)
         if key in GGUF_GLOBAL_NAMES:
             writer.add_tensor(GGUF_GLOBAL_NAMES[key], array)
             continue

@@ -161,6 +161,24 @@ def test_gguf_file_converts_exactly_with_its_tokenizer_and_chat_template(tmp_pat
     assert tree_digest(tmp_path / "gguf") == before
 
 
+def test_an_f16_gguf_is_not_said_to_be_rounded_where_float16_holds_it(tmp_path, caplog):
+    """A GGUF of F16 matrices and F32 norms (llama.cpp's --outtype f16) converted with --dtype float16: every tensor is
+    read as float32, so the warning and the card said all of them were rounded to float16, though the matrices are
+    written bit for bit; only the norms are rounded, and only they are named."""
+    import numpy as np
+
+    source_model, tokenizer = make_source("llama", tied=True), make_tokenizer()
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", source_model, tokenizer, matrices_dtype=np.float16)
+    upcycle(gguf_path, tmp_path / "out", dtype="float16", tolerance=1e-2, **FAST)
+    norms = [name for name, _ in source_model.named_parameters() if name.endswith("norm.weight")]
+    assert f"--dtype float16 rounds {len(norms)} source tensor(s) stored in float32 (model.layers.0.input_layernorm" \
+        in caplog.text
+    written = load_file(tmp_path / "out" / "model-00001-of-00002.safetensors")
+    embedding = source_model.model.embed_tokens.weight.detach().half()
+    assert torch.equal(written["model.embed_tokens.weight"], embedding)  # F16 values, written as they are
+
+
 def test_a_gguf_files_end_of_turn_token_ends_generation_in_the_written_folder(tmp_path):
     """llama.cpp stops at `tokenizer.ggml.eot_token_id` / `eom_token_id` as at the end-of-sequence token; transformers'
     GGUF reader keeps only the last, so a converted chat model decoded past the end of its turn."""

@@ -88,6 +88,11 @@ class Checkpoint:
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The narrowest dtype that holds the tensor's values as the source stores them (what a cast to another dtype
+        may round): its `infos()` dtype, unless the checkpoint reads it wider (a GGUF file's F16 tensor)."""
+        return self.infos()[name].dtype
+
     def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """Rows `indices` (any order, repeats allowed) of a 2-D tensor, e.g. embedding rows of a prompt."""
         self.check_rows(name, indices)
@@ -385,6 +390,10 @@ def placed_gguf_tensors(path: Path, meta_model: torch.nn.Module) -> tuple[Tensor
     return processor, placed
 
 
+# GGUF tensor types whose values a torch dtype holds exactly (the rest are read as float32).
+GGUF_EXACT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
 class GGUFCheckpoint(Checkpoint):
     """A dense-family GGUF file, one tensor at a time: read at its offset, dequantised (float32), un-permuted by
     transformers' tensor processor and named through `get_gguf_hf_weights_map` of a meta model of `config`.
@@ -411,6 +420,11 @@ class GGUFCheckpoint(Checkpoint):
 
     def infos(self) -> dict[str, TensorInfo]:
         return {name: entry[-1] for name, entry in self._tensors.items()}
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """F16 and BF16 tensors are read as float32 but hold float16 / bfloat16 values (a conversion to that dtype
+        rounds none of them); a quantised tensor's values (integers times a scale) are float32's."""
+        return GGUF_EXACT_DTYPES.get(self._tensors[name][1].name, torch.float32)
 
     def _dequantised(self, name: str) -> torch.Tensor:
         if self._last is not None and self._last[0] == name:

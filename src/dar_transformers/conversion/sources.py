@@ -680,15 +680,16 @@ def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[
         dtype = storage_dtype
         if is_dar_parameter(name):
             dtype = torch.float64 if storage_dtype == torch.float64 else torch.float32
-        if info.dtype.is_floating_point and info.dtype != dtype and not dtype.itemsize > info.dtype.itemsize:
-            rounded.append((name, info.dtype))
+        stored = checkpoint.stored_dtype(name)  # a GGUF file's F16 tensor: float16, though read as float32
+        if stored.is_floating_point and stored != dtype and not dtype.itemsize > stored.itemsize:
+            rounded.append((name, stored))
     return rounded
 
 
 def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
     """The narrowest dtype that stores every floating tensor of the source exactly: its one floating dtype, else
     float32 (bf16 with fp16 or float32), float64 if it has any."""
-    dtypes = {info.dtype for name, info in checkpoint.infos().items()
+    dtypes = {checkpoint.stored_dtype(name) for name, info in checkpoint.infos().items()
               if info.dtype.is_floating_point and not is_dar_parameter(name)}  # those stay float32 in any dtype
     if len(dtypes) == 1:
         return dtypes.pop()
