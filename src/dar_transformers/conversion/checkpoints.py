@@ -400,7 +400,8 @@ class GGUFCheckpoint(Checkpoint):
 
     The last tensor read stays dequantised, so reading a tensor in row chunks (casting, checking, the LM head in
     vocabulary chunks) dequantises it once, not once per chunk; the memory is that one tensor in float32, which the
-    first chunk needs anyway (the q/k un-permutation mixes rows within a head)."""
+    first chunk needs anyway (the q/k un-permutation mixes rows within a head), and while gguf-py dequantises it about
+    twice that (its temporaries): 2 GiB for a 128256 x 2048 embedding (README, "At scale")."""
 
     def __init__(self, path: str | os.PathLike, config, meta_model: torch.nn.Module):
         if gguf is None:
