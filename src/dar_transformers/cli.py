@@ -47,7 +47,8 @@ def _layer_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices (e.g. 0,3)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices (e.g. 0,3)") \
+            from None
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,8 +92,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decoder-sparse-step", type=int, default=None, metavar="N",
-        help="DAR-MoE upcycling: only every N-th layer (layer l with (l + 1) %% N == 0) becomes sparse; the others keep "
-        "their dense MLP (default 1: every layer)",
+        help="DAR-MoE upcycling: only every N-th layer (layer l with (l + 1) %% N == 0) becomes sparse; the others "
+        "keep their dense MLP (default 1: every layer)",
     )
     parser.add_argument(
         "--expert-noise", type=float, default=0.0,

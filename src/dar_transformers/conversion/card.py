@@ -147,10 +147,10 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
     """What the card claims about the converted function: only what the conversion made true and the check showed.
 
     The function is the source model's, or, for a source whose config.json maps the model to its own code
-    (`Source.custom_code`, never run), that of the class its model_type names (`Source.reference_class`). The claim is exact
-    when verified at the default bar, approximate (within the tolerance) when the bar was relaxed, and unverified
-    when nothing was compared at it (`VerificationReport.verified`). `rounded`: the source tensors the stored dtype
-    `storage` rounds (`api.describe_rounding`), which the claim then names."""
+    (`Source.custom_code`, never run), that of the class its model_type names (`Source.reference_class`). The claim
+    is exact when verified at the default bar, approximate (within the tolerance) when the bar was relaxed, and
+    unverified when nothing was compared at it (`VerificationReport.verified`). `rounded`: the source tensors the
+    stored dtype `storage` rounds (`api.describe_rounding`), which the claim then names."""
     if not exact:
         return ("that much holds, but this conversion **deliberately changed the function** (its experts were perturbed: "
                 "Drop-Upcycling), so the model does NOT compute the source model's function; the differences are "

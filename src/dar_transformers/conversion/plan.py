@@ -126,10 +126,11 @@ def plan_conversion(
     else:
         plans = {name: dataclasses.replace(plan, dtype=dtype) for name, plan in shared.items()}
     # DAR's parameters taken from a dense DAR source (its DAR-MoE upcycle) stay float32 whatever the storage dtype,
-    # and under "auto" float64 where the source stores them so (the model loads them float32, but "auto" rounds nothing).
-    plans.update({name: dataclasses.replace(plan, dtype=plan.dtype if keep_source_dtypes and plan.dtype == torch.float64
-                                            else new_dtype)
-                  for name, plan in plans.items() if stays_float32(target, name) and plan.dtype.is_floating_point})
+    # and under "auto" float64 where the source stores them so (the model loads them float32; "auto" rounds nothing).
+    for name, plan in plans.items():
+        if stays_float32(target, name) and plan.dtype.is_floating_point:
+            kept_wider = keep_source_dtypes and plan.dtype == torch.float64
+            plans[name] = dataclasses.replace(plan, dtype=plan.dtype if kept_wider else new_dtype)
     # Other new parameters (the routers of sparse upcycling) in the checkpoint's dtype, as from_pretrained loads them.
     for name, value in new_parameter_values(target.model_class, config, missing).items():
         plans[name] = TensorPlan(tuple(value.shape), new_dtype if stays_float32(target, name) else dtype, value=value)
@@ -271,7 +272,7 @@ def upcycle_model(
     checkpoint = StateDictCheckpoint(source_model.state_dict())
     check_tied_output_head(checkpoint, source_model.config, "the in-memory model")
     plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model", "its config",
-                                       keep_source_dtypes)
+                               keep_source_dtypes)
     # Cloned: the target never shares storage with the source (training one must not change the other).
     state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
     for name, tensor in state.items():
