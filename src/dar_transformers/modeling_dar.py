@@ -205,10 +205,13 @@ class DARDepthAttention(nn.Module):
     def forward(self, sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """sources [N, B, T, J, D] (compute dtype) -> (extraction x [B, T, J, D], depth weights a [N, B, T, J])."""
         keys = self.key_norm(sources[..., self.key_streams, :])  # [N, B, T, J, D]: key stream kappa(j) per target
-        scores = torch.einsum("nbtjd,jd->nbtj", keys, self.pseudo_query.to(sources.dtype))  # (2)
+        # Products and sums, not einsum (a bmm): the reference backend runs them with autocast off (the precision
+        # policy), but AOTAutograd traces their backward with autocast on (PyTorch issue 179804), where a bmm runs in
+        # bf16: compiled training under bf16 autocast then had depth gradients up to 0.18 off eager's.
+        scores = (keys * self.pseudo_query.to(sources.dtype)).sum(-1)  # (2) [N, B, T, J]
         weights = scores.softmax(dim=0)  # (3) [N, B, T, J]
         values = sources[..., self.value_streams, :]  # [N, B, T, J, D]: value stream nu(j) per target
-        extraction = torch.einsum("nbtj,nbtjd->btjd", weights, values)  # (4) [B, T, J, D]
+        extraction = (weights.unsqueeze(-1) * values).sum(0)  # (4) [B, T, J, D]
         return self.count_scale(sources.shape[0]) * extraction, weights
 
 
