@@ -279,7 +279,13 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"dar generate: error: cannot load {args.model}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     if has_default_chat_template(tokenizer) and not args.no_chat_template:
-        input_ids = chat_input_ids(tokenizer, args.prompt)
+        try:
+            input_ids = chat_input_ids(tokenizer, args.prompt)
+        except Exception as error:  # the folder's own template fails (jinja2's errors, raise_exception, Python's)
+            print(f"dar generate: error: the chat template of {args.model} fails on the prompt "
+                  f"({type(error).__name__}: {' '.join(str(error).split())}); pass --no-chat-template to continue the "
+                  "prompt as text.", file=sys.stderr)
+            return 1
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     if input_ids.shape[-1] == 0:  # generate cannot start from nothing (a reshape error deep in it)

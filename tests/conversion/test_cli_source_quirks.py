@@ -417,3 +417,14 @@ def test_the_cards_generation_code_runs_on_the_written_folder(tmp_path, chat):
     loading, usage = blocks[0], blocks[-1]
     assert ("apply_chat_template" in usage) == chat
     exec(loading.replace("<this repo or folder>", str(tmp_path / "out")) + usage.replace("48", "3"), {})
+
+
+def test_dar_generate_with_a_chat_template_that_fails_is_one_line_naming_the_way_out(tmp_path, capsys):
+    """`dar generate` on a folder whose chat template fails on one user message ended in a traceback."""
+    source = save_source(tmp_path / "source")
+    (source / "chat_template.jinja").write_text("{{ raise_exception('System message required') }}")
+    assert cli_main(["generate", str(source), "--prompt", "Hello", "--max-new-tokens", "2"]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and "fails on the prompt (TemplateError: System message required)" in error
+    assert "--no-chat-template" in error
+    assert cli_main(["generate", str(source), "--prompt", "Hello", "--max-new-tokens", "2", "--no-chat-template"]) == 0
