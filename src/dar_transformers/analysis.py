@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from .configuration_dar import DARConfig
+from .configuration_dar import DAR_MODEL_TYPES, DARConfig
 from .modeling_dar import DARDepthAttention, DARReadGate, DARWriteGate
 
 logger = logging.get_logger(__name__)
@@ -112,9 +112,6 @@ class DARBranchModules:
     depth_attention: DARDepthAttention
     read_gate: DARReadGate
     write_gate: DARWriteGate | None
-
-
-DAR_MODEL_TYPES = ("dar", "dar_moe")
 
 
 def is_dar_config(config: object) -> bool:

@@ -69,6 +69,8 @@ DAR_INFERENCE_KERNELS = ("torch", "cpp")
 DAR_TRAINING_KERNELS = ("torch", "cpp")
 DAR_TARGET_BLOCKS = 8  # AttnRes fixes "about 8 blocks" as the practical operating point.
 DAR_DEFAULT_DELTA = 0.7
+# The package's model types: DAR and DAR-MoE (`DARMoeConfig`).
+DAR_MODEL_TYPES: tuple[str, ...] = ("dar", "dar_moe")
 # The code files a DAR-MoE folder holds beyond a dense DAR folder's (`DARMoeConfig.remote_code_auto_map`'s modules).
 DAR_MOE_CODE_FILES = frozenset({"configuration_dar_moe", "modeling_dar_moe"})
 

@@ -120,6 +120,7 @@ def upcycle(
                                                loaded.checkpoint.description, loaded.checkpoint.config_name,
                                                keep_source_dtypes)
             kept = kept_source_dtypes(plans, target, storage_dtype)
+            kept_description = describe_kept_dtypes(kept, plans, loaded.checkpoint)  # the log's and the card's
             rounded = ("" if keep_source_dtypes  # "auto" keeps every tensor as the source stores it
                        else describe_rounding(rounded_tensors(loaded.checkpoint, storage_dtype), storage_dtype))
             if rounded:
@@ -131,7 +132,7 @@ def upcycle(
             if kept:
                 rounds = (f"; --dtype {_short(storage_dtype)} would round them"
                           if rounded_tensors(loaded.checkpoint, storage_dtype) else "")
-                logger.info(f"The source mixes dtypes: {describe_kept_dtypes(kept, plans, loaded.checkpoint)} beside "
+                logger.info(f"The source mixes dtypes: {kept_description} beside "
                             f"{_short(storage_dtype)} (--dtype auto){rounds}.")
             # NaN/inf in the source: refused by the writer as it reads each tensor (its one read), when staging.
             check_dtype = options.verification_dtype(storage_dtype)
@@ -158,8 +159,7 @@ def upcycle(
                 answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
                 card = render_model_card(config, report, loaded, base_model=options.base_model,
                                          kind=target.description, answers=answers, exact=target.exact,
-                                         kept_dtypes=describe_kept_dtypes(kept, plans, loaded.checkpoint),
-                                         rounded=rounded)
+                                         kept_dtypes=kept_description, rounded=rounded)
                 (folder / "README.md").write_text(card, encoding="utf-8")
 
             if output is not None:

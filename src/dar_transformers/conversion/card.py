@@ -8,6 +8,7 @@ import yaml
 from huggingface_hub.repocard import metadata_load
 
 from .. import TRANSFORMERS_REQUIREMENT, __version__
+from .families import DAR_SOURCE_TYPE
 from .verify import has_default_chat_template
 
 CARD_TEMPLATE = """---
@@ -199,7 +200,7 @@ def _architecture_sentences(config) -> tuple[str, str]:
 
 def _from_dar(source) -> bool:
     """Whether the source is a dense DAR model (upcycled to DAR-MoE)."""
-    return getattr(source.config, "model_type", None) == "dar"
+    return getattr(source.config, "model_type", None) == DAR_SOURCE_TYPE
 
 
 def _conversion_paragraph(config, source, function_sentence: str, exact: bool = True) -> str:

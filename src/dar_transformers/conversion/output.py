@@ -48,6 +48,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from ..configuration_dar import DAR_MODEL_TYPES  # a previous output's: the non-empty folders overwrite replaces
+
 try:  # POSIX: a run holds its markers locked (`_marked_folder`); elsewhere the process id alone decides
     import fcntl
 except ImportError:
@@ -55,8 +57,6 @@ except ImportError:
 
 logger = logging.get_logger(__name__)
 
-# The model_types of a previous conversion output, the only non-empty folders that `overwrite` replaces.
-DAR_MODEL_TYPES: tuple[str, ...] = ("dar", "dar_moe")
 # The file a conversion writes last in its output: every file (with its size and st_mtime_ns) and folder it wrote.
 # `overwrite` replaces a folder only when it holds exactly what this lists, unchanged.
 MANIFEST_NAME = ".dar-convert-manifest.json"

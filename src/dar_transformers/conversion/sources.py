@@ -23,7 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
-from ..modeling_dar import DAR_MODULE_NAMES
+from ..training import is_dar_parameter
 from .checkpoints import (
     Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors, source_read_error,
 )
@@ -663,17 +663,11 @@ def tensors_phrase(tensors: list[tuple[str, torch.dtype]], kind: str = "") -> st
     return f"{len(tensors)} {kind + ' ' if kind else ''}tensor(s) stored in {dtypes} ({names})"
 
 
-def is_dar_parameter(name: str) -> bool:
-    """A DAR parameter of a dense DAR source (its DAR-MoE upcycle keeps it): a model stores and loads those float32
-    (float64 in a float64 model) whatever its dtype (`_keep_in_fp32_modules_strict`), so no dtype of the model rounds
-    a float32 one."""
-    return not set(DAR_MODULE_NAMES).isdisjoint(name.split("."))
-
-
 def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     """(name, dtype) of the source's floating tensors that a conversion to `storage_dtype` rounds (a mixed-precision
     source under "auto": bf16 matrices, float32 norms); a DAR parameter is stored float32 (float64 in a float64
-    model) whatever `storage_dtype`, and loads so (`is_dar_parameter`). A wider floating dtype holds a narrower one's
+    model) whatever `storage_dtype`, and loads so (`_keep_in_fp32_modules_strict`; a dense DAR source's DAR-MoE
+    upcycle keeps them: `is_dar_parameter`). A wider floating dtype holds a narrower one's
     every value (bf16 or fp16 in float32, float32 in float64); bf16 and fp16 round each other."""
     rounded = []
     for name, info in checkpoint.infos().items():
