@@ -278,11 +278,11 @@ GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.no
 
 
 def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, extra_tensors=None,
-                    extra_metadata=None, matrices_dtype=np.float32) -> Path:
+                    extra_metadata=None, matrices_dtype=np.float32, matrices_type=None) -> Path:
     """A float32 Llama GGUF with a BPE ("gpt2") tokenizer and chat template, as llama.cpp's converter writes it;
     `extra_tensors` ({GGUF name: array}) are written after the model's, `extra_metadata` ({key: str, float, bool or int})
     after its metadata; `matrices_dtype` np.float16 writes the 2-D tensors F16 (the norms stay F32, as llama.cpp's
-    `--outtype f16` writes them)."""
+    `--outtype f16` writes them), and `matrices_type` (a `GGMLQuantizationType`) quantises them with gguf-py."""
     config = model.config
     writer = gguf_writer(path, "llama", config)
     writer.add_name("tiny-llama")
@@ -307,14 +307,14 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTo
             continue
         array = tensor.numpy().astype(matrices_dtype if tensor.dim() == 2 else np.float32)
         if key in GGUF_GLOBAL_NAMES:
-            writer.add_tensor(GGUF_GLOBAL_NAMES[key], array)
+            add_gguf_tensor(writer, GGUF_GLOBAL_NAMES[key], array, matrices_type)
             continue
         layer, module = key.split(".")[2], ".".join(key.split(".")[3:-1])
         if module == "self_attn.q_proj":
             array = llama_cpp_permute(array, config.num_attention_heads)
         elif module == "self_attn.k_proj":
             array = llama_cpp_permute(array, config.num_key_value_heads)
-        writer.add_tensor(f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight", array)
+        add_gguf_tensor(writer, f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.weight", array, matrices_type)
     finish_gguf(writer, extra_tensors)
     return path
 
@@ -334,6 +334,13 @@ def gguf_writer(path: Path, architecture: str, config) -> gguf.GGUFWriter:
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
     return writer
+
+
+def add_gguf_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, matrices_type=None) -> None:
+    if matrices_type is None or array.ndim != 2:
+        writer.add_tensor(name, array)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, matrices_type), raw_dtype=matrices_type)
 
 
 def finish_gguf(writer: gguf.GGUFWriter, extra_tensors=None) -> None:

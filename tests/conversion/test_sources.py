@@ -115,6 +115,65 @@ def test_a_gguf_tensor_read_in_row_chunks_is_dequantised_once(tmp_path, monkeypa
     assert len(calls) == len(checkpoint.infos())
 
 
+GGUF_STORAGE = {"F32": {}, "F16": dict(matrices_dtype=np.float16),
+                "BF16": dict(matrices_type=gguf_py.GGMLQuantizationType.BF16),
+                "Q8_0": dict(matrices_type=gguf_py.GGMLQuantizationType.Q8_0),
+                "Q4_1": dict(matrices_type=gguf_py.GGMLQuantizationType.Q4_1)}
+
+
+@pytest.mark.parametrize("storage", list(GGUF_STORAGE))
+def test_a_gguf_tensor_dequantised_rows_at_a_time_is_transformers_tensor_bit_for_bit(tmp_path, monkeypatch, storage):
+    """Rows are dequantised a chunk at a time (7 rows here: 46 chunks for the embedding, the last one short; the q/k
+    un-permutation after them), and every tensor is the one transformers' whole-file loader makes."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", make_source("llama", tied=False), make_tokenizer(),
+                                **GGUF_STORAGE[storage])
+    config = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf").config
+    meta = meta_model(LlamaForCausalLM, plain_config(config))
+    monkeypatch.setattr(checkpoints, "GGUF_DEQUANTISE_CHUNK_BYTES", 7 * SHAPE["hidden_size"] * 4)
+    calls = []
+    dequantize = checkpoints.gguf.dequantize
+    monkeypatch.setattr(checkpoints.gguf, "dequantize", lambda *args: calls.append(args[0].shape) or dequantize(*args))
+    streamed = GGUFCheckpoint(gguf_path, config, meta)
+    whole = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta)["tensors"]
+    assert streamed.infos().keys() == whole.keys()
+    for name, tensor in whole.items():
+        calls.clear()
+        assert torch.equal(streamed.read(name), tensor), name
+        rows, width = (tensor.shape[0], tensor.shape[1]) if tensor.dim() == 2 else (1, tensor.shape[0])
+        assert len(calls) == -(-rows // max(1, 7 * SHAPE["hidden_size"] // width)), name
+    assert len(whole["model.embed_tokens.weight"]) == 320 and VOCAB == 320  # 46 chunks
+    source = make_source("llama", tied=False).model.embed_tokens.weight.detach()
+    assert torch.equal(whole["model.embed_tokens.weight"], source) == (storage == "F32")  # stored as said
+
+
+def test_a_gguf_tensor_is_dequantised_in_about_its_own_float32_memory(tmp_path, monkeypatch):
+    """gguf-py's `dequantize` holds every group's output before concatenating them: twice the tensor in float32 beside
+    the quantised bytes. Read a chunk of rows at a time, a Q8_0 embedding (2 MiB in float32) costs itself and a few
+    chunks (64 KiB here); numpy's buffers and the bytes read are traced by `tracemalloc`."""
+    import tracemalloc
+
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**SHAPE, vocab_size=16384, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    gguf_path = write_tiny_gguf(tmp_path / "wide.gguf", LlamaForCausalLM(config), make_tokenizer(),
+                                matrices_type=gguf_py.GGMLQuantizationType.Q8_0)
+    config = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="wide.gguf").config
+    checkpoint = GGUFCheckpoint(gguf_path, config, meta_model(LlamaForCausalLM, plain_config(config)))
+    monkeypatch.setattr(checkpoints, "GGUF_DEQUANTISE_CHUNK_BYTES", 64 << 10, raising=False)
+    float32_bytes = 16384 * SHAPE["hidden_size"] * 4
+    tracemalloc.start()
+    try:
+        tensor = checkpoint.read("model.embed_tokens.weight")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tensor.shape == (16384, SHAPE["hidden_size"]) and tensor.dtype == torch.float32
+    assert float32_bytes <= peak < 1.25 * float32_bytes, (peak, float32_bytes)
+
+
 def test_a_gguf_conversion_dequantises_each_tensor_once_before_verifying(tmp_path, monkeypatch):
     """The conversion write is the one read of the source (its NaN/inf check included): one dequantisation per GGUF
     tensor by the write, one more by the comparison of the written tensors with the source

@@ -392,6 +392,7 @@ def placed_gguf_tensors(path: Path, meta_model: torch.nn.Module) -> tuple[Tensor
 
 # GGUF tensor types whose values a torch dtype holds exactly (the rest are read as float32).
 GGUF_EXACT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+GGUF_DEQUANTISE_CHUNK_BYTES = 64 << 20  # float32 rows dequantised at a time (GGUFCheckpoint)
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -400,8 +401,10 @@ class GGUFCheckpoint(Checkpoint):
 
     The last tensor read stays dequantised, so reading a tensor in row chunks (casting, checking, the LM head in
     vocabulary chunks) dequantises it once, not once per chunk; the memory is that one tensor in float32, which the
-    first chunk needs anyway (the q/k un-permutation mixes rows within a head), and while gguf-py dequantises it about
-    twice that (its temporaries): 2 GiB for a 128256 x 2048 embedding (README, "At scale")."""
+    first chunk needs anyway (the q/k un-permutation mixes rows within a head). The dequantisation itself reads and
+    dequantises `GGUF_DEQUANTISE_CHUNK_BYTES` of float32 rows at a time into that tensor: gguf-py's `dequantize`
+    keeps every group's output and then concatenates them (twice the tensor in float32, plus the quantised bytes
+    read), which a 128256 x 4096 embedding would make 4 GiB more than the tensor itself (README, "At scale")."""
 
     def __init__(self, path: str | os.PathLike, config, meta_model: torch.nn.Module):
         if gguf is None:
@@ -432,16 +435,25 @@ class GGUFCheckpoint(Checkpoint):
             return self._last[1]
         self._last = None  # free the previous tensor before making the next
         gguf_name, tensor_type, raw_dtype, raw_shape, offset, nbytes, info = self._tensors[name]
-        raw = np.frombuffer(pread_exact(self._fd, nbytes, offset, self.path), dtype=raw_dtype).reshape(raw_shape)
-        try:
-            weights = gguf.dequantize(raw, tensor_type)
-        except NotImplementedError as error:  # F64, the integer types, some quantisation types (Q8_1, Q8_K, Q1_0)
-            raise ValueError(
-                f"{self.description}: tensor {gguf_name} is stored as {tensor_type.name}, which the gguf package "
-                f"(which transformers reads GGUF files with) cannot dequantise ({error}); nothing is converted. "
-                "Convert a GGUF file whose tensors are F32, F16, BF16 or of a type such as Q8_0, Q4_K or IQ4_XS, or "
-                "the Hugging Face folder."
-            ) from error
+        rows = int(np.prod(raw_shape[:-1], dtype=np.int64))  # a row's blocks are contiguous, rows independent
+        width = int(np.prod(info.shape, dtype=np.int64)) // max(rows, 1)  # dequantised values per row
+        row_bytes = nbytes // max(rows, 1)
+        weights = np.empty((rows, width), dtype=np.float32)
+        step = max(1, GGUF_DEQUANTISE_CHUNK_BYTES // max(4 * width, 1))
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            raw = pread_exact(self._fd, (stop - start) * row_bytes, offset + start * row_bytes, self.path)
+            raw = np.frombuffer(raw, dtype=raw_dtype).reshape(stop - start, raw_shape[-1])
+            try:
+                weights[start:stop] = gguf.dequantize(raw, tensor_type)
+            except NotImplementedError as error:  # F64, the integer types, some quantisation types (Q8_1, Q1_0)
+                raise ValueError(
+                    f"{self.description}: tensor {gguf_name} is stored as {tensor_type.name}, which the gguf package "
+                    f"(which transformers reads GGUF files with) cannot dequantise ({error}); nothing is converted. "
+                    "Convert a GGUF file whose tensors are F32, F16, BF16 or of a type such as Q8_0, Q4_K or IQ4_XS, "
+                    "or the Hugging Face folder."
+                ) from error
+        weights = weights.reshape(*raw_shape[:-1], width)
         result = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping={}, parsed_parameters={})
         tensor = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32)).reshape(info.shape)
         self.dequantised += 1
