@@ -10,6 +10,7 @@ naming the tensor or field; never a PASSED over a different function, never a FA
 import filecmp
 import json
 import re
+import shlex
 
 import pytest
 import torch
@@ -403,20 +404,31 @@ def test_a_float8_source_card_says_its_tensors_were_widened_not_stored_so(tmp_pa
     assert "as the source stores them" not in card
 
 
-@pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "no-chat-template"])
-def test_the_cards_generation_code_runs_on_the_written_folder(tmp_path, chat):
-    """The card's code, run as a user copies it: with the package, load, then generate. Its "Chat:" block called
-    `apply_chat_template` whatever the tokenizer, which raises for one without a chat template."""
+@pytest.mark.parametrize("template", ["chat", "none", "failing"])
+def test_the_cards_generation_code_runs_on_the_written_folder(tmp_path, template, capsys):
+    """The card's code, run as a user copies it: with the package, load, then generate, and its `dar generate` line.
+    Its "Chat:" block called `apply_chat_template` whatever the tokenizer, which raises for one without a chat
+    template or with one that fails on the card's one user message (a template requiring a system message)."""
     source = save_source(tmp_path / "source")
-    if not chat:
+    if template == "none":
         (source / "chat_template.jinja").unlink()
+    elif template == "failing":
+        (source / "chat_template.jinja").write_text("{{ raise_exception('System message required') }}")
     code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr[-3000:]
     card = (tmp_path / "out" / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", card, re.S)
     loading, usage = blocks[0], blocks[-1]
-    assert ("apply_chat_template" in usage) == chat
+    assert ("apply_chat_template" in usage) == (template == "chat")
+    reason = {"chat": "Chat:", "none": "The tokenizer has no chat template, so continue text:",
+              "failing": "The tokenizer's chat template fails on one user message (TemplateError: System message "
+                         "required), so continue text:"}[template]
+    assert reason in card
     exec(loading.replace("<this repo or folder>", str(tmp_path / "out")) + usage.replace("48", "3"), {})
+    (command,) = re.findall(r"from the command line: `dar (generate .*?)`", card)
+    arguments = shlex.split(command.replace("<this folder>", str(tmp_path / "out"))) + ["--max-new-tokens", "2"]
+    capsys.readouterr()
+    assert cli_main(arguments) == 0, capsys.readouterr().err[-2000:]
 
 
 def test_dar_generate_with_a_chat_template_that_fails_is_one_line_naming_the_way_out(tmp_path, capsys):

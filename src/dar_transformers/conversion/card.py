@@ -9,7 +9,7 @@ from huggingface_hub.repocard import metadata_load
 
 from .. import TRANSFORMERS_REQUIREMENT, __version__
 from .families import DAR_SOURCE_TYPE
-from .verify import has_default_chat_template
+from .verify import has_default_chat_template, one_message_chat
 
 CARD_TEMPLATE = """---
 {front_matter}
@@ -61,8 +61,9 @@ tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)  # t
 Requires `{transformers_requirement}` and torch. {usage}
 """
 
-# How to generate: a chat for a tokenizer with a chat template, plain text otherwise (its tokenizer cannot
-# `apply_chat_template`, and `dar generate` then continues the prompt as text).
+# How to generate: a chat for a tokenizer whose chat template renders one user message, plain text otherwise (a
+# tokenizer without a template cannot `apply_chat_template`; `dar generate` then continues the prompt as text, and
+# for a template that fails is told to with --no-chat-template).
 CHAT_USAGE = """Chat:
 
 ```python
@@ -73,15 +74,28 @@ print(tokenizer.decode(model.generate(input_ids, max_new_tokens=48)[0, input_ids
 
 or from the command line: `dar generate <this folder> --prompt "What is the capital of France?"`.
 """
-TEXT_USAGE = """The tokenizer has no chat template, so continue text:
+TEXT_USAGE = """{reason}, so continue text:
 
 ```python
 input_ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
 print(tokenizer.decode(model.generate(input_ids, max_new_tokens=48)[0, input_ids.shape[1]:]))
 ```
 
-or from the command line: `dar generate <this folder> --prompt "The capital of France is"`.
+or from the command line: `dar generate <this folder> --prompt "The capital of France is"{flag}`.
 """
+
+
+def _usage(tokenizer) -> str:
+    """The card's generation code: a chat where the tokenizer's template renders the one user message the code sends
+    (the verification's own test), text otherwise, saying why."""
+    if not has_default_chat_template(tokenizer):
+        named = isinstance(getattr(tokenizer, "chat_template", None), dict)  # `chat_template=NAME` needed
+        has = "named chat templates only, no default one" if named else "no chat template"
+        return TEXT_USAGE.format(reason=f"The tokenizer has {has}", flag="")
+    ids, failure = one_message_chat(tokenizer)
+    if ids is None:
+        return TEXT_USAGE.format(reason=f"The tokenizer's chat template {failure}", flag=" --no-chat-template")
+    return CHAT_USAGE
 
 
 def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
@@ -269,7 +283,7 @@ def render_model_card(
         verification=verification,
         repo="<this repo or folder>",
         transformers_requirement=TRANSFORMERS_REQUIREMENT,
-        usage=CHAT_USAGE if has_default_chat_template(source.tokenizer) else TEXT_USAGE,
+        usage=_usage(source.tokenizer),
         model_type=config.model_type,
     )
 

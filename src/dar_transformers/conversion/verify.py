@@ -174,18 +174,11 @@ def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None
         # GGUF file) renders one user message, or fails in any way a template can: jinja2's errors, its
         # raise_exception, or Python's inside it (`content + 1`: a TypeError; a division by zero). Either way, or
         # when it renders to no tokens, the chat prompt is left out, with a warning: it is the source's own template.
-        try:
-            text = chat_text(tokenizer, CHAT_PROMPT)
-        except Exception as error:
-            logger.warning(f"The source's chat template fails on one user message ({type(error).__name__}: "
-                           f"{one_line(error)}); the chat prompt is left out of the verification.")
+        ids, failure = one_message_chat(tokenizer)
+        if ids is None:
+            logger.warning(f"The source's chat template {failure}; the chat prompt is left out of the verification.")
         else:
-            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            if ids.shape[1] == 0:
-                logger.warning("The source's chat template renders one user message to no tokens; the chat prompt is "
-                               "left out of the verification.")
-            else:
-                prompts.append(("chat: " + CHAT_PROMPT, ids))
+            prompts.append(("chat: " + CHAT_PROMPT, ids))
     for name, ids in prompts:  # an id past the embedding has no row to read, in the source as in the conversion
         if ids.max() >= vocab_size:
             token = tokenizer.convert_ids_to_tokens(int(ids.max()))
@@ -197,6 +190,17 @@ def build_prompts(tokenizer, vocab_size: int, texts: Sequence[str] | None = None
                 "that matches its weights."
             )
     return prompts
+
+
+def one_message_chat(tokenizer) -> tuple[torch.Tensor | None, str]:
+    """The tokenizer's default chat template applied to one user message (`CHAT_PROMPT`): (input_ids [1, T], ""), or
+    (None, what went wrong) when the template fails or renders no tokens."""
+    try:
+        text = chat_text(tokenizer, CHAT_PROMPT)
+    except Exception as error:
+        return None, f"fails on one user message ({type(error).__name__}: {one_line(error)})"
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return (ids, "") if ids.shape[1] else (None, "renders one user message to no tokens")
 
 
 def chat_text(tokenizer, message: str) -> str:
