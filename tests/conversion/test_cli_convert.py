@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from dar_transformers.cli import main as cli_main
 from dar_transformers.conversion import chat_input_ids
 
-from conftest import REPO, make_tokenizer, run_convert_in_process, save_source
+from conftest import REPO, make_source, make_tokenizer, run_convert_in_process, save_source, write_tiny_gguf
 
 
 def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
@@ -125,14 +125,28 @@ def test_demo_runs_in_its_tiny_mode(tmp_path):
     assert "PASSED" in completed.stdout and "identical answers: True" in completed.stdout
 
 
-def test_a_hub_cache_snapshot_is_named_by_its_repo_id_in_the_card(tmp_path):
+def test_a_hub_cache_snapshot_is_named_by_its_repo_id_and_commit_in_the_card(tmp_path):
     """The folder `hf download` returns is `.../models--{org}--{name}/snapshots/{commit}`: the card's title and source
-    sentence named the commit hash."""
-    snapshot = save_source(tmp_path / "hub" / "models--SomeOrg--Tiny-Thing" / "snapshots" / ("ab12" * 10))
+    sentence named the commit hash as the model's name, and then (named by its repo id) no revision at all, so the
+    card did not say which of the repo's versions was converted."""
+    commit = "ab12" * 10
+    snapshot = save_source(tmp_path / "hub" / "models--SomeOrg--Tiny-Thing" / "snapshots" / commit)
     assert run_convert_in_process(snapshot, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "# SomeOrg/Tiny-Thing + DAR" in card and "`SomeOrg/Tiny-Thing` (HF folder SomeOrg/Tiny-Thing)" in card
-    assert "ab12ab12" not in card
+    assert "# SomeOrg/Tiny-Thing + DAR" in card
+    assert f"`SomeOrg/Tiny-Thing` (HF folder SomeOrg/Tiny-Thing at commit {commit})" in card
+    # A GGUF file of a snapshot: the file, its repo and commit.
+    gguf_snapshot = tmp_path / "hub" / "models--SomeOrg--Tiny-GGUF" / "snapshots" / ("cd34" * 10)
+    gguf_snapshot.mkdir(parents=True)
+    write_tiny_gguf(gguf_snapshot / "tiny-q.gguf", make_source("llama", tied=False), make_tokenizer())
+    assert run_convert_in_process(gguf_snapshot / "tiny-q.gguf", tmp_path / "out-gguf", "--max-new-tokens", "0",
+                                  cwd=tmp_path)[0] == 0
+    card = (tmp_path / "out-gguf" / "README.md").read_text()
+    assert f"`tiny-q` (GGUF file tiny-q.gguf of SomeOrg/Tiny-GGUF at commit {'cd34' * 10}: F32 x" in card, card[:1500]
+    # Any other folder: its name only.
+    source = save_source(tmp_path / "plain-folder")
+    assert run_convert_in_process(source, tmp_path / "out-plain", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert "`plain-folder` (HF folder plain-folder)" in (tmp_path / "out-plain" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("flags, says, not_said", [

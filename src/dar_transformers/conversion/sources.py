@@ -136,12 +136,31 @@ def display_name(name_or_path: str) -> str:
 def folder_name(path: Path) -> str:
     """A source folder's own name, also when it is given as ".", ".." or "dir/." (whose `Path.name` is empty); a
     snapshot in the Hub cache (`.../models--{org}--{name}/snapshots/{commit}`, what `hf download` returns) by its
-    repo id, not by its commit hash."""
-    path = Path(os.path.abspath(path))
+    repo id, not by its commit hash (`hub_snapshot`)."""
+    snapshot = hub_snapshot(path)
+    return snapshot[0] if snapshot else Path(os.path.abspath(path)).name
+
+
+def hub_snapshot(folder: Path) -> tuple[str, str] | None:
+    """(repo id, commit) of a folder that is a snapshot in the Hub cache, `.../models--{org}--{name}/snapshots/{commit}`
+    (what `hf download` and `snapshot_download` return); None for any other folder."""
+    path = Path(os.path.abspath(folder))
     cached = re.fullmatch(r"models--(.+?)--(.+)", path.parent.parent.name)
     if path.parent.name == "snapshots" and cached:
-        return f"{cached.group(1)}/{cached.group(2)}"
-    return path.name
+        return f"{cached.group(1)}/{cached.group(2)}", path.name
+    return None
+
+
+def folder_location(folder: Path) -> str:
+    """The card's and log's "HF folder <name>", with the commit of a Hub cache snapshot: which revision converted."""
+    snapshot = hub_snapshot(folder)
+    return f"HF folder {snapshot[0]} at commit {snapshot[1]}" if snapshot else f"HF folder {folder_name(folder)}"
+
+
+def gguf_location(path: Path) -> str:
+    """The card's and log's "GGUF file <file name>", with the repo and commit of a Hub cache snapshot holding it."""
+    snapshot = hub_snapshot(path.parent)
+    return f"GGUF file {path.name}" + (f" of {snapshot[0]} at commit {snapshot[1]}" if snapshot else "")
 
 
 def _gguf_location(path: Path) -> tuple[str, str]:
@@ -523,11 +542,11 @@ def load_source(
         loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file, fields)
         model = _load_gguf_model(path, dtype).eval()
         with_gguf_end_tokens(model.generation_config, model.config.vocab_size, fields)
-        return Source(model, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config=model.config)
+        return Source(model, loaded_tokenizer, path.stem, gguf_location(path), config=model.config)
     loaded_tokenizer = tokenizer or (_load_tokenizer(path) if need_tokenizer else None)
     model = _load_folder_model(path, dtype).eval()
     name = folder_name(path)
-    return Source(model, loaded_tokenizer, name, f"HF folder {name}", config=model.config)
+    return Source(model, loaded_tokenizer, name, folder_location(path), config=model.config)
 
 
 
@@ -569,7 +588,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
             raise ValueError(f"Could not load the GGUF weights of {path}: {error}") from error
         generation_config = with_gguf_end_tokens(GenerationConfig.from_model_config(config), config.vocab_size,
                                                  reader.fields)
-        return Source(None, loaded_tokenizer, path.stem, f"GGUF file {path.name}", config, checkpoint,
+        return Source(None, loaded_tokenizer, path.stem, gguf_location(path), config, checkpoint,
                       generation_config, license=gguf_license(reader.fields), stored_as=gguf_tensor_types(reader))
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
@@ -581,7 +600,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     else:
         generation_config = GenerationConfig.from_model_config(source_config)
     name = folder_name(path)
-    return Source(None, loaded_tokenizer, name, f"HF folder {name}", source_config, checkpoint,
+    return Source(None, loaded_tokenizer, name, folder_location(path), source_config, checkpoint,
                   generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None),
                   custom_code_entries(source_config), stored_as=widened_tensor_types(checkpoint))
 
