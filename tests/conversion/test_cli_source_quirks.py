@@ -199,6 +199,52 @@ def test_a_length_dependent_rope_is_checked_one_prompt_at_a_time(tmp_path):
     assert code == 0, stderr[-3000:]
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 1.1,
+     "short_factor": [1.0 + 0.1 * i for i in range(4)], "long_factor": [2.0 + 0.3 * i for i in range(4)]},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+], ids=["longrope", "yarn", "llama3"])
+def test_an_original_length_beside_the_rope_parameters_is_the_converted_models_too(tmp_path, caplog, rope):
+    """Phi-3's layout keeps `original_max_position_embeddings` beside the rope parameters, a field LlamaConfig does
+    not define: transformers' rope takes it from there when the model is built, while the config's `rope_parameters`
+    hold `max_position_embeddings`. The converter dropped it ("its model never reads them"), so the converted rope
+    took `max_position_embeddings` instead: the check failed, or (a longrope model whose check prompts were all
+    shorter than its original length, a helper's repro) passed, and the written model differed by 6 logits past that
+    length. The converted folder now computes the source's function at every length."""
+    source = save_source(tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(max_position_embeddings=48, original_max_position_embeddings=12, rope_scaling=rope)
+    (source / "config.json").write_text(json.dumps(config))
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "2", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "does not define" not in caplog.text  # not said to be unread, nor dropped
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"][
+        "original_max_position_embeddings"] == 12
+    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    for length in (10, 13, 40):  # both sides of the original length
+        ids = torch.randint(3, 300, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            assert (reference(ids).logits - converted(ids).logits).abs().max() < 1e-4, length
+
+
+def test_a_bidirectional_source_is_refused_naming_is_causal(tmp_path):
+    """`"is_causal": false` (embedding models made from causal LMs ship it) makes transformers' masks bidirectional,
+    a field the config class does not define: it was dropped as never read, and the check failed at a 6-logit
+    difference with no word on why. Refused before anything is written, from a folder and from a model in memory."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", is_causal=False)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code != 0 and "sets is_causal=false: transformers' attention masks then let every token attend" in stderr
+    assert "Traceback" not in stderr and not (tmp_path / "out").exists()
+    model = AutoModelForCausalLM.from_pretrained(source)
+    assert model.config.is_causal is False
+    with pytest.raises(ValueError, match=r"config sets is_causal=False: transformers' attention masks"):
+        upcycle(model, progress=False)
+
+
 @pytest.mark.parametrize("template, warning", [
     ("{{ raise_exception('System message required') }}",
      r"fails on one user message \(TemplateError: System message required\)"),

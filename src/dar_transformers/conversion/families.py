@@ -11,6 +11,7 @@ The fields a target config copies from its source are `DARConfig`'s own Llama-pa
 for DAR and DAR-MoE alike; DAR-MoE adds the MoE fields of `MOE_CONFIG_FIELDS`.
 """
 
+import copy
 import dataclasses
 
 from transformers import PreTrainedConfig
@@ -33,6 +34,9 @@ LAYER_TYPED_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Families whose attention reads `sliding_window` directly. Any other family's attention ignores the key (a stray one
 # in a Llama config.json) and must not carry it: DAR builds a sliding mask whenever it is set.
 SLIDING_WINDOW_FAMILIES = ("mistral", "mixtral")
+# Rope types whose parameters include the pretraining length, which transformers takes from a top-level
+# `original_max_position_embeddings` where a config.json has one (`effective_rope`).
+ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
 # The MoE config fields of each MoE source: DARMoeConfig field -> source field (a name, or a fixed value).
 MOE_CONFIG_FIELDS: dict[str, dict[str, object]] = {
@@ -105,7 +109,20 @@ def source_family(config: PreTrainedConfig) -> str:
     architectures = getattr(config, "architectures", None) or [type(config).__name__]
     where = ", ".join(map(str, architectures)) if isinstance(architectures, (list, tuple)) else str(architectures)
     family = check_model_type(config.model_type, where)
+    check_causal(config, f"The {where} source's config sets is_causal={getattr(config, 'is_causal', None)!r}")
     return config.dar_branch_family if family == DAR_SOURCE_TYPE else family
+
+
+def check_causal(config: PreTrainedConfig, where: str) -> None:
+    """Refuse a source whose config sets `is_causal` false (`where` says who sets it): transformers' masks then let
+    every token attend to the ones after it (`masking_utils.create_causal_mask`), a field its config class does not
+    define and a conversion would drop."""
+    if not getattr(config, "is_causal", True):
+        raise ValueError(
+            f"{where}: transformers' attention masks then let every token attend to the tokens after it "
+            "(bidirectional attention, as in an embedding model made from a causal LM), which DAR, a causal language "
+            "model, does not compute; nothing is converted. Convert a causal model (is_causal true or absent)."
+        )
 
 
 def check_full_attention(source_config: PreTrainedConfig) -> None:
@@ -132,6 +149,25 @@ def architecture_fields() -> tuple[str, ...]:
     )
 
 
+def effective_rope(config: PreTrainedConfig) -> PreTrainedConfig:
+    """A copy of `config` whose `rope_parameters` are those its model is built with. A config.json may keep
+    `original_max_position_embeddings` beside the rope parameters (Phi-3's layout), a field the config class does not
+    define: the rope of a `llama3`, `yarn` or `longrope` model takes it from there (`standardize_rope_params`, called
+    when the model builds its rope), while the config's own `rope_parameters` still hold `max_position_embeddings`."""
+    config = copy.deepcopy(config)
+    if getattr(config, "rope_parameters", None) and hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+    return config
+
+
+def rope_folded_fields(config: PreTrainedConfig) -> tuple[str, ...]:
+    """The fields of `config` outside its rope parameters that its rope reads (`effective_rope`), so that the
+    converted config carries them inside its `rope_parameters`."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    folds = rope.get("rope_type", rope.get("type")) in ROPE_TYPES_WITH_ORIGINAL_LENGTH
+    return ("original_max_position_embeddings",) if folds and hasattr(config, "original_max_position_embeddings") else ()
+
+
 def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
     """The architecture fields of a source (those its config has, None included), checked for full attention. A dense
     DAR source's attention is that of its branch family (a Mistral-branch DAR keeps its sliding window)."""
@@ -140,7 +176,7 @@ def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
         model_type = source_config.dar_branch_family
     if model_type in LAYER_TYPED_FAMILIES:
         check_full_attention(source_config)
-    values = source_config.to_dict()
+    values = effective_rope(source_config).to_dict()
     fields = {name: values[name] for name in architecture_fields() if name in values}
     if model_type not in SLIDING_WINDOW_FAMILIES:
         window = fields.pop("sliding_window", None)  # Qwen: only with use_sliding_window (refused above)
@@ -160,8 +196,11 @@ __all__ = [
     "SOURCE_FAMILIES",
     "UnsupportedArchitectureError",
     "architecture_fields",
+    "check_causal",
     "check_model_type",
+    "effective_rope",
     "one_line",
+    "rope_folded_fields",
     "source_architecture",
     "source_family",
 ]

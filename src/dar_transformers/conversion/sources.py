@@ -31,8 +31,10 @@ from .families import (
     ALL_SOURCE_FAMILIES,
     DAR_SOURCE_TYPE,
     architecture_fields,
+    check_causal,
     check_model_type,
     one_line,
+    rope_folded_fields,
     source_family,
 )
 
@@ -208,6 +210,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
     check_model_builds(config, config_file)
     check_has_layers(config, f"Invalid {config_file}: num_hidden_layers")
+    check_causal(config, f"{config_file} sets is_causal={json.dumps(fields.get('is_causal'))}")
     undefined = undefined_config_fields(config)
     if undefined:
         logger.warning(
@@ -265,6 +268,7 @@ def undefined_config_fields(config: PreTrainedConfig) -> list[str]:
     them, defined or not: Qwen2Config and Qwen3MoeConfig define no `head_dim`, yet their attention reads it through
     `getattr`, and the converted config keeps it for the same modules to read."""
     defined = set(type(config)().to_dict()) | set(architecture_fields()) | {"auto_map"}  # `custom_code_entries`
+    defined |= set(rope_folded_fields(config))  # carried inside the rope parameters
     return sorted(name for name in config.to_dict() if name not in defined)
 
 
