@@ -305,6 +305,46 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_loss_on_recorded_outputs_under_checkpointing_is_exact_or_warned(use_reentrant, caplog):
+    """Hidden states and depth weights are recorded inside the decoder layers: under reentrant checkpointing they
+    carry no gradient, so a loss on them (a depth-entropy regulariser) was silently dropped from the gradients, up to
+    2.9 relative off (a helper's repro). Non-reentrant checkpointing is exact; reentrant now says so once."""
+    from transformers.utils import logging as hf_logging
+
+    model = upcycled_dar(tiny_llama(), dar_block_size=2).double().train()
+    perturb_dar_parameters(model)
+    input_ids = random_input_ids()
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        output = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_hidden_states=True,
+                       output_depth_weights=True)
+        entropy = sum(-(weights * weights.clamp_min(1e-12).log()).sum(0).mean() for weights in output.depth_weights)
+        (output.loss + output.hidden_states[2].square().mean() + entropy).backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    plain = gradients()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.enable_input_require_grads()
+    hf_logging.get_logger("dar_transformers").addHandler(caplog.handler)
+    hf_logging.get_logger("dar_transformers.modeling_dar").warning_once.cache_clear()
+    checkpointed = gradients()
+    warned = "reentrant activation checkpointing (use_reentrant=True) runs without gradients" in caplog.text
+    assert warned == use_reentrant
+    differs = max(((checkpointed[name] - plain[name]).abs().max() / plain[name].abs().max().clamp_min(1e-30)).item()
+                  for name in plain)
+    if use_reentrant:
+        assert differs > 0.1  # what the warning is for
+    else:
+        assert differs < 1e-10
+    model.eval()  # evaluation (no gradients needed) is not warned about
+    caplog.clear()
+    with torch.no_grad():
+        model(input_ids=input_ids, output_hidden_states=True)
+    assert "reentrant" not in caplog.text
+
+
 def test_trainer_with_gradient_checkpointing_matches_plain_step(tmp_path):
     plain = _one_sgd_step_parameter_change(tmp_path, batch_size=4, accumulation=1)
     checkpointed = _one_sgd_step_parameter_change(tmp_path, batch_size=4, accumulation=1, activation_checkpointing=True)

@@ -381,6 +381,24 @@ def warn_per_layer_graphs(compiled: int) -> None:
     )
 
 
+def warn_reentrant_recorded_outputs(layers, names: list[str]) -> None:
+    """`output_hidden_states` / `output_depth_weights` are recorded by hooks on modules inside each decoder layer
+    (Llama records the layer's output, which its checkpoint returns). Reentrant activation checkpointing runs the
+    layer's forward without gradients and rebuilds it in backward, so what those hooks recorded carries no gradient:
+    a loss on it trains nothing through it, silently. Non-reentrant checkpointing (transformers' default) is exact."""
+    for layer in layers:
+        function = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and getattr(function, "keywords", {}).get("use_reentrant"):
+            logger.warning_once(
+                f"{' and '.join(f'output_{name}' for name in names)} of a DAR model are recorded inside its decoder "
+                "layers, which reentrant activation checkpointing (use_reentrant=True) runs without gradients: the "
+                "recorded tensors carry no gradient, so a loss on them adds nothing to any parameter's gradient. "
+                "Use non-reentrant checkpointing (activation_checkpointing_enable() without use_reentrant, "
+                "transformers' default) for such a loss; the logits' loss is exact either way."
+            )
+            return
+
+
 def refuse_forward_only_adapters(model: nn.Module) -> None:
     """Refuse a DAR module wrapped by an adapter that acts in the module's forward (PEFT's LoRA on parameters,
     `LoraConfig(target_parameters=...)`: a `ParamWrapper` whose `base_layer` is the DAR module), or reparametrised by
@@ -632,6 +650,11 @@ class DARModel(DARPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
         recorded = kwargs.get("output_depth_weights", getattr(self.config, "output_depth_weights", False))
+        if self.training and torch.is_grad_enabled():
+            wanted = [name for name in ("hidden_states", "depth_weights")
+                      if kwargs.get(f"output_{name}", getattr(self.config, f"output_{name}", False))]
+            if wanted:
+                warn_reentrant_recorded_outputs(self.layers, wanted)
         state = self.initial_state(inputs_embeds, keep_depth_weights=bool(recorded))
         with state[0].keeping_partials_lean():  # the backend decides what backward keeps of the DAR state
             for decoder_layer in islice(self.layers, self.config.num_hidden_layers):  # as `initial_state`
