@@ -327,9 +327,9 @@ def test_a_loss_on_recorded_outputs_under_checkpointing_is_exact_or_warned(use_r
     plain = gradients()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
     model.enable_input_require_grads()
-    hf_logging.get_logger("dar_transformers").addHandler(caplog.handler)
     hf_logging.get_logger("dar_transformers.modeling_dar").warning_once.cache_clear()
-    checkpointed = gradients()
+    with caplog.at_level("WARNING", logger="dar_transformers.modeling_dar"):
+        checkpointed = gradients()
     warned = "reentrant activation checkpointing (use_reentrant=True) runs without gradients" in caplog.text
     assert warned == use_reentrant
     differs = max(((checkpointed[name] - plain[name]).abs().max() / plain[name].abs().max().clamp_min(1e-30)).item()
@@ -343,6 +343,35 @@ def test_a_loss_on_recorded_outputs_under_checkpointing_is_exact_or_warned(use_r
     with torch.no_grad():
         model(input_ids=input_ids, output_hidden_states=True)
     assert "reentrant" not in caplog.text
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_kv_cache_passed_under_gradient_checkpointing_is_dropped_as_llamas_is(use_reentrant):
+    """A checkpointed layer's backward replays its forward, so transformers drops a KV cache handed to a checkpointing
+    layer (`GradientCheckpointingLayer`, under the name Llama's layer takes it: `cache` from 5.24). DAR's layers took it
+    as `past_key_values`, so every layer wrote it in forward and again in backward (10 tokens -> 20), and a training
+    step on a second chunk failed in SDPA (a helper's repro). Now DAR does what its Llama does, loss for loss."""
+    from transformers import DynamicCache
+
+    llama = tiny_llama()
+    dar = upcycled_dar(llama, dar_block_size=3)
+    input_ids = random_input_ids(batch=2, length=10)
+    seen = {}
+    for name, model in (("llama", llama), ("dar", dar)):
+        model.train()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.enable_input_require_grads()
+        cache = DynamicCache(config=model.config)
+        output = model(input_ids, past_key_values=cache, use_cache=True, labels=input_ids)
+        after_forward = cache.get_seq_length()
+        output.loss.backward()
+        cache = DynamicCache(config=model.config)  # a prefix, then a training step on the continuation
+        model(input_ids[:, :4], past_key_values=cache, use_cache=True)
+        second = model(input_ids[:, 4:], past_key_values=cache, use_cache=True, labels=input_ids[:, 4:]).loss
+        second.backward()
+        seen[name] = (after_forward, cache.get_seq_length(), output.loss.item(), second.item())
+    assert seen["dar"][:2] == seen["llama"][:2] == (0, 0)
+    assert seen["dar"][2:] == pytest.approx(seen["llama"][2:], rel=1e-5)
 
 
 def test_trainer_with_gradient_checkpointing_matches_plain_step(tmp_path):

@@ -52,6 +52,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
@@ -116,6 +117,9 @@ def cache_keyword(function) -> str:
 
 
 MASK_CACHE_KEYWORD = cache_keyword(create_causal_mask)  # create_sliding_window_causal_mask's is the same
+# The decoder layers take it under Llama's decoder layer's name: `GradientCheckpointingLayer` drops a cache passed
+# under that name while it checkpoints (a backward that replays the layer would write it again), whatever the release.
+LAYER_CACHE_KEYWORD = cache_keyword(LlamaDecoderLayer.forward)
 # The output field holding it (5.24 renamed it too; the old name is accepted with a logged warning).
 OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -482,11 +486,11 @@ class DARDecoderLayer(GradientCheckpointingLayer):
         *state,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple:
+        past_key_values = kwargs.pop(LAYER_CACHE_KEYWORD, None)  # the KV cache, under Llama's layer's name
         state = DepthState.from_args(*state)
         dtype = self.input_layernorm.weight.dtype
         attn_residual, mlp_residual = self.attn_residual, self.mlp_residual  # one module lookup each per token
@@ -663,8 +667,8 @@ class DARModel(DARPreTrainedModel):
                     attention_mask=causal_mask,
                     position_embeddings=position_embeddings,
                     position_ids=position_ids,
-                    past_key_values=past_key_values,
                     use_cache=use_cache,
+                    **{LAYER_CACHE_KEYWORD: past_key_values},
                     **kwargs,
                 )
             readout, _ = self.final_readout(*state)  # [B, T, D], compute dtype
