@@ -296,6 +296,43 @@ def test_a_prefix_of_the_layers_is_the_model_of_that_many_layers(implementation,
             torch.testing.assert_close(full_parameters[name].grad, parameter.grad, rtol=0, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("dropped", [3, 0, 1])
+def test_deleted_layers_run_as_the_prefix_or_are_refused_and_a_reload_places_them(tmp_path, dropped):
+    """Llama's layer-pruning recipe (`del model.model.layers[i]`, `layer_idx` renumbered, `num_hidden_layers`
+    lowered): a dropped last layer left the open block uncommitted (logits 0.38 off the pruned Llama, silently),
+    a dropped first layer ended in an AttributeError deep in the backend (a helper's repro). Trailing layers deleted
+    now run as that prefix; any other deletion is refused naming the layer, and a save and reload, which builds every
+    layer at its new place, gives the pruned Llama's function (at upcycling)."""
+    def prune(model):
+        model = copy_module.deepcopy(model)
+        del model.model.layers[dropped]
+        for index, layer in enumerate(model.model.layers):
+            layer.self_attn.layer_idx = index
+        model.config.num_hidden_layers = len(model.model.layers)
+        return model
+
+    llama = tiny_llama(num_hidden_layers=4)
+    dar = upcycled_dar(llama, dar_block_size=4)  # 3 layers left: 6 branches, the second block open at the end
+    input_ids = random_input_ids()
+    pruned_llama, pruned = prune(llama), prune(dar)
+    with torch.no_grad():
+        expected = pruned_llama(input_ids).logits
+        if dropped == 3:
+            torch.testing.assert_close(pruned(input_ids).logits, expected, rtol=0, atol=1e-5)
+            assert torch.equal(pruned.generate(input_ids, max_new_tokens=4, do_sample=False),
+                               pruned_llama.generate(input_ids, max_new_tokens=4, do_sample=False))
+        else:
+            with pytest.raises(ValueError, match=rf"^Decoder layer {dropped} of this DAR model was built as layer "
+                                                 rf"{dropped + 1} .* save the model and load it back"):
+                pruned(input_ids)
+        pruned.save_pretrained(tmp_path / "pruned")
+        reloaded = DARForCausalLM.from_pretrained(tmp_path / "pruned").eval()
+        torch.testing.assert_close(reloaded(input_ids).logits, expected, rtol=0, atol=1e-5)
+    # A negative control: the layers were dropped at all (the pruned model is not the unpruned one).
+    with torch.no_grad():
+        assert (llama(input_ids).logits - expected).abs().max() > 1e-2
+
+
 def test_eager_and_sdpa_attention_agree(dar):
     eager, sdpa = _copy_with(dar, attn_implementation="eager"), _copy_with(dar, attn_implementation="sdpa")
     assert (eager.config._attn_implementation, sdpa.config._attn_implementation) == ("eager", "sdpa")
