@@ -197,6 +197,13 @@ class DARConfig(LlamaConfig):
             self.dar_gate_delta = 0.0 if self.dar_routing == "fixedkv" else DAR_DEFAULT_DELTA
         super().__post_init__(**kwargs)
 
+    def validate_architecture(self):
+        """LlamaConfig's rule, the hidden size a multiple of the heads, for Llama branches only: Mistral's, Qwen2's
+        and Qwen3's configs have no such rule (their attention is built from `head_dim`, as Qwen3 with 6 heads of 16
+        at hidden size 64 is), and a DAR model of their branches computes theirs."""
+        if self.dar_branch_family == "llama":
+            super().validate_architecture()
+
     def validate_dar(self):
         """Part of `@strict` validation: every DAR field, with the field name and the allowed values."""
         num_branches = 2 * self.num_hidden_layers

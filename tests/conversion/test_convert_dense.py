@@ -245,6 +245,32 @@ def test_family_converts_exactly_with_its_own_branch_modules(family, tied):
     assert source.training
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "llama"])
+def test_heads_that_do_not_divide_the_hidden_size_convert_where_the_family_builds_them(tmp_path, family):
+    """3 heads of 16 at hidden size 32: transformers builds Mistral, Qwen2 and Qwen3 models of such configs (their
+    attention takes `head_dim`), but DARConfig inherited LlamaConfig's rule that the hidden size be a multiple of
+    the heads, so their conversion was refused blaming the source's config (a helper's repro). Llama keeps its rule."""
+    from conftest import FAMILIES, SHAPE
+
+    config_class, model_class, extra = FAMILIES[family]
+    fields = {**SHAPE, **extra, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16}
+    if family == "llama":  # transformers' StrictDataclassClassValidationError, for LlamaConfig and DARConfig alike
+        from dar_transformers import DARConfig
+
+        for config in (config_class, DARConfig):
+            with pytest.raises(Exception, match=r"not a multiple of the number of attention heads"):
+                config(**fields, vocab_size=VOCAB)
+        return
+    torch.manual_seed(0)
+    source = model_class(config_class(**fields, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)).eval()
+    result = upcycle(source, tmp_path / "out", tokenizer=make_tokenizer(), dar_block_size=2, tolerance=1e-5,
+                     max_new_tokens=4, progress=False)
+    assert result.report.passed and result.report.greedy_identical
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert reloaded.config.num_attention_heads == 3 and reloaded.config.head_dim == 16
+    torch.testing.assert_close(logits(reloaded, IDS), logits(source, IDS), rtol=0, atol=1e-5)
+
+
 def test_float64_conversion_meets_the_1e_8_default_and_leaves_the_source_in_float32():
     source = make_source("llama", tied=False)
     result = upcycle(source, dtype="float64", dar_block_size=1, max_new_tokens=12, progress=False)
