@@ -6,6 +6,7 @@ import fnmatch
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,6 +333,78 @@ def test_command_line_on_a_saved_checkpoint(tmp_path, capsys):
             cli_main(["analyze", *arguments, "--out", str(tmp_path / "bad"), option, value])
         assert f"argument {option}: {value} is below {least}, the least it takes" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_command_line_failures_leave_out_as_it_was_and_say_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """A helper's audit of `dar analyze`: with --overwrite the user's links of the analysis's names were removed
+    before any work, also when the run then failed; an --out that could not be made was found only after the
+    analysis (`[Errno 2] No such file or directory: '/proc/an'`, naming no option); a failure while writing (a full
+    disk) left a truncated plot and the new summary among the earlier analysis's plots; a broken model folder ended
+    in a traceback; a Llama folder was loaded whole before being refused as not DAR."""
+    arguments = saved_checkpoint_arguments(tmp_path)
+    model, rest = arguments[0], arguments[1:]
+    # --overwrite over links: a refused run (not a DAR model) leaves them.
+    llama_folder = tmp_path / "llama"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 vocab_size=100)).save_pretrained(llama_folder)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (tmp_path / "mine.json").write_text("mine")
+    (linked / "summary.json").symlink_to(tmp_path / "mine.json")
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                        lambda *args, **kwargs: loaded.append(args) or pytest.fail("the weights were loaded"))
+    capsys.readouterr()
+    assert cli_main(["analyze", str(llama_folder), *rest, "--out", str(linked), "--overwrite"]) == 1
+    assert capsys.readouterr().err.strip() == (f"dar analyze: error: Expected a DAR model (model_type 'dar' or "
+                                               f"'dar_moe'), got {llama_folder} of model_type 'llama'.")
+    assert (linked / "summary.json").is_symlink() and not loaded  # refused from its config.json
+    monkeypatch.undo()
+    # An --out that cannot be made: refused before the model is read, naming --out; nothing made.
+    (tmp_path / "afile").write_text("")
+    for out, says in ((tmp_path / "afile" / "sub", "afile is not a folder, so no folder can be made under it"),
+                      (Path("/proc/dar-analysis"), "cannot make the folder /proc/dar-analysis")):
+        assert cli_main(["analyze", model, *rest, "--out", str(out)]) == 1
+        error = capsys.readouterr().err
+        assert error.startswith(f"dar analyze: error: --out {out}: ") and says in error, error
+    # A broken model folder: one line naming it.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((Path(model) / name).read_bytes())
+    (broken / "model.safetensors").write_bytes((Path(model) / "model.safetensors").read_bytes()[:100])
+    assert cli_main(["analyze", str(broken), *rest, "--out", str(tmp_path / "never")]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"dar analyze: error: cannot load {broken}: ") and "Traceback" not in error
+    assert len(error.strip().splitlines()) == 1 and not (tmp_path / "never").exists()  # the folder made is removed
+    # A failure while writing: --out as it was (the earlier analysis whole, no staging folder left).
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", model, *rest, "--out", str(out)]) == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    import matplotlib.figure
+
+    def disk_full(figure, path, *args, **kwargs):
+        Path(path).write_bytes(b"truncated")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", disk_full)
+    capsys.readouterr()
+    assert cli_main(["analyze", model, *rest, "--out", str(out), "--overwrite"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dar analyze: error: --out {out}: could not write the analysis (No space left on device); nothing in it was "
+        "changed")
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+
+
+def test_a_model_folder_spelled_with_a_tilde_loads(tmp_path, capsys, monkeypatch):
+    """`dar analyze '~/m'` (quoted: the shell left the tilde) passed the folder check, which expands it, and then
+    went to the Hub with the literal name ("Repo id must use alphanumeric chars")."""
+    arguments = saved_checkpoint_arguments(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cli_main(["analyze", "~/model", *arguments[1:], "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "~/model"
 
 
 def test_command_line_without_matplotlib_says_so_before_any_work(tmp_path, capsys, monkeypatch):

@@ -24,7 +24,9 @@ import fnmatch
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -599,14 +601,23 @@ ANALYSIS_FILES = ("summary.json", "depth_weights_stream[0-9].png", "depth_entrop
 
 
 def check_analysis_output(out: Path, overwrite: bool) -> list[str]:
-    """Refuse an --out folder that already holds entries of the names an analysis writes (`ANALYSIS_FILES`: an
-    earlier analysis's, or the user's own; symbolic links too, dangling or not), unless `overwrite`; before any work,
-    naming them. With `overwrite`, such links are removed, so that the analysis writes new files in --out and never
-    through a link to a file elsewhere, and the names are returned: those the new analysis does not write again
-    (another stream count, no rescue branches) are removed once it is written (`remove_stale_files`), so that the
-    folder holds one analysis. Other entries are never touched."""
+    """Before any work: refuse an --out that cannot be a folder the analysis writes into (a file, a path under a
+    file, a folder or nearest existing parent it may not write), and one that already holds entries of the names an
+    analysis writes (`ANALYSIS_FILES`: an earlier analysis's, or the user's own; symbolic links too, dangling or not)
+    unless `overwrite`, naming them. Returns those names: with `overwrite` they are replaced once the new analysis is
+    written (`write_analysis`), a link by a file (its target untouched), and those the new analysis does not write
+    again (another stream count, no rescue branches) are removed then, so that the folder holds one analysis. Other
+    entries are never touched, and a failed run touches none."""
     if os.path.lexists(out) and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
+    existing = out
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent  # the nearest existing parent: the folders below it are made
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is not a folder, so no folder can be made under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {'the folder' if existing == out else f'its parent {existing}'} is not "
+                         "writable")
     if not out.is_dir():
         return []
     taken = sorted(name for name in os.listdir(out)
@@ -614,25 +625,96 @@ def check_analysis_output(out: Path, overwrite: bool) -> list[str]:
     if taken and not overwrite:
         raise ValueError(f"--out {out} already holds {', '.join(taken)}, which the analysis would replace; pass "
                          "--overwrite to replace them (nothing else in the folder is touched), or another --out.")
-    for name in taken:
-        if (out / name).is_symlink():
-            (out / name).unlink()
     return taken
 
 
-def remove_stale_files(out: Path, replaced: list[str], written: list[Path]) -> None:
-    """Remove the files of an earlier analysis (`replaced`, accepted with --overwrite) that this one did not write."""
+@contextmanager
+def output_folder(out: Path) -> Iterator[None]:
+    """--out made now, with its missing parents, before any work (a path the user may not make, such as one under
+    /proc, fails here, naming it); the folders made are removed again, if still empty, when the run fails."""
+    made = []
+    try:
+        for folder in reversed([out, *out.parents]):
+            if not os.path.lexists(folder):
+                folder.mkdir()
+                made.append(folder)
+    except OSError as error:
+        remove_empty_folders(made)
+        raise ValueError(f"--out {out}: cannot make the folder {error.filename} ({error.strerror})") from error
+    try:
+        yield
+    except BaseException:
+        remove_empty_folders(made)
+        raise
+
+
+def remove_empty_folders(made: list[Path]) -> None:
+    for folder in reversed(made):
+        try:
+            folder.rmdir()  # only an empty one: never what the user put there meanwhile
+        except OSError:
+            return
+
+
+def write_analysis(out: Path, summary: dict, replaced: list[str]) -> list[Path]:
+    """Write the summary and the plots into a hidden staging folder inside `out`, then move each into `out`, replacing
+    the earlier analysis's files of those names (a link is replaced, not written through), and remove the earlier
+    analysis's files that this one does not write (`replaced`). A failure while writing (a full disk) leaves `out` as
+    it was; returns the PNGs' paths."""
+    staging = Path(tempfile.mkdtemp(prefix=".dar-analyze.", suffix=".partial", dir=out))
+    try:
+        (staging / "summary.json").write_text(json.dumps(_nan_to_none(summary), indent=1, allow_nan=False))
+        staged = [staging / "summary.json", *save_plots(summary, staging)]
+    except BaseException as error:
+        shutil.rmtree(staging)
+        if not isinstance(error, OSError):
+            raise
+        raise ValueError(f"--out {out}: could not write the analysis ({error.strerror or error}); nothing in it was "
+                         "changed") from error
+    for path in staged:
+        os.replace(path, out / path.name)
+    staging.rmdir()
+    written = [out / path.name for path in staged]
     for name in sorted(set(replaced) - {path.name for path in written}):
         path = out / name
-        if path.is_file() and not path.is_symlink():
+        if path.is_symlink() or path.is_file():
             path.unlink()
             logger.info(f"removed {path} (of the analysis this one replaces)")
+    return written[1:]
+
+
+def load_analysed_model(args: argparse.Namespace):
+    """(model, tokenizer) of `args.model`, checked for DAR by its config before the weights are read, each load's
+    failure one line naming the folder (a truncated safetensors file, a config its class refuses)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .cli import load_error, model_location
+
+    location = model_location(str(args.model))
+    try:
+        config = AutoConfig.from_pretrained(location, trust_remote_code=args.trust_remote_code)
+    except Exception as error:
+        raise ValueError(f"cannot load the config of {args.model}: {load_error(error)}") from error
+    if not is_dar_config(config):
+        raise ValueError(f"Expected a DAR model (model_type 'dar' or 'dar_moe'), got {args.model} of model_type "
+                         f"{getattr(config, 'model_type', None)!r}.")
+    tokenizer_location = model_location(str(args.tokenizer)) if args.tokenizer else location
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_location)
+    except Exception as error:  # a checkpoint saved without its tokenizer, most often
+        hint = "" if args.tokenizer else " (a checkpoint saved without one: pass --tokenizer)"
+        raise ValueError(f"cannot load a tokenizer from {args.tokenizer or args.model}{hint}: "
+                         f"{load_error(error)}") from error
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, args.dtype),
+                                                     trust_remote_code=args.trust_remote_code)
+    except Exception as error:
+        raise ValueError(f"cannot load {args.model}: {load_error(error)}") from error
+    return model, tokenizer
 
 
 def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     """Analyse `args.model` on `args.text`; returns the summary and the files written into `args.out`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from . import _register_auto_classes
 
     try:  # the plots come last, after minutes of work: a missing matplotlib is said before any
@@ -650,29 +732,19 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--text {args.text}: {getattr(error, 'strerror', None) or error}") from error
     replaced = check_analysis_output(args.out, args.overwrite)
-    _register_auto_classes()
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code
-    )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    except (OSError, ValueError) as error:  # a checkpoint saved without its tokenizer, most often
-        hint = "" if args.tokenizer else " (a checkpoint saved without one: pass --tokenizer)"
-        raise ValueError(f"cannot load a tokenizer from {args.tokenizer or args.model}{hint}: "
-                         f"{' '.join(str(error).split())}") from error
-    input_ids = text_batch(tokenizer, text, args.num_sequences, args.seq_len)
-    check_token_ids(input_ids, model.config.vocab_size, args.tokenizer or args.model)
-    names = evenly_spaced([branch.name for branch in dar_branches(model)], args.max_rescue_branches)
-    summary = analyze(model, input_ids, rescue_branches=names)
-    summary["model"] = str(args.model)
-    summary["text"] = str(args.text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(_nan_to_none(summary), indent=1, allow_nan=False))
-    plots = save_plots(summary, args.out)
+    with output_folder(args.out):
+        _register_auto_classes()
+        model, tokenizer = load_analysed_model(args)
+        input_ids = text_batch(tokenizer, text, args.num_sequences, args.seq_len)
+        check_token_ids(input_ids, model.config.vocab_size, args.tokenizer or args.model)
+        names = evenly_spaced([branch.name for branch in dar_branches(model)], args.max_rescue_branches)
+        summary = analyze(model, input_ids, rescue_branches=names)
+        summary["model"] = str(args.model)
+        summary["text"] = str(args.text)
+        plots = write_analysis(args.out, summary, replaced)
     for path in plots:
         logger.info(f"wrote {path}")
     logger.info(f"wrote {args.out / 'summary.json'}")
-    remove_stale_files(args.out, replaced, [args.out / "summary.json", *plots])
     return summary, plots
 
 
