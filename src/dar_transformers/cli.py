@@ -18,6 +18,7 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from .analysis import add_arguments as add_analyze_arguments
@@ -43,12 +44,16 @@ def _shard_size(text: str) -> str | int:
 
 
 def _layer_list(text: str) -> list[int]:
-    """`--mlp-only-layers 0,3`: layer indices, comma-separated (an empty string: none)."""
+    """`--mlp-only-layers 0,3`: layer indices, comma-separated (an empty string: none), each once."""
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        layers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices (e.g. 0,3)") \
             from None
+    repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r} lists layer {', '.join(map(str, repeated))} more than once")
+    return layers
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +127,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def given_flags(args: argparse.Namespace) -> list[str]:
+    """The value flags of `dar convert` (`OPTION_FLAGS`) set on the command line: those not at their defaults."""
+    defaults = (None, 0.0, "2GB")  # unset, --expert-noise's, --max-shard-size's
+    return [flag for flag in OPTION_FLAGS.values()
+            if getattr(args, flag.removeprefix("--").replace("-", "_"), None) not in defaults]
+
+
 def convert_fields(args: argparse.Namespace) -> dict:
     """The target config fields given on the command line (unset options keep the config defaults)."""
     return {field: getattr(args, option) for option, field in CONVERT_FIELD_OPTIONS.items() if getattr(args, option) is not None}
@@ -166,7 +178,7 @@ def run_convert(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     except (ValueError, TypeError, OSError) as error:  # OSError: permission, read-only, no space, missing, ...
-        return convert_error(named_by_flag(str(error)))
+        return convert_error(named_by_flag(str(error), given_flags(args)))
     try:
         print(result.report.table())
         config = result.config
@@ -193,12 +205,18 @@ OPTION_FLAGS = {
 }
 
 
-def named_by_flag(message: str) -> str:
+def named_by_flag(message: str, given: Sequence[str] = ()) -> str:
     """An error message that starts with an option's API name (`tolerance must be ...`, `DARConfig.dar_block_size
-    must be ...`), prefixed with the flag it came from, so that the user sees what to change on the command line."""
-    field = re.match(r"(?:DAR(?:Moe)?Config\.)?([a-z_]+)\b", message)
-    flag = OPTION_FLAGS.get(field.group(1)) if field else None
-    return f"{flag}: {message}" if flag else message
+    must be ...`), prefixed with the flag it came from, so that the user sees what to change on the command line. A
+    message about two fields together (`mlp_only_layers and decoder_sparse_step leave no sparse layer`) names the
+    flags of those the user passed (`given`), or the first field's if none."""
+    head = re.match(r"(?:DAR(?:Moe)?Config\.)?([a-z_]+)((?: and [a-z_]+)*)\b", message)
+    if head is None:
+        return message
+    flags = [OPTION_FLAGS[field] for field in (head.group(1), *head.group(2).split(" and ")[1:]) if field in OPTION_FLAGS]
+    passed = [flag for flag in flags if flag in given]
+    named = passed or flags[:1]
+    return f"{' and '.join(named)}: {message}" if named else message
 
 
 def close_progress_bars() -> None:
@@ -262,6 +280,23 @@ def missing_model_folder(name: str, needs_tokenizer: bool = False) -> str | None
     return None
 
 
+def load_error(error: BaseException) -> str:
+    """A failed `from_pretrained` in one line: the message of a ValueError or OSError (transformers' own, naming the
+    file), a config validator's own message, any other error with its type (a safetensors or a size-mismatch one)."""
+    from .conversion.families import one_line
+
+    message = one_line(error)
+    plain = isinstance(error, (OSError, ValueError)) or type(error).__name__.startswith("StrictDataclass")
+    return message if plain else f"{type(error).__name__}: {message}"
+
+
+def model_location(name: str) -> str:
+    """What `from_pretrained` loads for a model named on the command line: a folder spelled with "~" (quoted, so the
+    shell left it) as `missing_model_folder` found it, expanded; any other name as given (a Hub id)."""
+    expanded = os.path.expanduser(name)
+    return expanded if expanded != name and os.path.isdir(expanded) else name
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
@@ -269,14 +304,21 @@ def run_generate(args: argparse.Namespace) -> int:
     from .convert import chat_input_ids, resolve_dtype
 
     problem = missing_model_folder(args.model, needs_tokenizer=True)
+    if problem is None:
+        try:  # the shell hands over bytes that are not UTF-8 as lone surrogates, which no tokenizer encodes
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            problem = (f"--prompt is not UTF-8 text (byte {ord(args.prompt[error.start]) - 0xDC00:#04x} at character "
+                       f"{error.start}); pass the prompt in UTF-8")
     if problem is not None:
         print(f"dar generate: error: {problem}", file=sys.stderr)
         return 1
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=resolve_dtype(args.dtype)).eval()
-    except (OSError, ValueError) as error:
-        print(f"dar generate: error: cannot load {args.model}: {' '.join(str(error).split())}", file=sys.stderr)
+    location = model_location(args.model)
+    try:  # any failure of a broken folder (a truncated safetensors file, a config its class refuses): one line
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(args.dtype)).eval()
+    except Exception as error:
+        print(f"dar generate: error: cannot load {args.model}: {load_error(error)}", file=sys.stderr)
         return 1
     if has_default_chat_template(tokenizer) and not args.no_chat_template:
         try:

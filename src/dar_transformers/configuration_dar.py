@@ -213,7 +213,10 @@ class DARConfig(LlamaConfig):
                 f"1 = Full DAR, {num_branches} = one block), got {self.dar_block_size!r}."
             )
         _must_be_one_of("dar_num_streams", self.dar_num_streams, (1, 2))
-        _must_be_one_of("dar_routing", self.dar_routing, DAR_ROUTINGS if self.dar_num_streams == 2 else ("selfkv",))
+        if self.dar_num_streams == 1 and self.dar_routing != "selfkv":  # one stream has no other to address
+            raise ValueError(f"DARConfig.dar_routing and dar_num_streams: with dar_num_streams=1 dar_routing must be "
+                             f"one of ['selfkv'] (the one stream addresses its own history), got {self.dar_routing!r}.")
+        _must_be_one_of("dar_routing", self.dar_routing, DAR_ROUTINGS)
         _must_be_one_of("dar_write_mode", self.dar_write_mode, DAR_WRITE_MODES)
         _must_be_one_of("dar_branch_family", self.dar_branch_family, DAR_BRANCH_FAMILIES)
         _must_be_one_of("dar_implementation", self.dar_implementation, DAR_IMPLEMENTATIONS)

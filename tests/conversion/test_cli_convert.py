@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -15,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from dar_transformers.cli import main as cli_main
 from dar_transformers.conversion import chat_input_ids
 
-from conftest import REPO, make_source, make_tokenizer, run_convert_in_process, save_source, write_tiny_gguf
+from conftest import (REPO, edit_json, make_source, make_tokenizer, run_convert_in_process, save_source,
+                      write_tiny_gguf)
 
 
 def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
@@ -193,3 +195,57 @@ def test_the_cards_settings_name_only_parameters_the_model_has(tmp_path, flags, 
     card = (tmp_path / "out" / "README.md").read_text()
     assert all(row in card for row in rows), card
     assert "gates, transport)" not in card
+
+
+def test_dar_generate_on_a_broken_folder_or_prompt_is_one_line(tmp_path, capsys, monkeypatch):
+    """A helper's audit of `dar generate`: a truncated safetensors file, a config its class refuses, and weights of
+    another vocabulary size ended in tracebacks (only OSError and ValueError were caught); a prompt that is not UTF-8
+    (a Latin-1 file, handed over as lone surrogates) in a TypeError traceback, or blamed on the chat template; a
+    folder spelled "~/..." (quoted) passed the folder check and then went to the Hub with the literal name."""
+    source = save_source(tmp_path / "source")
+    broken = {}
+    for damage in ("truncated", "heads", "vocab"):
+        folder = tmp_path / damage
+        shutil.copytree(source, folder)
+        broken[damage] = folder
+    weights = broken["truncated"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    edit_json(broken["heads"] / "config.json", num_attention_heads=5)
+    edit_json(broken["vocab"] / "config.json", vocab_size=400)
+    for damage, folder in broken.items():
+        capsys.readouterr()
+        assert cli_main(["generate", str(folder), "--max-new-tokens", "1"]) == 1, damage
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error.startswith(f"dar generate: error: cannot load {folder}: ") and "Traceback" not in error, error
+    for flags in ((), ("--no-chat-template",)):
+        assert cli_main(["generate", str(source), "--prompt", "caf\udce9", "--max-new-tokens", "1", *flags]) == 1
+        assert capsys.readouterr().err.strip() == ("dar generate: error: --prompt is not UTF-8 text (byte 0xe9 at "
+                                                   "character 3); pass the prompt in UTF-8")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cli_main(["generate", "~/source", "--prompt", "Hello", "--max-new-tokens", "1"]) == 0
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--experts", "2", "--top-k", "1", "--decoder-sparse-step", "5"],
+     "--decoder-sparse-step: DARMoeConfig.mlp_only_layers and decoder_sparse_step leave no sparse layer"),
+    (["--routing", "dar", "--streams", "1"],
+     "--routing and --streams: DARConfig.dar_routing and dar_num_streams: with dar_num_streams=1 dar_routing must be"),
+    (["--expert-noise", "0.5"], "Upcycling a dense llama model needs num_experts and top_k"),
+])
+def test_dar_convert_refusals_name_the_flags_given_and_nothing_else(tmp_path, capsys, caplog, flags, error):
+    """`--decoder-sparse-step 5` was refused as `--mlp-only-layers: ...` (a flag not given); `--routing dar --streams
+    1` named neither the stream count nor its flag; with `--expert-noise`, every refusal (a missing --experts, a bad
+    --block-size) came after a warning that the converted model "is NOT function-preserving"."""
+    source = save_source(tmp_path / "source")
+    capsys.readouterr()
+    assert cli_main(["convert", str(source), str(tmp_path / "out"), *flags]) == 1
+    printed = capsys.readouterr().err.strip()
+    assert printed.startswith(f"dar convert: error: {error}") and len(printed.splitlines()) == 1, printed
+    assert "NOT function-preserving" not in caplog.text and not (tmp_path / "out").exists()
+
+
+def test_mlp_only_layers_listing_a_layer_twice_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--experts", "2", "--top-k", "1",
+                  "--mlp-only-layers", "0,2,0"])
+    assert "argument --mlp-only-layers: '0,2,0' lists layer 0 more than once" in capsys.readouterr().err

@@ -365,15 +365,19 @@ def plan_dar_moe_tensors(
 def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
     """The DAR-MoE target; `expert_noise > 0` is Drop-Upcycling (not exact: its verification only reports)."""
     check_expert_noise(expert_noise)
-    if expert_noise:
-        logger.warning(
-            f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
-            "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
-        )
+
+    def plan_tensors(source_infos, config):
+        if expert_noise:  # said as the conversion plans the noise, not before a refusal of its inputs
+            logger.warning(
+                f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
+                "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
+            )
+        return plan_dar_moe_tensors(source_infos, config, expert_noise, seed)
+
     return TargetKind(
         model_class=DARMoeForCausalLM,
         build_config=build_dar_moe_config,
-        plan_tensors=lambda source_infos, config: plan_dar_moe_tensors(source_infos, config, expert_noise, seed),
+        plan_tensors=plan_tensors,
         # The routers are new when upcycling a dense model; an MoE source supplies them, so they are never missing.
         new_parameters=(*DAR_NEW_PARAMETERS, *MOE_ROUTER_PARAMETERS),
         description="DAR-MoE (Dual Attention Residuals, sparse mixture of experts)"
