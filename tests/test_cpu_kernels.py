@@ -168,6 +168,38 @@ def test_the_kernels_run_only_where_they_are_meant_to(counted_kernels):
     assert counted_kernels.calls["phase_one"] > 0
 
 
+def test_forward_mode_ad_runs_the_pytorch_path_and_keeps_every_tangent(counted_kernels):
+    """`torch.autograd.forward_ad` through a gradient-free forward: the kernels are called directly, not through the
+    dispatcher, so they dropped every tangent silently (an input's tangent gave none at the logits; with a tangent on
+    the head too, 2e-2 off; a helper's repro). Inside a dual level the PyTorch path runs: the reference's tangent."""
+    import torch.autograd.forward_ad as forward_ad
+    from torch.func import functional_call
+
+    model = with_kernels(perturbed_dar(torch.float64, "fast", 3, "dar", 2, "duplicate", True))
+    model.set_attn_implementation("eager")  # SDPA on CPU has no forward-mode derivative
+    embeds = model.get_input_embeddings()(random_input_ids()).detach()
+    tangent = torch.randn_like(embeds)
+    head = model.lm_head.weight.detach()
+    head_tangent = torch.randn_like(head)
+
+    def logits_tangent():
+        with torch.no_grad(), forward_ad.dual_level():
+            parameters = {"lm_head.weight": forward_ad.make_dual(head, head_tangent)}
+            logits = functional_call(model, parameters, args=(),
+                                     kwargs={"inputs_embeds": forward_ad.make_dual(embeds, tangent)}).logits
+            return forward_ad.unpack_dual(logits).tangent
+
+    got = logits_tangent()
+    assert counted_kernels.calls == dict.fromkeys(KERNELS, 0)
+    model.config.dar_implementation = "reference"
+    expected = logits_tangent()
+    assert got is not None and (got - expected).abs().max() <= 1e-10 * expected.abs().max()
+    with torch.no_grad():  # outside a dual level the kernels run again
+        model.config.dar_implementation = "fast"
+        model(random_input_ids())
+    assert counted_kernels.calls["phase_one"] > 0
+
+
 # 3 x 200 = 600 rows at D = 32: more than every call's grain (32768 values per thread: 512 rows of two streams), so
 # each kernel splits its rows over the threads
 LONG_BATCH, LONG_LENGTH = 3, 200

@@ -99,9 +99,8 @@ def test_two_phase_read_refuses_double_backward():
     key_streams, value_streams = DEPTH_ROUTINGS["dar"]
     entries, partial, query, gate = depth_read_inputs(2, seed=4)
     branch_input = _two_phase(entries, partial, query, gate, key_streams, value_streams)[0]
-    (grad_query,) = torch.autograd.grad(branch_input.pow(2).sum(), query, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
-        grad_query.sum().backward()
+    with pytest.raises(RuntimeError, match=r"differentiable once only \(once_differentiable\)"):
+        torch.autograd.grad(branch_input.pow(2).sum(), query, create_graph=True)
 
 
 def test_two_phase_read_saves_only_per_token_scalars():

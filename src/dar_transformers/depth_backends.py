@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
@@ -400,19 +401,24 @@ READ_BACKWARD_ENTRY_CHUNK = 8  # committed entries stacked at once by a read's b
 
 
 def refuses_double_backward(backward):
-    """`once_differentiable` that refuses every second derivative: torch's attaches its error only when an incoming
-    gradient requires grad, but a hand-written backward also reads saved tensors that do (gates, queries, the shared
-    entry buffer), so a second derivative through it would otherwise be silently partial. Under `create_graph` the
-    incoming gradients are marked as requiring grad for that check (detached aliases; the values are unchanged).
-    A backward called inside an autocast region (`loss.backward()` within `torch.autocast`) runs with autocast off,
-    as its forward did: its products mix float32 operands that autocast would otherwise cast apart."""
+    """A hand-written backward that refuses to build a differentiable gradient: a backward with `create_graph=True`
+    (a second derivative, a Hessian-vector product, a gradient penalty through the model) raises at once, naming the
+    way out. torch's `once_differentiable` attaches its error to the outputs instead, where a second backward with
+    explicit inputs (`torch.autograd.grad(penalty, weight)`, `backward(inputs=...)`) never reaches it, and where it
+    attaches none (the incoming gradients not requiring grad) the second derivative comes out silently partial (this
+    backward also reads saved tensors that require grad: gates, queries, the shared entry buffer). A backward called
+    inside an autocast region (`loss.backward()` within `torch.autocast`) runs with autocast off, as its forward
+    did: its products mix float32 operands that autocast would otherwise cast apart."""
     checked = once_differentiable(backward)
+    name = backward.__qualname__.split(".")[0]
 
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():  # create_graph=True: the caller asks for a differentiable gradient
-            grads = tuple(
-                grad.detach().requires_grad_() if isinstance(grad, torch.Tensor) and grad.is_floating_point() else grad
-                for grad in grads
+            raise RuntimeError(
+                f"DAR's hand-written backward {name} is differentiable once only (once_differentiable), so a backward "
+                "with create_graph=True through it (a second derivative, a Hessian-vector product, a gradient penalty) "
+                "would be wrong. Use config.dar_implementation = 'reference' (plain autograd) and "
+                "config.dar_training_kernel = 'torch' for it."
             )
         device_type = next((grad.device.type for grad in grads if isinstance(grad, torch.Tensor)), "cpu")
         if torch.is_autocast_enabled(device_type):  # backward called inside autocast: the precision policy holds
@@ -1504,8 +1510,11 @@ class TwoPhaseDepthBackend:
 def eager_cpu_kernels(entry: torch.Tensor):
     """The C++ kernels (`cpu_kernels.py`) for a forward whose history starts with `entry`, where it may run them: on
     CPU and eagerly (a graph traced by `torch.compile`, `torch.export` or `torch.jit` computes the same passes in its
-    own code); else None, and None where they cannot be built (warned once)."""
-    if entry.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing():
+    own code), outside forward-mode AD (`torch.autograd.forward_ad.dual_level`: the kernels are called directly, not
+    through the dispatcher, and would drop every tangent); else None, and None where they cannot be built (warned
+    once)."""
+    if (entry.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or forward_ad._current_level >= 0):
         return None
     return cpu_kernels()
 

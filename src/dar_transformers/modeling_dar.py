@@ -415,8 +415,8 @@ def warn_reentrant_recorded_outputs(layers, names: list[str]) -> None:
                 f"{' and '.join(f'output_{name}' for name in names)} of a DAR model are recorded inside its decoder "
                 "layers, which reentrant activation checkpointing (use_reentrant=True) runs without gradients: the "
                 "recorded tensors carry no gradient, so a loss on them adds nothing to any parameter's gradient. "
-                "Use non-reentrant checkpointing (activation_checkpointing_enable() without use_reentrant, "
-                "transformers' default) for such a loss; the logits' loss is exact either way."
+                "Use non-reentrant checkpointing (use_reentrant=False, transformers' default where it is not given) "
+                "for such a loss; the logits' loss is exact either way."
             )
             return
 
