@@ -75,6 +75,43 @@ def test_the_model_verified_is_the_model_written(tmp_path):
     assert in_memory.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
+def test_the_streamed_check_runs_the_code_path_of_a_loaded_model(tmp_path, monkeypatch):
+    """With only the running layer's weights loaded, the depth backend found no parameters for the reads ahead in a
+    block and planned one layer at a time, where a model loaded by `from_pretrained` plans a block's reads at once: the
+    check ran another code path than the one users run, and a fault in that path passed it (a helper's repro). The
+    residual modules are loaded for the whole pass: the same phase-1 groups, and such a fault is caught."""
+    from collections import Counter
+
+    from dar_transformers import depth_backends
+
+    source = save_source(tmp_path / "source")
+    groups = Counter()
+    planned = depth_backends.InferenceDepthBackend._phase_one
+
+    def counted(self, state, residuals):
+        groups[len(residuals)] += 1
+        return planned(self, state, residuals)
+
+    monkeypatch.setattr(depth_backends.InferenceDepthBackend, "_phase_one", counted)
+    upcycle(source, tmp_path / "out", dar_block_size=4, prompts=["Hello world"], full_greedy=False, tolerance=1e-5,
+            progress=False)
+    checked, groups = groups, Counter()
+    with torch.no_grad():
+        AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(IDS[:1])
+    assert checked == groups and max(groups) == 3  # a block of 4 reads: the three that see the same entries at once
+
+    def faulty(self, state, residuals):  # a fault in the block-planned path only (three reads or more)
+        plans = planned(self, state, residuals)
+        if len(residuals) > 2:
+            plans[-1] = plans[-1]._replace(mean=None if plans[-1].mean is None else plans[-1].mean + 0.05)
+        return plans
+
+    monkeypatch.setattr(depth_backends.InferenceDepthBackend, "_phase_one", faulty)
+    with pytest.raises(VerificationError, match="nothing was written"):
+        upcycle(source, tmp_path / "faulty", dar_block_size=4, prompts=["Hello world"], full_greedy=False,
+                tolerance=1e-5, progress=False)
+
+
 def report_with(max_difference: float, greedy: bool | None, agreed: int = 5) -> VerificationReport:
     check = PromptCheck("p", 5, 3.0, max_difference, 5, agreed, greedy, [1, 2], [1, 2] if greedy else [1, 3])
     return VerificationReport("float32", 2e-4, 2e-4, 2, [check])

@@ -54,10 +54,11 @@ class PromptCheck:
     def diverged_at_near_tie(self, tolerance: float) -> bool:
         """The continuations differ first at a token the source does not decide at the bar (its top-1/top-2 margin
         at most 2 x tolerance, the rule that exempts a teacher-forced position) while the logits there agree within
-        it: a tie broken differently by rounding, not a difference of the models."""
+        it: a tie broken differently by rounding, not a difference of the models. Never under an infinite tolerance
+        (a conversion that is not function-preserving: every margin is "at most" twice it)."""
         divergence = self.greedy_divergence
-        return (self.greedy_identical is False and divergence is not None and divergence[1] <= 2 * tolerance
-                and divergence[2] <= tolerance)
+        return (self.greedy_identical is False and divergence is not None and math.isfinite(tolerance)
+                and divergence[1] <= 2 * tolerance and divergence[2] <= tolerance)
 
     @classmethod
     def of(cls, name, input_ids, max_abs_logit, max_abs_logit_difference, top1, source_tokens, target_tokens,

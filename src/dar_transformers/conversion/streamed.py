@@ -91,12 +91,20 @@ def all_finite(output) -> bool:
     return all(torch.isfinite(tensor).all() for tensor in tensors if isinstance(tensor, torch.Tensor))
 
 
+# A DAR decoder layer's residual modules: a few vectors per branch (queries, gates, key norms; 0.6 MiB for all 64
+# branches at the 8B width), loaded for the whole streamed pass, so that the depth backend finds the parameters of
+# the reads ahead in a block and plans them at once, as in a model loaded by `from_pretrained` (with only the
+# running layer's there it planned per layer: another code path than the one users run, so not the one verified).
+RESIDENT_LAYER_MODULES = ("attn_residual", "mlp_residual")
+
+
 @contextlib.contextmanager
 def streamed_weights(side: StreamedModel, dtype: torch.dtype, nonfinite: list[str]) -> Iterator[torch.nn.Module]:
-    """The backbone of `side.model`, ready to run its own forward: its small modules (final norm, DAR's readout)
-    loaded, its rotary embedding built on the CPU, each decoder layer loaded by a forward pre-hook and sent back to
-    the meta device by a forward hook. The name of every module whose output is not finite is appended to
-    `nonfinite`, in forward order. Everything goes back to meta on exit."""
+    """The backbone of `side.model`, ready to run its own forward: its small modules (final norm, DAR's readout) and
+    every layer's DAR residual modules (`RESIDENT_LAYER_MODULES`) loaded, its rotary embedding built on the CPU, the
+    rest of each decoder layer loaded by a forward pre-hook and sent back to the meta device by a forward hook. The
+    name of every module whose output is not finite is appended to `nonfinite`, in forward order. Everything goes
+    back to meta on exit."""
     backbone = side.model.model
     meta_rotary = backbone.rotary_emb
     backbone.rotary_emb = type(meta_rotary)(config=side.model.config)  # CPU, inv_freq float32 as from_pretrained
@@ -110,13 +118,21 @@ def streamed_weights(side: StreamedModel, dtype: torch.dtype, nonfinite: list[st
                 nonfinite.append(name)
         return hook
 
+    def streamed_children(layer):
+        return [(name, child) for name, child in layer.named_children() if name not in RESIDENT_LAYER_MODULES]
+
     def load_layer(prefix):
         def hook(module, args):
-            _load(module, side.module_state(prefix, dtype))
+            if not any(hasattr(module, name) for name in RESIDENT_LAYER_MODULES):
+                _load(module, side.module_state(prefix, dtype))  # a source's layer, in its checkpoint's layout
+                return
+            for name, child in streamed_children(module):  # a DAR layer (written in the model's layout)
+                _load(child, side.module_state(f"{prefix}{name}.", dtype))
         return hook
 
     def unload(module, args, output):
-        module.to("meta")
+        for _, child in streamed_children(module):
+            child.to("meta")
         release_freed_heap()
 
     try:
@@ -124,6 +140,9 @@ def streamed_weights(side: StreamedModel, dtype: torch.dtype, nonfinite: list[st
             _load(child, side.module_state(f"model.{name}.", dtype))
             hooks.append(child.register_forward_hook(check(f"model.{name}")))
         for index, layer in enumerate(backbone.layers):
+            for name, child in layer.named_children():
+                if name in RESIDENT_LAYER_MODULES:  # loaded for the whole pass
+                    _load(child, side.module_state(f"model.layers.{index}.{name}.", dtype))
             hooks.append(layer.register_forward_pre_hook(load_layer(f"model.layers.{index}.")))
             hooks.append(layer.register_forward_hook(check(f"model.layers.{index}")))
             hooks.append(layer.register_forward_hook(unload))
