@@ -117,6 +117,17 @@ def report_with(max_difference: float, greedy: bool | None, agreed: int = 5) -> 
     return VerificationReport("float32", 2e-4, 2e-4, 2, [check])
 
 
+def test_a_divergence_is_a_tie_only_under_a_finite_tolerance():
+    """Drop-Upcycling's conversion (tolerance inf: differences reported only) labelled every greedy divergence a "tie"
+    ("the source's top-1/top-2 margin is 1.1e+00 (<= 2 x tolerance) and the logits differ by 3.8e+00"): every margin
+    is at most twice an infinite tolerance (a helper's repro)."""
+    check = PromptCheck("p", 5, 3.0, 3.8, 5, 4, False, [1, 2], [1, 3], greedy_divergence=(1, 1.1, 3.8))
+    assert not check.diverged_at_near_tie(math.inf)
+    assert "| NO: first differs at new token 2" in VerificationReport("float32", math.inf, 2e-4, 2, [check]).table()
+    near = PromptCheck("p", 5, 3.0, 1e-5, 5, 5, False, [1, 2], [1, 3], greedy_divergence=(1, 1e-4, 1e-5))
+    assert near.diverged_at_near_tie(2e-4)  # the rule itself, at a finite bar
+
+
 def test_logits_within_tolerance_but_different_greedy_tokens_do_not_pass_and_write_nothing(tmp_path, monkeypatch):
     assert report_with(1e-6, True).passed
     assert not report_with(1e-6, False).passed  # greedy continuations differ
