@@ -117,6 +117,36 @@ def report_with(max_difference: float, greedy: bool | None, agreed: int = 5) -> 
     return VerificationReport("float32", 2e-4, 2e-4, 2, [check])
 
 
+@pytest.mark.parametrize("family, fields, says", [
+    ("mistral", {"sliding_window": 1024}, "sliding_window=1024"),
+    ("llama", {"max_position_embeddings": 1024, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                    "factor": 4.0}},
+     "the dynamic rope's scaling past max_position_embeddings=1024"),
+    ("llama", {"max_position_embeddings": 8192, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 2048,
+        "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}},
+     "longrope's long factors past original_max_position_embeddings=2048"),
+    ("mistral", {"sliding_window": 5}, None),  # shorter than the prompts: exercised
+])
+def test_the_report_names_the_settings_no_checked_sequence_reaches(tmp_path, family, fields, says):
+    """A window of 1024 tokens, a dynamic rope past 1024, longrope's long factors past 2048: the check's prompts (a
+    few hundred tokens) never reach them, so a conversion that lost them passed (a helper's repro, 5.6-7.6 logits
+    off at 1500 tokens). The report and the card now say which settings went unexercised, and at what length."""
+    source = save_source(tmp_path / "source", family=family)
+    config = json.loads((source / "config.json").read_text())
+    config.update(fields)
+    (source / "config.json").write_text(json.dumps(config))
+    result = upcycle(source, tmp_path / "out", max_new_tokens=2, tolerance=1e-5, progress=False)
+    card = " ".join((tmp_path / "out" / "README.md").read_text().split())
+    longest = max(check.num_tokens for check in result.report.checks) + 2
+    if says is None:
+        assert "Not exercised" not in result.report.table() and "Not exercised" not in card
+        return
+    sentence = (f"Not exercised, since no checked sequence reaches them (the longest has {longest} tokens): {says}; "
+                "the converted config sets them as the source's does.")
+    assert sentence in result.report.table() and sentence in card
+
+
 def test_a_divergence_is_a_tie_only_under_a_finite_tolerance():
     """Drop-Upcycling's conversion (tolerance inf: differences reported only) labelled every greedy divergence a "tie"
     ("the source's top-1/top-2 margin is 1.1e+00 (<= 2 x tolerance) and the logits differ by 3.8e+00"): every margin

@@ -89,6 +89,7 @@ class VerificationReport:
     storage_dtype: str | None = None
     first_nonfinite: str | None = None  # the first module whose output was NaN or infinite
     greedy_skipped: str = "none asked for"  # why full greedy continuations did not run
+    unreached: str = ""  # a sentence on the settings no checked sequence reaches (`verify.unreached_settings`)
 
     @property
     def relaxed(self) -> bool:
@@ -158,7 +159,7 @@ class VerificationReport:
                 f"top-1 agreement at the {checked} of {total} positions whose source top-1/top-2 margin exceeds "
                 f"2 x tolerance; {greedy}" + (" (continuations that first differ where the source's margin is within "
                 "2 x tolerance and the logits agree within it are a near tie, not a failure)" if self.greedy_ran
-                else "") + ".")
+                else "") + "." + (f" {self.unreached}" if self.unreached else ""))
 
     def table(self) -> str:
         """A Markdown table: one row per prompt, then the verdict and the checks that ran."""

@@ -368,7 +368,33 @@ def _verify_conversion(
         max_new_tokens=max_new_tokens,
         checks=checks,
         first_nonfinite=first_nonfinite,
+        unreached=unreached_settings(target_model.config, checks, max_new_tokens),
     )
+
+
+def unreached_settings(config, checks: Sequence[PromptCheck], max_new_tokens: int) -> str:
+    """The settings of `config` that act only on sequences longer than the longest one checked (its prompt, and
+    the tokens greedy decoding added): a sliding window no sequence exceeds, a dynamic rope's scaling past
+    `max_position_embeddings`, longrope's long factors past its original length. The check cannot have seen them;
+    the report says so, in a sentence (empty when there are none)."""
+    longest = max((check.num_tokens + (max_new_tokens if check.greedy_identical is not None else 0)
+                   for check in checks), default=0)
+    found = []
+    window = getattr(config, "sliding_window", None)
+    if window is not None and longest <= window:
+        found.append(f"sliding_window={window}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "dynamic" and longest <= config.max_position_embeddings:
+        found.append(f"the dynamic rope's scaling past max_position_embeddings={config.max_position_embeddings}")
+    if kind == "longrope":
+        original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+        if longest <= original:
+            found.append(f"longrope's long factors past original_max_position_embeddings={original}")
+    if not found:
+        return ""
+    return (f"Not exercised, since no checked sequence reaches them (the longest has {longest} tokens): "
+            f"{'; '.join(found)}; the converted config sets them as the source's does.")
 
 
 @torch.no_grad()
@@ -479,6 +505,7 @@ def verify_written(
         storage_dtype=str(target_config.dtype).removeprefix("torch."),
         first_nonfinite=comparison.first_nonfinite,
         greedy_skipped=greedy_skipped,
+        unreached=unreached_settings(target_config, checks, max_new_tokens if full_greedy else 0),
     )
 
 
