@@ -731,26 +731,45 @@ def test_a_swap_that_cannot_move_the_old_output_back_names_where_it_is_and_no_ru
 
 def test_a_stale_retired_folder_is_removed_only_where_its_own_new_output_took_the_place(tmp_path, caplog):
     """A run killed after its swap leaves the replaced output in its marked retired folder: the next run removes it,
-    but only if the output is the folder that run renamed into place (its identity, in the marker). Any other folder
-    there (another process's, or a marker written before the identity was recorded) leaves it alone, named."""
+    but only if the output is the folder that run renamed into place (its manifest's random id, in the marker). Any
+    other folder there leaves it alone, named: another run's output, one that took the inode the killed run's folder
+    had (a helper's repro: killed between the renames, the next run removed that staging folder, the run after it
+    got its inode for its own output, and the only copy of the old output was removed as replaced), or a marker of
+    an earlier version (which recorded the inode)."""
     out = tmp_path / "out"
     out.mkdir()
+    (out / output_module.MANIFEST_NAME).write_text(json.dumps({"format": 1, "run": "a" * 32, "files": {},
+                                                               "folders": []}))
     identity = os.lstat(out)
     marker = {"pid": _dead_pid(), "host": output_module.socket.gethostname(), "output": str(out)}
-    cases = {"replaced": [identity.st_dev, identity.st_ino], "another folder": [identity.st_dev, identity.st_ino + 1],
-             "no identity": None}
-    for case, replacement in cases.items():
+    cases = {"replaced": {"replacement_run": "a" * 32}, "another run": {"replacement_run": "b" * 32},
+             "the same inode": {"replacement": [identity.st_dev, identity.st_ino]}, "no identity": {}}
+    for case, fields in cases.items():
         retired = tmp_path / f".out.{case.replace(' ', '-')}.old"
         (retired / "out").mkdir(parents=True)
         (retired / "out" / "weights").write_text(case)
-        fields = {} if replacement is None else {"replacement": replacement}
         (retired / STAGING_MARKER).write_text(json.dumps({**marker, **fields}))
     removed = output_module.remove_stale_runs(tmp_path)
     assert [path.name for path in removed] == [".out.replaced.old"]
-    assert leftovers(tmp_path) == [".out.another-folder.old", ".out.no-identity.old"]
+    assert leftovers(tmp_path) == [".out.another-run.old", ".out.no-identity.old", ".out.the-same-inode.old"]
     for kept in leftovers(tmp_path):
         assert f"{tmp_path / kept / 'out'} is the previous {out}, moved aside by a conversion that did not finish" \
             in caplog.text
+
+
+def test_a_swap_records_the_new_outputs_run_id_in_the_retired_marker(tmp_path, tiny_source, monkeypatch):
+    """The retired folder's marker names the output that replaces it by the id in that output's manifest."""
+    out = tmp_path / "out"
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    first = output_module.output_run_id(out)
+    markers = []
+    remove = output_module._remove_marked
+    monkeypatch.setattr(output_module, "_remove_marked", lambda folder: markers.append(
+        json.loads((folder / STAGING_MARKER).read_text())) or remove(folder))
+    assert run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    second = output_module.output_run_id(out)
+    assert len(first) == len(second) == 32 and first != second
+    assert [marker.get("replacement_run") for marker in markers if "replacement_run" in marker] == [second]
 
 
 def test_an_error_after_the_swap_is_a_warning_not_nothing_was_written(tmp_path, tiny_source, monkeypatch, caplog):

@@ -43,6 +43,7 @@ import socket
 import stat
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -225,7 +226,8 @@ def not_a_conversion_output(folder: Path) -> str | None:
 
 def write_manifest(folder: Path) -> None:
     """Write `MANIFEST_NAME` into a complete output `folder`: every folder, and every file with its size and
-    st_mtime_ns (the staging marker, removed before the swap, and an earlier manifest left out). Call once nothing
+    st_mtime_ns (the staging marker, removed before the swap, and an earlier manifest left out), and a random id of
+    this output (`run`: what a retired folder's marker names as its replacement, `_replaced_by`). Call once nothing
     else will be written."""
     files, folders = {}, []
     for path, status in sorted(walk_without_symlinks(folder)):
@@ -236,7 +238,8 @@ def write_manifest(folder: Path) -> None:
         elif stat.S_ISREG(status.st_mode):
             files[path] = {"size": status.st_size, "mtime_ns": status.st_mtime_ns}
         # nothing else is written by a conversion; were it, being unlisted keeps `overwrite` from replacing it
-    manifest = {"format": MANIFEST_FORMAT, "written_by": "dar convert", "folders": folders, "files": files}
+    manifest = {"format": MANIFEST_FORMAT, "written_by": "dar convert", "run": uuid.uuid4().hex, "folders": folders,
+                "files": files}
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
 
 
@@ -643,8 +646,10 @@ def _move_into_place(staging: Path, output: Path) -> None:
                            f"({_describe(error)}): a crash soon may undo the rename.")
         return
     _take_over_metadata(staging, existing)
-    replacement = os.stat(staging)  # a rename keeps a folder's identity: what the output becomes (`_replaced_by`)
-    retired = _marked_folder(output, RETIRED_SUFFIX, replacement=[replacement.st_dev, replacement.st_ino])
+    # What the output becomes, by the id its manifest holds (`_replaced_by`): not its inode, which the file system
+    # gives again to a later folder once this one is gone (a run killed between the renames, its staging folder
+    # removed by the next run, whose new output then took that inode, and the only copy of the old output went).
+    retired = _marked_folder(output, RETIRED_SUFFIX, replacement_run=output_run_id(staging))
     try:
         _retire(staging, output, retired)
     finally:
@@ -778,14 +783,24 @@ def remove_stale_runs(parent: Path) -> list[Path]:
 
 
 def _replaced_by(output: Path, marker: dict) -> bool:
-    """Whether `output` is the folder that the run of a retired folder's `marker` renamed into place (the same file
-    system identity): only then is the retired folder a replaced output, not the only copy of one. A marker without
-    it (written before the identity was recorded) is never taken as replaced."""
+    """Whether `output` is the folder that the run of a retired folder's `marker` renamed into place (its manifest's
+    random id, `write_manifest`): only then is the retired folder a replaced output, not the only copy of one. A
+    marker without the id (written by an earlier version, which recorded the folder's inode) is never taken as
+    replaced: the retired folder is named and kept."""
+    expected = marker.get("replacement_run")
+    return isinstance(expected, str) and bool(expected) and output_run_id(output) == expected
+
+
+def output_run_id(folder: Path) -> str | None:
+    """The random id in the manifest of a conversion output (`write_manifest`), None where it has none or none can
+    be read."""
     try:
-        now = os.lstat(output)
-    except OSError:
-        return False
-    return marker.get("replacement") == [now.st_dev, now.st_ino]
+        if not stat.S_ISREG(os.lstat(folder / MANIFEST_NAME).st_mode):
+            return None
+        run = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8")).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
 
 
 def _remove_marked(folder: Path) -> None:
