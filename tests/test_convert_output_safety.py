@@ -772,6 +772,32 @@ def test_a_swap_records_the_new_outputs_run_id_in_the_retired_marker(tmp_path, t
     assert [marker.get("replacement_run") for marker in markers if "replacement_run" in marker] == [second]
 
 
+def test_an_output_another_run_put_in_place_meanwhile_is_kept_without_overwrite(tmp_path, tiny_source, monkeypatch,
+                                                                                 caplog):
+    """Run A, without --overwrite, found the output absent at its last check; run B finished and put its output there
+    before A's swap; A moved B's complete output aside and removed it, and both said "Wrote" (a helper's repro, a
+    window of about 0.1 ms). Without --overwrite, a conversion output found at the swap is another run's: kept,
+    named."""
+    other = tmp_path / "other"
+    assert run_convert_in_process(tiny_source, other, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    before = tree_state(other)
+    out = tmp_path / "out"
+    move = output_module._move_into_place
+
+    def run_b_finishes_first(staging, output, *overwrite):
+        os.rename(other, output)  # run B's output arrives between A's last check and its swap
+        return move(staging, output, *overwrite)
+
+    monkeypatch.setattr(output_module, "_move_into_place", run_b_finishes_first)
+    code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--block-size", "1", cwd=tmp_path)
+    assert code == 0, stderr
+    assert_complete_output(out)
+    (retired,) = tmp_path.glob(".out.*.old")
+    assert tree_state(retired / "out") == before and not (retired / STAGING_MARKER).exists()
+    assert "it was not there or empty when this conversion checked it, and --overwrite was not given" in caplog.text
+    assert f"so it was kept, not removed: {retired / 'out'}" in caplog.text
+
+
 def test_an_error_after_the_swap_is_a_warning_not_nothing_was_written(tmp_path, tiny_source, monkeypatch, caplog):
     """The new output is in place: an error checking the replaced one (EIO) keeps that one, unmarked, and says so;
     the run succeeds (it said 'nothing was written' with the new output in place)."""
@@ -779,7 +805,7 @@ def test_an_error_after_the_swap_is_a_warning_not_nothing_was_written(tmp_path, 
     assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     previous = os.lstat(out).st_ino
 
-    def unreadable(folder):
+    def unreadable(folder, overwrite):
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(folder))
 
     monkeypatch.setattr(output_module, "_changed_since_checked", unreadable)

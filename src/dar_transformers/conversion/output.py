@@ -461,7 +461,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
             _fsync(staging)
             check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
             with signals_held():
-                _move_into_place(staging, output)
+                _move_into_place(staging, output, overwrite)
                 staging, swapped = None, True
         except OSError as error:
             if error.errno is None:  # one of this module's own refusals, already one line
@@ -626,7 +626,7 @@ def _marker_locked(folder: Path) -> bool | None:
     return False
 
 
-def _move_into_place(staging: Path, output: Path) -> None:
+def _move_into_place(staging: Path, output: Path, overwrite: bool) -> None:
     """Rename the complete staging folder to `output`; an existing output is moved into a marked retired folder
     first (moved back if the rename fails) and removed after, its metadata taken over first, unless it changed after
     it was last checked (`_changed_since_checked`): then it is kept. Call with signals held. The staging folder keeps
@@ -651,7 +651,7 @@ def _move_into_place(staging: Path, output: Path) -> None:
     # removed by the next run, whose new output then took that inode, and the only copy of the old output went).
     retired = _marked_folder(output, RETIRED_SUFFIX, replacement_run=output_run_id(staging))
     try:
-        _retire(staging, output, retired)
+        _retire(staging, output, retired, overwrite)
     finally:
         _release_marker(retired)
 
@@ -666,7 +666,7 @@ def _unmark(staging: Path, output: Path) -> None:
     _release_marker(staging)
 
 
-def _retire(staging: Path, output: Path, retired: Path) -> None:
+def _retire(staging: Path, output: Path, retired: Path, overwrite: bool) -> None:
     """`_move_into_place` with an existing output: moved into the marked `retired` folder, the staging folder renamed
     into place, the retired one removed (or kept, `_changed_since_checked`). Once the new output is in place, nothing
     raises: what could not be done is a warning. If the rename into place fails and the old output cannot be moved
@@ -691,7 +691,7 @@ def _retire(staging: Path, output: Path, retired: Path) -> None:
         raise
     _unmark(staging, output)
     try:
-        changed = _changed_since_checked(retired / output.name)
+        changed = _changed_since_checked(retired / output.name, overwrite)
     except OSError as error:
         changed = f"it could not be read: {_describe(error)}"
     if changed:  # written to between the last check and the swap (a Trainer saving into it): never removed
@@ -708,11 +708,14 @@ def _retire(staging: Path, output: Path, retired: Path) -> None:
                        f"({_describe(error)}); remove it yourself.")
 
 
-def _changed_since_checked(replaced: Path) -> str | None:
+def _changed_since_checked(replaced: Path, overwrite: bool) -> str | None:
     """Why the folder just replaced may not be removed (None if it may): `check_output_folder` found it empty or a
-    previous conversion output as written, but a process may have written into it since, up to the rename."""
+    previous conversion output as written (or absent), but a process may have written into it since, up to the
+    rename; without `overwrite`, a conversion output there is another run's, which finished meanwhile."""
     if not any(replaced.iterdir()):
         return None
+    if not overwrite:
+        return "it was not there or empty when this conversion checked it, and --overwrite was not given"
     return not_a_conversion_output(replaced)
 
 
