@@ -9,6 +9,8 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -305,3 +307,31 @@ def test_an_output_name_too_long_to_stage_beside_is_refused_naming_the_limit(tmp
     code, stderr = run_convert_in_process(source, tmp_path / ("y" * (limit - 18)), "--max-new-tokens", "1",
                                           cwd=tmp_path)
     assert code == 0, stderr[-2000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root to make another user's folder, and util-linux's setpriv to run as another user")
+def test_another_users_folder_in_a_sticky_folder_is_refused_before_any_work(tmp_path):
+    """In a sticky world-writable folder (/tmp, shared scratch) only an entry's owner (or the folder's) may rename or
+    replace it: an empty mode-777 folder of another user as output (or another user's previous output with
+    --overwrite) passed the writability checks and failed at the swap, after the whole conversion (a helper's
+    repro). Refused before any work, naming the owner and the sticky bit; run as user 65534 (nobody)."""
+    sticky = Path(tempfile.mkdtemp(prefix="dar-sticky-", dir="/tmp"))
+    try:
+        os.chmod(sticky, 0o1777)
+        source = save_source(sticky / "source")
+        for path in [source, *source.rglob("*")]:
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        (sticky / "out").mkdir(mode=0o777)
+        os.chmod(sticky / "out", 0o777)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(sticky / "hf")}
+        failed = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                                 "dar_transformers.cli", "convert", str(source), str(sticky / "out"),
+                                 "--max-new-tokens", "1"], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                text=True, timeout=300)
+        assert failed.returncode == 1, failed.stderr
+        assert (f"Output folder {sticky / 'out'} belongs to user 0, in {sticky}, whose sticky bit" in failed.stderr
+                and "Verifying" not in failed.stderr and "Writing" not in failed.stderr), failed.stderr
+        assert sorted(path.name for path in sticky.iterdir()) == ["out", "source"] and not any((sticky / "out").iterdir())
+    finally:
+        shutil.rmtree(sticky)

@@ -151,6 +151,16 @@ def _refuse_unwritable(output: Path, shown: str) -> None:
             f"into a folder beside it, which needs write permission on it. Make it writable (chmod u+w {output}) or "
             "choose another output."
         )
+    user = os.geteuid() if hasattr(os, "geteuid") else 0
+    if os.path.lexists(output) and user != 0:  # root renames anything (CAP_FOWNER)
+        folder, existing = os.stat(output.parent), os.lstat(output)
+        if folder.st_mode & stat.S_ISVTX and user not in (folder.st_uid, existing.st_uid):
+            raise PermissionError(
+                f"Output folder {shown} belongs to user {existing.st_uid}, in {output.parent}, whose sticky bit (mode "
+                f"{stat.filemode(folder.st_mode)}, as /tmp has) lets only an entry's owner or the folder's rename or "
+                "replace it: the conversion could not put its output in place. Choose an output of your own (a new "
+                "folder), or ask its owner to remove it."
+            )
 
 
 def _mode_and_file_system(path: Path) -> str:
