@@ -476,3 +476,26 @@ def test_a_written_in_memory_source_is_checked_against_the_model_object_itself(t
             upcycle(source, tmp_path / "out", **options)
         assert not (tmp_path / "out").exists()
     assert all(torch.equal(tensor, source.state_dict()[name]) for name, tensor in before.items())
+
+
+def test_a_source_rewritten_during_the_conversion_is_named_as_a_possible_cause(tmp_path, monkeypatch):
+    """A source rewritten in place while it was converted (a save or a download into it still running): the read-back
+    comparison refused the output, rightly, but said only that "the write is corrupt ... a bug or a fault of the
+    disk" (a helper's repro). It names the source's change as the other cause."""
+    from safetensors.torch import load_file, save
+
+    source = save_source(tmp_path / "source")
+    check = conversion_api.check_written_tensors
+
+    def source_rewritten(folder, plans, checkpoint, *args):
+        state = load_file(source / "model.safetensors")
+        state["model.norm.weight"] = state["model.norm.weight"] + 1.0
+        with open(source / "model.safetensors", "r+b") as handle:  # in place, as a writer still running does
+            handle.write(save(state, metadata={"format": "pt"}))
+        return check(folder, plans, checkpoint, *args)
+
+    monkeypatch.setattr(conversion_api, "check_written_tensors", source_rewritten)
+    with pytest.raises(VerificationError, match=r"'model\.norm\.weight' differs .* Either the source's files changed "
+                                                r"while the conversion read them"):
+        upcycle(source, tmp_path / "out", **FAST)
+    assert not (tmp_path / "out").exists()

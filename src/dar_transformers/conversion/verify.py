@@ -557,8 +557,10 @@ def check_written_tensors(folder: Path, plans: Mapping[str, TensorPlan], checkpo
 def _corrupt(name: str, plan: TensorPlan, where: str) -> None:
     raise VerificationError(
         f"The written tensor {name!r} differs from the conversion's plan at {where} (read back from the output "
-        f"folder, {str(plan.dtype).removeprefix('torch.')}): the write is corrupt; nothing was written. This is a "
-        "bug or a fault of the disk; please report it.", None
+        f"folder, {str(plan.dtype).removeprefix('torch.')}, and compared with the source read again): nothing was "
+        "written. Either the source's files changed while the conversion read them (a download or a save into the "
+        "source folder still running: convert again once it is done), or the write is corrupt (a bug or a fault of "
+        "the disk; please report it).", None
     )
 
 
