@@ -156,6 +156,11 @@ def test_a_divergence_is_a_tie_only_under_a_finite_tolerance():
     assert "| NO: first differs at new token 2" in VerificationReport("float32", math.inf, 2e-4, 2, [check]).table()
     near = PromptCheck("p", 5, 3.0, 1e-5, 5, 5, False, [1, 2], [1, 3], greedy_divergence=(1, 1e-4, 1e-5))
     assert near.diverged_at_near_tie(2e-4)  # the rule itself, at a finite bar
+    # A relaxed finite bar (--tolerance 10 on Drop-Upcycling) judges ties at the default tolerance: NO, not a tie.
+    relaxed = VerificationReport("float32", 10.0, 2e-4, 2, [check]).table()
+    assert "| NO: first differs at new token 2, where the source's top-1/top-2 margin is 1.1e+00 (> 2 x the default " \
+           "tolerance)" in relaxed
+    assert "| tie: first differs" in VerificationReport("float32", 2e-4, 2e-4, 2, [near]).table()
 
 
 def test_logits_within_tolerance_but_different_greedy_tokens_do_not_pass_and_write_nothing(tmp_path, monkeypatch):
