@@ -249,6 +249,11 @@ def test_dar_convert_cli_with_experts_and_top_k(tmp_path, capsys):
     assert max_logit_difference(llama, reloaded, random_input_ids(length=10)) <= 1e-5
     card = (tmp_path / "moe" / "README.md").read_text()
     assert "| experts E (sparse layers) | 4 (2 of 2 layers) |" in card and "| experts per token (top-k) | 2 |" in card
+    # What the conversion made of a dense source's MLPs, and the title's kind (the card named only the DAR
+    # parameters as new, and its title said "+ DAR": a helper's audit of the card).
+    assert "# llama + DAR-MoE" in card
+    assert ("Each MLP of the sparse layers became 4 identical experts behind a new, randomly initialised router, so "
+            "that whichever experts it picks compute the source's MLP.") in " ".join(card.split())
 
     # Drop-Upcycling: written, but the check says plainly that it is relaxed and the logits differ.
     code = cli_main(
@@ -317,6 +322,8 @@ def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):
     assert code == 0 and "PASSED" in capsys.readouterr().out
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
     assert max_logit_difference(mixtral, reloaded, random_input_ids(length=10)) <= 1e-5
+    card = (tmp_path / "moe" / "README.md").read_text()
+    assert "# mixtral + DAR-MoE" in card and "identical experts" not in card  # its experts and router are the source's
 
 
 @pytest.mark.parametrize("source_kind, kind", [("mixtral router jitter", "dar_moe"), ("llama attention dropout", "dar"),

@@ -8,7 +8,7 @@ import yaml
 from huggingface_hub.repocard import metadata_load
 
 from .. import TRANSFORMERS_REQUIREMENT, __version__
-from .families import DAR_SOURCE_TYPE
+from .families import DAR_SOURCE_TYPE, MOE_SOURCE_FAMILIES
 from .verify import has_default_chat_template, one_message_chat
 
 CARD_TEMPLATE = """---
@@ -217,6 +217,14 @@ def _from_dar(source) -> bool:
     return getattr(source.config, "model_type", None) == DAR_SOURCE_TYPE
 
 
+def _title_kind(config, source) -> str:
+    """What the title adds to the source's name: MoE for a dense DAR source's upcycle, DAR-MoE for any other source
+    converted to DAR-MoE, DAR otherwise."""
+    if _from_dar(source):
+        return "MoE"
+    return "DAR-MoE" if getattr(config, "num_experts", None) else "DAR"
+
+
 def _conversion_paragraph(config, source, function_sentence: str, exact: bool = True) -> str:
     """What the conversion made of the source, ending with what training changes. A dense DAR source (its DAR-MoE
     upcycle) keeps its DAR parameters, trained or not; a Llama-family source gets them new, at the residual sum."""
@@ -229,9 +237,15 @@ def _conversion_paragraph(config, source, function_sentence: str, exact: bool = 
                    "model does NOT compute the source model's function; the differences are reported below.")
         return (f"{described} The source is a DAR model already: its DAR parameters ({parameters}) are kept as they "
                 f"are, and {experts} Training is what lets the experts specialise.")
+    experts = ""
+    if getattr(config, "num_experts", None) and source.config.model_type not in MOE_SOURCE_FAMILIES:
+        experts = (f" Each MLP of the sparse layers became {config.num_experts} "
+                   + ("identical experts behind a new, randomly initialised router, so that whichever experts it picks "
+                      "compute the source's MLP." if exact else "experts behind a new, randomly initialised router, "
+                      "copies of it with part of their hidden units re-initialised (Drop-Upcycling)."))
     return (f"{described} The new parameters ({parameters}) are initialised so that every depth read is the standard "
-            f"residual sum: {function_sentence} Training (fine-tuning or continued pre-training) is what lets the "
-            "depth attention depart from the plain residual stream.")
+            f"residual sum: {function_sentence}{experts} Training (fine-tuning or continued pre-training) is what lets "
+            "the depth attention depart from the plain residual stream.")
 
 
 def render_model_card(
@@ -275,7 +289,7 @@ def render_model_card(
         conversion_paragraph=_conversion_paragraph(config, source, _function_sentence(
             exact, report, source, rounded, str(getattr(config, "dtype", "")).removeprefix("torch.")), exact),
         front_matter="\n".join(front_matter),
-        title=f"{base_model or source.name} + {'MoE' if _from_dar(source) else 'DAR'}",
+        title=f"{base_model or source.name} + {_title_kind(config, source)}",
         source_sentence=source_sentence,
         kind=kind,
         package_version=__version__,
