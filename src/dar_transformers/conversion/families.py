@@ -34,9 +34,6 @@ LAYER_TYPED_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Families whose attention reads `sliding_window` directly. Any other family's attention ignores the key (a stray one
 # in a Llama config.json) and must not carry it: DAR builds a sliding mask whenever it is set.
 SLIDING_WINDOW_FAMILIES = ("mistral", "mixtral")
-# Rope types whose parameters include the pretraining length, which transformers takes from a top-level
-# `original_max_position_embeddings` where a config.json has one (`effective_rope`).
-ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
 # The MoE config fields of each MoE source: DARMoeConfig field -> source field (a name, or a fixed value).
 MOE_CONFIG_FIELDS: dict[str, dict[str, object]] = {
@@ -161,11 +158,11 @@ def effective_rope(config: PreTrainedConfig) -> PreTrainedConfig:
 
 
 def rope_folded_fields(config: PreTrainedConfig) -> tuple[str, ...]:
-    """The fields of `config` outside its rope parameters that its rope reads (`effective_rope`), so that the
-    converted config carries them inside its `rope_parameters`."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    folds = rope.get("rope_type", rope.get("type")) in ROPE_TYPES_WITH_ORIGINAL_LENGTH
-    return ("original_max_position_embeddings",) if folds and hasattr(config, "original_max_position_embeddings") else ()
+    """The fields of `config` outside its rope parameters that its rope reads: those whose value `effective_rope`
+    moves into the rope parameters (transformers' own rule), so that the converted config carries them there."""
+    rope = getattr(effective_rope(config), "rope_parameters", None) or {}
+    name = "original_max_position_embeddings"
+    return (name,) if hasattr(config, name) and rope.get(name) == getattr(config, name) else ()
 
 
 def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:

@@ -165,7 +165,7 @@ def gguf_location(path: Path) -> str:
     return f"GGUF file {path.name}" + (f" of {snapshot[0]} at commit {snapshot[1]}" if snapshot else "")
 
 
-def _gguf_location(path: Path) -> tuple[str, str]:
+def _gguf_folder_and_file(path: Path) -> tuple[str, str]:
     return str(path.parent), path.name
 
 
@@ -177,7 +177,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
     if path.is_file():
         if path.suffix.lower() != ".gguf":  # as transformers reads gguf_file: "MODEL.GGUF" too
             raise ValueError(f"Source file {path} is not a .gguf file; pass an HF model folder or a GGUF file.")
-        folder, gguf_file = _gguf_location(path)
+        folder, gguf_file = _gguf_folder_and_file(path)
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
         except Exception as error:  # gguf-py raises whatever a truncated or foreign file trips over
@@ -480,7 +480,7 @@ def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     A model loaded with `gguf_file=` keeps its quantization setting and refuses `save_pretrained`; the plain model
     built from the same config without it computes identical logits.
     """
-    folder, gguf_file = _gguf_location(path)
+    folder, gguf_file = _gguf_folder_and_file(path)
     try:
         quantized = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
@@ -541,7 +541,7 @@ def load_source(
     source_config = source_config or load_source_config(path)
     source_family(source_config)
     if path.is_file():
-        folder, gguf_file = _gguf_location(path)
+        folder, gguf_file = _gguf_folder_and_file(path)
         fields = gguf_reader(path).fields
         loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file, fields)
         model = _load_gguf_model(path, dtype).eval()
@@ -574,7 +574,7 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                       copy.deepcopy(source.generation_config))
     path = Path(source)
     if path.is_file():
-        folder, gguf_file = _gguf_location(path)
+        folder, gguf_file = _gguf_folder_and_file(path)
         reader = gguf_reader(path)  # once, for the tokenizer's named templates and the card
         loaded_tokenizer = tokenizer or _load_tokenizer(Path(folder), gguf_file, reader.fields)
         config = plain_config(source_config)

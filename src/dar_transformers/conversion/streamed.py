@@ -118,34 +118,36 @@ def streamed_weights(side: StreamedModel, dtype: torch.dtype, nonfinite: list[st
                 nonfinite.append(name)
         return hook
 
-    def streamed_children(layer):
-        return [(name, child) for name, child in layer.named_children() if name not in RESIDENT_LAYER_MODULES]
-
-    def load_layer(prefix):
+    def load(parts):
         def hook(module, args):
-            if not any(hasattr(module, name) for name in RESIDENT_LAYER_MODULES):
-                _load(module, side.module_state(prefix, dtype))  # a source's layer, in its checkpoint's layout
-                return
-            for name, child in streamed_children(module):  # a DAR layer (written in the model's layout)
-                _load(child, side.module_state(f"{prefix}{name}.", dtype))
+            for prefix, part in parts:
+                _load(part, side.module_state(prefix, dtype))
         return hook
 
-    def unload(module, args, output):
-        for _, child in streamed_children(module):
-            child.to("meta")
-        release_freed_heap()
+    def unload(parts):
+        def hook(module, args, output):
+            for _, part in parts:
+                part.to("meta")
+            release_freed_heap()
+        return hook
 
     try:
         for name, child in small:
             _load(child, side.module_state(f"model.{name}.", dtype))
             hooks.append(child.register_forward_hook(check(f"model.{name}")))
         for index, layer in enumerate(backbone.layers):
-            for name, child in layer.named_children():
-                if name in RESIDENT_LAYER_MODULES:  # loaded for the whole pass
-                    _load(child, side.module_state(f"model.layers.{index}.{name}.", dtype))
-            hooks.append(layer.register_forward_pre_hook(load_layer(f"model.layers.{index}.")))
+            prefix = f"model.layers.{index}."
+            children = dict(layer.named_children())
+            resident = [name for name in RESIDENT_LAYER_MODULES if name in children]
+            for name in resident:  # loaded for the whole pass
+                _load(children[name], side.module_state(f"{prefix}{name}.", dtype))
+            # The rest, loaded for the layer's forward: a DAR layer's other modules (written in the model's layout),
+            # a source's layer whole (`to_model_layout` maps its checkpoint's tensors of the layer).
+            parts = ([(f"{prefix}{name}.", child) for name, child in children.items() if name not in resident]
+                     if resident else [(prefix, layer)])
+            hooks.append(layer.register_forward_pre_hook(load(parts)))
             hooks.append(layer.register_forward_hook(check(f"model.layers.{index}")))
-            hooks.append(layer.register_forward_hook(unload))
+            hooks.append(layer.register_forward_hook(unload(parts)))
         yield backbone
     finally:
         for hook in hooks:
