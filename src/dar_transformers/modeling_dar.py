@@ -385,14 +385,14 @@ def warn_per_layer_graphs(compiled: int) -> None:
     )
 
 
-def check_layers_in_place(layers) -> None:
+def check_layers_in_place(residuals) -> None:
     """Refuse decoder layers that are not the model's first layers in order (a layer deleted or moved, as Llama's
-    layer-pruning recipes do): each branch's place in the depth history (which block it reads and commits, its
-    write gate's sign) was fixed when it was built, so a layer elsewhere reads a partial that is not there, or a
-    block is never committed and its branches are left out of every later read."""
-    for index, layer in enumerate(layers):
-        built = layer.attn_residual.branch_index
-        if built != 2 * index:
+    layer-pruning recipes do), from their branch residuals in order: each branch's place in the depth history (which
+    block it reads and commits, its write gate's sign) was fixed when it was built, so a layer elsewhere reads a
+    partial that is not there, or a block is never committed and its branches are left out of every later read."""
+    for position, residual in enumerate(residuals):  # plain attributes: a few microseconds per forward
+        if residual.branch_index != position:
+            index, built = position // 2, residual.branch_index - position % 2
             raise ValueError(
                 f"Decoder layer {index} of this DAR model was built as layer {built // 2} (branches {built} and "
                 f"{built + 1} of its depth history): a layer before it was removed or the layers were reordered. Each "
@@ -618,8 +618,9 @@ class DARModel(DARPreTrainedModel):
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]
         entry = embedding.unsqueeze(-2).expand(-1, -1, config.dar_num_streams, -1)  # [B, T, J, D]
         layers = list(islice(self.layers, config.num_hidden_layers))  # islice: a ModuleList slice registers them again
-        check_layers_in_place(layers)
         residuals = [residual for layer in layers for residual in (layer.attn_residual, layer.mlp_residual)]
+        check_layers_in_place(residuals)
+        last_commits = residuals[-1].commits
         if torch.is_grad_enabled() and not all(self_contained(layer) for layer in layers):
             residuals = []  # a backend given them may compute a layer's reads in an earlier layer (a block's phase 1)
         # Layers compiled on their own trace the backend's reads and writes: it must be one a compiler can trace.
@@ -628,7 +629,7 @@ class DARModel(DARPreTrainedModel):
         if compiled and 2 * compiled > recompile_limit():  # a graph per layer, with gradients on and off
             warn_per_layer_graphs(compiled)
         backend = depth_backend(config, traced=traced, recorded_weights=keep_depth_weights)
-        if not layers[-1].mlp_residual.commits:
+        if not last_commits:
             # A prefix of the layers (`config.num_hidden_layers` lowered, as `generate(assistant_early_exit=L)` does,
             # or the trailing layers deleted): its last branch commits the open block, as the last branch of a model
             # of that many layers does.
