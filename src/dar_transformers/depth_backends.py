@@ -75,7 +75,6 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.autograd import forward_ad
-from torch.autograd.function import once_differentiable
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_buffer_registration_hook,
@@ -408,8 +407,8 @@ def refuses_double_backward(backward):
     attaches none (the incoming gradients not requiring grad) the second derivative comes out silently partial (this
     backward also reads saved tensors that require grad: gates, queries, the shared entry buffer). A backward called
     inside an autocast region (`loss.backward()` within `torch.autocast`) runs with autocast off, as its forward
-    did: its products mix float32 operands that autocast would otherwise cast apart."""
-    checked = once_differentiable(backward)
+    did: its products mix float32 operands that autocast would otherwise cast apart. (Without create_graph a backward
+    runs with gradients off already, so torch's decorator would add nothing here.)"""
     name = backward.__qualname__.split(".")[0]
 
     def wrapper(ctx, *grads):
@@ -423,8 +422,8 @@ def refuses_double_backward(backward):
         device_type = next((grad.device.type for grad in grads if isinstance(grad, torch.Tensor)), "cpu")
         if torch.is_autocast_enabled(device_type):  # backward called inside autocast: the precision policy holds
             with torch.autocast(device_type, enabled=False):
-                return checked(ctx, *grads)
-        return checked(ctx, *grads)
+                return backward(ctx, *grads)
+        return backward(ctx, *grads)
 
     return wrapper
 
