@@ -335,3 +335,29 @@ def test_another_users_folder_in_a_sticky_folder_is_refused_before_any_work(tmp_
         assert sorted(path.name for path in sticky.iterdir()) == ["out", "source"] and not any((sticky / "out").iterdir())
     finally:
         shutil.rmtree(sticky)
+
+
+def test_an_in_memory_model_is_never_written_over_the_folder_it_was_loaded_from(tmp_path):
+    """A model loaded with `from_pretrained(folder)` and converted in memory into that folder replaced the checkpoint
+    it came from (a dense DAR model upcycled to DAR-MoE with overwrite=True: the dense folder was gone), or wrote
+    into it, where the path form refuses both; its `config.name_or_path` is the folder, protected the same way."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dar_transformers.conversion import upcycle_to_dar_moe
+
+    source = save_source(tmp_path / "source")
+    out = tmp_path / "out"
+    upcycle(source, out, dar_block_size=2, **FAST)
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    dar = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    with pytest.raises(ValueError, match=r"is the source folder .*the folder the in-memory model was loaded from"):
+        upcycle_to_dar_moe(dar, out, num_experts=2, top_k=1, tokenizer=tokenizer, overwrite=True, **FAST)
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
+    llama = AutoModelForCausalLM.from_pretrained(source)
+    with pytest.raises(ValueError, match=r"lies inside the source folder .*the in-memory model was loaded from"):
+        upcycle(llama, source / "dar", tokenizer=tokenizer, **FAST)
+    assert not (source / "dar").exists()
+    llama.config.name_or_path = ""  # built from a config: no folder to protect
+    upcycle(llama, tmp_path / "elsewhere", tokenizer=tokenizer, **FAST)
+    assert (tmp_path / "elsewhere" / "config.json").is_file()

@@ -80,7 +80,8 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
     """The resolved output folder, after refusing one that is, contains or lies inside the source (always), a path
     that is not a folder, and a non-empty folder unless `overwrite` and it is a previous conversion output.
 
-    `source`: the source folder or file (a path); anything else (an in-memory model) has no files to protect."""
+    `source`: the source folder or file (a path), or an in-memory model, whose files are those of the folder it was
+    loaded from (`loaded_from`)."""
     given = os.fspath(output)
     if not given.strip():  # `dar convert SRC "$OUT"` with OUT unset: not the current folder
         raise ValueError(f"Output {given!r} is an empty path (an unset shell variable?); name the folder to write, "
@@ -94,6 +95,8 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
                          "the Hub) need; choose an output folder whose path is UTF-8.") from None
     if isinstance(source, (str, os.PathLike)):
         _refuse_source_overlap(output, shown, source)
+    elif loaded_from(source) is not None:
+        _refuse_source_overlap(output, shown, loaded_from(source), in_memory=True)
     if os.path.lexists(output) and not output.is_dir():
         raise FileExistsError(f"Output {shown} exists and is not a folder; choose a new or empty folder.")
     blocking = _nearest_existing(output)
@@ -330,7 +333,16 @@ def _suggested_name(source: object) -> str:
     return (source.name if source.is_dir() else source.stem) + "-dar"
 
 
-def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike) -> None:
+def loaded_from(model: object) -> str | None:
+    """The local folder an in-memory model was loaded from (`config.name_or_path`, as `from_pretrained` sets it), or
+    None: a Hub id, a model built from a config, a folder that is gone."""
+    name = getattr(getattr(model, "config", None), "name_or_path", None)
+    return name if isinstance(name, str) and name and os.path.isdir(name) else None
+
+
+def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike, in_memory: bool = False) -> None:
+    """Refuse an output that is, lies inside or contains the source (`_protected_paths`); `in_memory`: `source` is
+    the folder an in-memory model was loaded from, whose checkpoint a conversion of the model must keep too."""
     source_path = resolve_path(source)
     if not os.path.exists(source_path):
         return  # nothing to protect; the source's own check names the missing path
@@ -344,8 +356,10 @@ def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike) 
             relation = "contains"
         if relation:
             suggestion = source_path.with_name(_suggested_name(source_path))
+            loaded = (" (the folder the in-memory model was loaded from, its config.name_or_path)"
+                      if in_memory and protected == source_path else "")
             raise ValueError(
-                f"Output {shown} {relation} {what} {protected}; the source is never modified, with or without "
+                f"Output {shown} {relation} {what} {protected}{loaded}; the source is never modified, with or without "
                 f"--overwrite. Choose an output folder outside it, e.g. {suggestion}."
             )
 
