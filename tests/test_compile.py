@@ -192,6 +192,26 @@ def test_compiled_with_gradient_checkpointing_equals_eager(use_reentrant, compil
     assert_same_gradients(got, expected, 1e-10, 1e-12)
 
 
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_a_graph_break_inside_a_checkpointed_layer_keeps_the_gradients(block_size):
+    """dynamo cannot trace a checkpointed decoder layer with a graph break inside (a branch module's hook, a print;
+    transformers 5.25's hub-kernel RMSNorm), so it runs that layer eagerly around the frames it compiles, while the
+    model's start and final readout stay traced. Entries committed by the eager code had statistics without
+    autograd, and the traced final readout lost their key-norm gradient: 0.08 off at the embedding."""
+    model = tiny(dar_block_size=block_size)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    twin = copy.deepcopy(model)
+    for layer in twin.model.layers:
+        layer.mlp.register_forward_hook(lambda *args: torch._dynamo.graph_break())
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend="aot_eager")
+    input_ids = token_batch()
+    expected_loss, expected = loss_and_gradients(model, model, input_ids)
+    loss, got = loss_and_gradients(twin, compiled, input_ids)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=1e-12)
+    assert_same_gradients(got, expected, 1e-10, 1e-12)
+
+
 def test_training_compiles_once_for_fixed_shapes():
     """Several optimiser steps with fixed shapes: one compiled frame, no recompilation (error_on_recompile)."""
     model = tiny(dtype=torch.float32, dar_block_size=2)

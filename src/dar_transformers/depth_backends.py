@@ -1290,6 +1290,7 @@ class TwoPhaseDepthBackend:
         self.residuals: tuple = ()  # the model's branch residuals in order (`start`), for a traced block's scores
         self.scored: dict = {}  # traced training: the scores of reads ahead in the open block, by residual
         self.layers_traced = False  # the decoder layers compiled on their own (`depth_backend`'s `traced`)
+        self.traced_start = False  # the forward started traced, reading inline (`start`): see `_statistics`
         self.under_autocast = False  # the forward runs under autocast (`start`): traced reads take `neutral` products
         self.derived: dict = {}  # traced training: every residual's gates and queries, by residual (`_derive_traced`)
 
@@ -1317,6 +1318,7 @@ class TwoPhaseDepthBackend:
         # Outside DAR's autocast-off regions, where autocast still shows: a traced training forward under autocast
         # takes products that autocast leaves alone (`wide_product`'s `neutral`), forward and backward.
         self.under_autocast = torch.is_autocast_enabled(entry.device.type)
+        self.traced_start = self._traced_inlined()
         with self._statistics():  # in the compute dtype, whatever the history's dtype
             entry_inv_rms = inverse_rms(entry.to(dar_compute_dtype(entry.dtype)), self.eps).unsqueeze(0)  # [1, B, T, J]
         if self.residuals and _traced_training() and not torch.compiler.is_exporting() and parameters_here(
@@ -1353,9 +1355,14 @@ class TwoPhaseDepthBackend:
         """Where an entry's inverse RMS is computed at its commit: without autograd eagerly (`_TwoPhaseRead` derives
         its gradient), differentiably in a traced training forward, whose reads take the key-norm gradient through
         it (computed once per entry instead of once per read); so is B_0's, computed eagerly, when the decoder layers
-        are compiled on their own (their reads are traced)."""
+        are compiled on their own (their reads are traced). A forward that started traced keeps computing them
+        differentiably where its code runs eagerly (`traced_start`): dynamo runs a checkpointed decoder layer that
+        has a graph break inside (a branch's module, a hook, a print) eagerly around the frames it compiles, so
+        traced reads (the final readout) read entries committed by eager code, which without autograd in their
+        statistics lost the key-norm term of their gradient (0.08 off at the embedding; the eager reads' own
+        backward gives the statistics no gradient, so none is counted twice)."""
         traced_reads = self._traced_inlined() or (
-            self.layers_traced and self.compiled_read != "operator" and torch.is_grad_enabled()
+            (self.layers_traced or self.traced_start) and self.compiled_read != "operator" and torch.is_grad_enabled()
         )
         return nullcontext() if traced_reads else torch.no_grad()
 
