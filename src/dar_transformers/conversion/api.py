@@ -62,7 +62,16 @@ class ConversionResult:
 
 def conversion_options(options: ConversionOptions | None, keywords: Mapping[str, object]) -> ConversionOptions:
     """`options` updated by `upcycle`'s keyword arguments: option names set options, the others are config fields."""
+    if options is not None and not isinstance(options, ConversionOptions):
+        raise TypeError(f"options must be a ConversionOptions (or None), got {type(options).__name__}: pass the options "
+                        "as keywords (upcycle(source, output, dtype='bfloat16', dar_block_size=8)) or as "
+                        "options=ConversionOptions(...).")
     option_keywords, fields = ConversionOptions.split(keywords)
+    named = option_keywords.pop("fields", None)
+    if named is not None and not isinstance(named, Mapping):
+        raise ValueError(f"fields must be a mapping of config field names to values (such as "
+                         f"{{'dar_block_size': 8}}), got {named!r}.")
+    fields = {**(named or {}), **fields}
     if options is None:
         return ConversionOptions(**option_keywords, fields=fields)
     return dataclasses.replace(options, **option_keywords, fields={**options.fields, **fields})
@@ -88,6 +97,9 @@ def upcycle(
     fails.
     """
     options = conversion_options(options, keywords)
+    if tokenizer is not None and not callable(tokenizer):  # a path or Hub id: the folder's own is read already
+        raise TypeError(f"tokenizer must be a tokenizer object (AutoTokenizer.from_pretrained(...)) or None (a folder "
+                        f"or GGUF source's own), got {type(tokenizer).__name__} {tokenizer!r}.")
     target = options.target
     source = in_memory_source(source)
     if output is not None:
@@ -332,8 +344,13 @@ def upcycle_to_dar_moe(
     >>> result = upcycle_to_dar_moe("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-dar-moe", num_experts=4, top_k=2)
     ```
     """
+    if "kind" in keywords:
+        raise ValueError(f"upcycle_to_dar_moe converts to DAR-MoE, so it takes no kind (got kind={keywords['kind']!r}); "
+                         "upcycle(source, output, kind=...) converts to another target.")
     kind = _moe_target(expert_noise, seed)
-    if expert_noise and keywords.get("tolerance") is None:
+    options = keywords.get("options")
+    given = keywords.get("tolerance", getattr(options, "tolerance", None))  # a keyword, or the options' own
+    if expert_noise and given is None:
         keywords["tolerance"] = math.inf
     return upcycle(source, output, kind=kind, num_experts=num_experts, num_experts_per_tok=top_k, **keywords)
 

@@ -92,6 +92,16 @@ class ConversionOptions:
     progress: bool = True
 
     def __post_init__(self):
+        for name in ("verify", "overwrite", "progress", "full_greedy"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "full_greedy" and value is None):
+                # a truthy string ("no", "false") meant yes: overwrite="no" replaced a previous output
+                allowed = "True, False or None (when both models fit in memory)" if name == "full_greedy" else \
+                    "True or False"
+                raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+        if not isinstance(self.fields, Mapping):
+            raise ValueError(f"fields must be a mapping of config field names to values (such as "
+                             f"{{'dar_block_size': 8}}), got {self.fields!r}.")
         if self.tolerance is not None and not (
             isinstance(self.tolerance, (int, float)) and not isinstance(self.tolerance, bool) and self.tolerance > 0
             and not math.isnan(self.tolerance)
@@ -124,8 +134,9 @@ class ConversionOptions:
 
     @classmethod
     def split(cls, keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
-        """(option keywords, target config fields) of `upcycle(**keywords)`'s keyword arguments."""
-        names = {field.name for field in dataclasses.fields(cls)} - {"fields"}
+        """(option keywords, target config fields) of `upcycle(**keywords)`'s keyword arguments; `fields=` (a mapping
+        of config fields, as `ConversionOptions` takes them) stays an option, which `conversion_options` merges."""
+        names = {field.name for field in dataclasses.fields(cls)}
         options = {name: value for name, value in keywords.items() if name in names}
         return options, {name: value for name, value in keywords.items() if name not in names}
 

@@ -82,6 +82,9 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
 
     `source`: the source folder or file (a path), or an in-memory model, whose files are those of the folder it was
     loaded from (`loaded_from`)."""
+    if not isinstance(output, (str, os.PathLike)):
+        raise TypeError(f"The output must be a folder path (str or os.PathLike), got {type(output).__name__} "
+                        f"{output!r}.")
     given = os.fspath(output)
     if not given.strip():  # `dar convert SRC "$OUT"` with OUT unset: not the current folder
         raise ValueError(f"Output {given!r} is an empty path (an unset shell variable?); name the folder to write, "
@@ -519,10 +522,24 @@ def scratch_folder() -> Iterator[Path]:
     `write_repo_folder` removes stale staging folders beside an output (`remove_stale_runs`)."""
     parent = resolve_path(tempfile.gettempdir())
     remove_stale_runs(parent)
-    with signals_held():
-        folder = _marked_folder(parent / "dar-convert", STAGING_SUFFIX)
+    try:
+        with signals_held():
+            folder = _marked_folder(parent / "dar-convert", STAGING_SUFFIX)
+    except OSError as error:
+        raise _scratch_error(parent, parent, error.errno, _describe(error)) from error
     try:
         yield folder
+    except OSError as error:  # the folder's writes (the source's reads name the source and pass)
+        if error.errno not in SCRATCH_ERRNOS and not str(error.filename or "").startswith(str(folder)):
+            raise
+        cause = error.__cause__ if isinstance(error, OutputWriteError) else None  # `convert(path)`'s output in it
+        described = _describe(cause) if isinstance(cause, OSError) else _describe(error)
+        raise _scratch_error(folder, parent, error.errno, described) from error
+    except Exception as error:  # Rust writers (tokenizers) report an OS error as a bare Exception "(os error N)"
+        os_error = re.search(r"\(os error (\d+)\)", str(error))
+        if os_error is None or type(error) is not Exception:
+            raise
+        raise _scratch_error(folder, parent, int(os_error.group(1)), str(error)) from error
     finally:
         with signals_held():
             _remove_own_folder(folder)
@@ -530,6 +547,23 @@ def scratch_folder() -> Iterator[Path]:
         # The verification's models of the folder (loaded memory-mapped) may be left in reference cycles until the
         # next collection, each mapping the removed files, whose space stays taken until then.
         gc.collect()
+
+
+# Errors of writing that name no file (a full disk, a quota, a file system gone read-only): the scratch folder's.
+SCRATCH_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def _scratch_error(folder: Path, parent: Path, number: int, description: str) -> OutputWriteError:
+    """One line for a conversion without an output whose temporary folder could not be written, naming where it
+    lies and how to choose another place (a raw OSError named a hidden `.partial` path, or no file at all)."""
+    error = OutputWriteError(
+        f"Could not write the conversion's temporary folder {folder}: {description}. A conversion without an output "
+        f"folder writes the converted model (about the source's size) into {parent} (the temporary folder, "
+        "$TMPDIR), verifies it there and removes it; set TMPDIR to a folder with room for it, or give an output "
+        "folder. Nothing was kept."
+    )
+    error.errno = number
+    return error
 
 
 def _remove_own_folder(folder: Path) -> None:

@@ -20,6 +20,7 @@ from transformers.utils import logging
 from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, require_finite_cast
 from .families import source_family
 from .keymaps import TensorInfo, TensorPlan, check_keys, is_ignored_source_key
+from .options import resolve_dtype
 from .sources import check_has_layers, model_dtype_of
 from .targets import TargetKind, target_kind
 
@@ -244,6 +245,13 @@ def in_memory_source(source):
     if not isinstance(source, PreTrainedModel):
         raise TypeError(f"The source must be a transformers PreTrainedModel, an HF folder or a .gguf file; got "
                         f"{type(source).__name__}.")
+    if not source.can_generate():  # a base model or a task head: its keys have no causal-LM place, and no
+        # generation config for the output
+        raise TypeError(
+            f"The in-memory model is a {type(source).__name__}, which has no language-model head: the converter "
+            "converts causal language models (LlamaForCausalLM, Qwen2ForCausalLM, ...). Load the checkpoint with "
+            "AutoModelForCausalLM, or convert its folder."
+        )
     on_meta = [name for name, tensor in source.state_dict().items() if tensor.is_meta]
     if on_meta:
         raise ValueError(
@@ -256,7 +264,7 @@ def in_memory_source(source):
 
 
 def upcycle_model(
-    source_model: PreTrainedModel, kind: str = "dar", dtype: torch.dtype | None = None, **fields
+    source_model: PreTrainedModel, kind: str = "dar", dtype: torch.dtype | str | None = None, **fields
 ) -> PreTrainedModel:
     """Source model -> target model in memory, through the same plan as a streamed conversion (key map, new
     parameters from `_init_weights`, nothing else missing), loaded as `from_pretrained` loads a checkpoint: DAR
@@ -264,7 +272,12 @@ def upcycle_model(
     None ("auto"): the model's dtype, each source tensor kept in the dtype the source holds it in (a mixed-precision
     model's float32 norms beside bf16 matrices stay float32, as a written conversion keeps them)."""
     source_model = in_memory_source(source_model)
+    if not isinstance(source_model, PreTrainedModel):  # a path: `in_memory_source` passes it on for `upcycle`
+        raise TypeError(f"This converts an in-memory model; got the path {os.fspath(source_model)!r}. Convert a folder "
+                        "or .gguf file with upcycle(path, output) / upcycle_to_dar_moe(path, output, ...), or "
+                        "convert(path) for the model in memory.")
     target = target_kind(kind)
+    dtype = resolve_dtype(dtype)  # a name ("bfloat16", "auto") or a torch dtype
     keep_source_dtypes = dtype is None
     dtype = dtype or source_model.dtype
     check_has_layers(source_model.config, "The in-memory model's config.num_hidden_layers")

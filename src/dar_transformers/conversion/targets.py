@@ -18,6 +18,7 @@ Both kinds take the source's architecture fields from `families.source_architect
 """
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -87,9 +88,16 @@ DAR_MOE_OPTION_FIELDS = (_option_fields(DARMoeConfig) | {"router_aux_loss_coef",
 
 
 def _check_fields(fields: Mapping[str, object], allowed: frozenset[str], kind: str) -> None:
+    """Refuse keywords that are neither config fields of the target kind nor conversion options (a misspelt option
+    such as overwite=True arrives here as a field), naming both lists and the nearest name."""
     unknown = sorted(set(fields) - allowed)
     if unknown:
-        raise TypeError(f"Unknown {kind} field(s) {unknown}; allowed: {sorted(allowed)}.")
+        from .options import ConversionOptions  # options.py imports this module
+
+        options = sorted(field.name for field in dataclasses.fields(ConversionOptions))
+        near = difflib.get_close_matches(unknown[0], [*allowed, *options], n=1)
+        raise TypeError(f"Unknown {kind} field(s) {unknown}{f' (did you mean {near[0]!r}?)' if near else ''}; "
+                        f"allowed: {sorted(allowed)}, and the conversion options {options}.")
 
 
 def validated_config(config_class: type[DARConfig], fields: Mapping[str, object]) -> DARConfig:
@@ -257,8 +265,12 @@ def build_dar_moe_config(
 ) -> DARMoeConfig:
     """`TargetKind.build_config` of "dar_moe": `fields` holds num_experts, num_experts_per_tok and DAR options."""
     fields = dict(fields)
+    top_k, alias = fields.pop("num_experts_per_tok", None), fields.pop("top_k", None)  # `upcycle_to_dar_moe`'s name
+    if alias is not None and top_k is not None and alias != top_k:
+        raise ValueError(f"top_k={alias!r} and num_experts_per_tok={top_k!r} both name the experts per token; give "
+                         "one of them.")
     config = dar_moe_config_from_source(
-        source_config, fields.pop("num_experts", None), fields.pop("num_experts_per_tok", None), **fields
+        source_config, fields.pop("num_experts", None), alias if top_k is None else top_k, **fields
     )
     if dtype == torch.float64:
         # transformers' grouped_mm experts kernel takes float32/bf16/fp16 only; batched_mm is its float64-capable peer.

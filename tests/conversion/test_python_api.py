@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python conversion API as a notebook calls it (CPU, tiny models): options of the wrong type are refused by
+name before any work, not read as truthy or failing deep inside; a DAR-MoE tolerance given through the options
+holds; a full temporary folder is one line naming $TMPDIR; task heads and base models are refused saying what
+converts. (A helper's audit of the Python entry points.)"""
+
+import errno
+import json
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+from transformers import LlamaModel
+
+from dar_transformers.conversion import (
+    ConversionOptions, convert, convert_to_dar_moe, upcycle, upcycle_model, upcycle_to_dar_moe,
+)
+from dar_transformers.conversion import output as output_module
+from dar_transformers.conversion.output import MANIFEST_NAME, OutputWriteError
+from dar_transformers.conversion.report import VerificationError
+
+from conftest import FAST, make_source, make_tokenizer, save_source
+
+
+@pytest.mark.parametrize("name", ["overwrite", "verify", "progress", "full_greedy"])
+def test_a_flag_that_is_not_a_bool_is_refused_by_name(name):
+    """overwrite="no" (a truthy string) replaced a previous output; full_greedy="off" ran the greedy check."""
+    with pytest.raises(ValueError, match=rf"^{name} must be True(, False or None| or False).*got 'no'"):
+        ConversionOptions(**{name: "no"})
+    ConversionOptions(**{name: False})
+
+
+def test_overwrite_given_as_a_string_leaves_a_previous_output_as_it_was(tmp_path):
+    source = save_source(tmp_path / "source")
+    out = tmp_path / "out"
+    upcycle(source, out, dar_block_size=2, tolerance=1e-5, **FAST)
+    manifest = (out / MANIFEST_NAME).read_bytes()
+    with pytest.raises(ValueError, match="overwrite must be True or False, got 'no'"):
+        upcycle(source, out, overwrite="no", dar_block_size=1, **FAST)
+    assert (out / MANIFEST_NAME).read_bytes() == manifest
+    assert json.loads((out / "config.json").read_text())["dar_block_size"] == 2
+
+
+def test_options_of_the_wrong_type_are_refused_by_name(tmp_path):
+    source = save_source(tmp_path / "source")
+    with pytest.raises(TypeError, match="options must be a ConversionOptions .*got dict"):
+        upcycle(source, tmp_path / "out", {"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="fields must be a mapping"):
+        ConversionOptions(fields=None)
+    with pytest.raises(TypeError, match=r"tokenizer must be a tokenizer object .*got str"):
+        upcycle(source, tmp_path / "out", tokenizer=str(source))
+    with pytest.raises(TypeError, match="output must be a folder path .*got int 123"):
+        upcycle(source, 123)
+    with pytest.raises(TypeError, match=r"Unknown DAR field\(s\) \['overwite'\] \(did you mean 'overwrite'\?\).*"
+                                        r"conversion options"):
+        upcycle(source, tmp_path / "out", overwite=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+def test_fields_as_a_keyword_set_the_config_as_the_options_do(tmp_path):
+    """The docstring's "its fields as keywords" includes `fields=`: it was taken for a DAR field named fields."""
+    model = convert(make_source("llama", True), fields={"dar_block_size": 2}, dar_num_streams=2, verify=False)
+    assert (model.config.dar_block_size, model.config.dar_num_streams) == (2, 2)
+
+
+def test_in_memory_entry_points_say_what_they_take():
+    source = make_source("llama", True)
+    with pytest.raises(TypeError, match="converts an in-memory model; got the path"):
+        upcycle_model("some/folder")
+    with pytest.raises(TypeError, match="converts an in-memory model; got the path"):
+        convert_to_dar_moe("some/folder", 4, 2)
+    model = upcycle_model(source, "dar", "bfloat16")  # a dtype by name, as everywhere else
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert convert_to_dar_moe(source, 2, 1, dtype="float32").dtype == torch.float32
+    head = LlamaModel(source.config)  # no generation config: upcycle(model, output) failed in an AttributeError
+    with pytest.raises(TypeError, match="LlamaModel, which has no language-model head"):
+        convert(head, verify=False)
+    with pytest.raises(TypeError, match="LlamaModel, which has no language-model head"):
+        upcycle(head, "unused", tokenizer=make_tokenizer())
+
+
+def test_upcycle_with_kind_dar_moe_takes_top_k_as_upcycle_to_dar_moe_does(tmp_path):
+    """upcycle(kind="dar_moe", num_experts=4, top_k=2): the missing-field message names top_k, which then failed in
+    a TypeError (multiple values for 'top_k')."""
+    source = save_source(tmp_path / "source")
+    result = upcycle(source, kind="dar_moe", num_experts=2, top_k=1, **FAST)
+    assert (result.config.num_experts, result.config.num_experts_per_tok) == (2, 1)
+    with pytest.raises(ValueError, match="both name the experts per token"):
+        upcycle(source, kind="dar_moe", num_experts=2, top_k=1, num_experts_per_tok=2, **FAST)
+    with pytest.raises(ValueError, match="upcycle_to_dar_moe converts to DAR-MoE, so it takes no kind"):
+        upcycle_to_dar_moe(source, num_experts=2, top_k=1, kind="dar", **FAST)
+
+
+def test_a_tolerance_in_the_options_holds_for_perturbed_experts(tmp_path):
+    """upcycle_to_dar_moe(expert_noise > 0) relaxes the check to "report only" unless a tolerance is given; one
+    given through options=ConversionOptions(tolerance=...) was ignored, and a conversion that exceeded it was
+    written as "NOT VERIFIED"."""
+    source = save_source(tmp_path / "source")
+    options = ConversionOptions(tolerance=1e-9, **FAST)
+    with pytest.raises(VerificationError, match="does not reproduce the source; nothing was written"):
+        upcycle_to_dar_moe(source, tmp_path / "out", num_experts=2, top_k=1, expert_noise=0.5, options=options)
+    assert not (tmp_path / "out").exists()
+    relaxed = upcycle_to_dar_moe(source, num_experts=2, top_k=1, expert_noise=0.5, **FAST)
+    assert relaxed.report.tolerance == math.inf
+
+
+def test_a_full_temporary_folder_is_one_line_naming_it_and_leaves_nothing(tmp_path, monkeypatch):
+    """upcycle(path) and convert(path) write into $TMPDIR: a full one raised a bare OSError naming no file (or the
+    hidden staging path)."""
+    source = save_source(tmp_path / "source")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+    def full(*arguments, **keywords):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("dar_transformers.conversion.api.check_written_tensors", full)
+    for call in (lambda: upcycle(source, **FAST), lambda: convert(source, **FAST)):
+        with pytest.raises(OutputWriteError, match=r"Could not write the conversion's temporary folder .*No space left "
+                                                   r"on device\. .*\(the temporary folder, \$TMPDIR\).*set TMPDIR") \
+                as caught:
+            call()
+        assert caught.value.errno == errno.ENOSPC and "\n" not in str(caught.value)
+        assert list(scratch.iterdir()) == []
+    monkeypatch.setattr(output_module, "_marked_folder", full)
+    with pytest.raises(OutputWriteError, match=rf"temporary folder {scratch}: No space left on device"):
+        upcycle(source, **FAST)
+
+
+def test_a_source_read_error_during_a_conversion_without_output_is_not_blamed_on_the_temporary_folder(
+    tmp_path, monkeypatch
+):
+    source = save_source(tmp_path / "source")
+
+    def unreadable(*arguments, **keywords):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(source / "model.safetensors"))
+
+    monkeypatch.setattr("dar_transformers.conversion.api.check_written_tensors", unreadable)
+    with pytest.raises(PermissionError) as caught:
+        upcycle(source, **FAST)
+    assert not isinstance(caught.value, OutputWriteError)
