@@ -97,7 +97,7 @@ def test_a_bf16_dense_dar_upcycle_keeps_its_dar_parameters_float32(tmp_path, cap
     assert {tensor.dtype for name, tensor in written.items() if is_dar_parameter(name)} == {torch.float32}
     assert {tensor.dtype for name, tensor in written.items() if not is_dar_parameter(name)} == {torch.bfloat16}
     shared = [name for name in written_tensors(source) if not is_dar_parameter(name)]
-    assert f"--dtype bfloat16 rounds {len(shared)} source tensor(s) stored in float32" in caplog.text  # not DAR's
+    assert f"--dtype bfloat16 may round {len(shared)} source tensor(s) stored in float32" in caplog.text  # not DAR's
 
     # A bf16 save: nothing is rounded by --dtype bfloat16 (the DAR parameters stay float32), and nothing is said to be.
     bf16 = saved(DARForCausalLM.from_pretrained(source, dtype=torch.bfloat16), tmp_path / "dar-bf16")

@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import re
 import tempfile
 
 import pytest
@@ -142,3 +143,56 @@ def test_a_source_read_error_during_a_conversion_without_output_is_not_blamed_on
     with pytest.raises(PermissionError) as caught:
         upcycle(source, **FAST)
     assert not isinstance(caught.value, OutputWriteError)
+
+
+def test_a_narrower_dtype_that_changes_no_value_is_not_said_to_round(tmp_path, caplog):
+    """A float32 source whose values are all bfloat16 values, converted with dtype="bfloat16": nothing changed, yet
+    the warning and the card said the weights were rounded (by dtype, not by value). The write notes which values
+    its casts change; a source with a value that bfloat16 does not hold is still named, with the tensor."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    source = save_source(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(source)
+    for parameter in model.parameters():
+        parameter.data = parameter.data.bfloat16().float()
+    model.save_pretrained(source)
+    with caplog.at_level(logging.INFO, logger="dar_transformers"):
+        upcycle(source, tmp_path / "exact", dtype="bfloat16", **FAST)
+    card = (tmp_path / "exact" / "README.md").read_text()
+    assert "computes the source model's function**, verified below" in card and "rounded" not in card
+    assert "changed no value: every source tensor is stored exactly" in caplog.text
+    model.model.norm.weight.data[0] = 1 + 2**-12  # one value bfloat16 rounds
+    model.save_pretrained(source)
+    upcycle(source, tmp_path / "rounded", dtype="bfloat16", tolerance=1.0, **FAST)
+    card = (tmp_path / "rounded" / "README.md").read_text()
+    assert "with its weights rounded to bfloat16" in card
+    assert "rounded 1 source tensor(s) stored in float32 (model.norm.weight)" in card
+
+
+def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_path):
+    """bf16 matrices with float32 norms, stored as they are (dtype auto): the card's `from_pretrained(repo)` loads
+    every tensor in the config's bfloat16, rounding the norms (0.13 off the verified logits on a tiny model), which
+    the card did not say; it names them and the load that computes the verified function."""
+    from transformers import AutoModelForCausalLM
+
+    source = save_source(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(source)
+    for parameter in model.parameters():
+        if parameter.dim() == 2:
+            parameter.data = parameter.data.bfloat16()
+    model.save_pretrained(source)
+    upcycle(source, tmp_path / "out", **FAST)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert re.search(r"\n\nThe weights mix dtypes: \d+ tensor\(s\) in float32 as the source stores them \(model\.layers"
+                     r"\.0\.input_layernorm\.weight, .*\), beside bfloat16\. The code above loads every tensor in "
+                     r"bfloat16", card)
+    assert "`from_pretrained(..., dtype=torch.float32)` computes with every tensor as stored (the function checked " \
+           "above, in float32)" in card
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    exact = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert loaded.model.norm.weight.dtype == torch.bfloat16 and exact.model.norm.weight.dtype == torch.float32
+    float32_source = save_source(tmp_path / "float32")  # one dtype: no note
+    upcycle(float32_source, tmp_path / "plain", **FAST)
+    assert "The weights mix dtypes" not in (tmp_path / "plain" / "README.md").read_text()

@@ -133,16 +133,20 @@ def upcycle(
                                                keep_source_dtypes)
             kept = kept_source_dtypes(plans, target, storage_dtype)
             kept_description = describe_kept_dtypes(kept, plans, loaded.checkpoint)  # the log's and the card's
-            rounded = ("" if keep_source_dtypes  # "auto" keeps every tensor as the source stores it
-                       else describe_rounding(rounded_tensors(loaded.checkpoint, storage_dtype), storage_dtype))
-            if rounded:
-                logger.warning(f"--dtype {str(storage_dtype).removeprefix('torch.')} rounds {rounded}: the converted "
-                               "model can at most compute the source's function with those weights rounded, not bit "
-                               "for bit the source's, so the check may fail at its default tolerance (--tolerance "
-                               "accepts the rounding, and the model card of a written output says so); --dtype auto "
-                               "stores every tensor exactly.")
+            rounded_on_load = describe_kept_dtypes(  # those that `from_pretrained` in the config's dtype rounds
+                {dtype: names for dtype, names in kept.items() if not holds_exactly(storage_dtype, dtype)}, plans,
+                loaded.checkpoint)
+            # "auto" keeps every tensor as the source stores it; a narrower dtype rounds the values it does not hold
+            # (the writer finds which, from its one read: `changed`)
+            narrowed = [] if keep_source_dtypes else rounded_tensors(loaded.checkpoint, storage_dtype)
+            if narrowed:
+                logger.warning(f"--dtype {_short(storage_dtype)} may round {describe_rounding(narrowed, storage_dtype)}:"
+                               " where it does, the converted model can at most compute the source's function with "
+                               "those weights rounded, not bit for bit the source's, so the check may fail at its "
+                               "default tolerance (--tolerance accepts the rounding, and the model card of a written "
+                               "output says so); --dtype auto stores every tensor exactly.")
             if kept:
-                rounds = (f"; --dtype {_short(storage_dtype)} would round them"
+                rounds = (f"; --dtype {_short(storage_dtype)} would round those whose values it does not hold"
                           if rounded_tensors(loaded.checkpoint, storage_dtype) else "")
                 logger.info(f"The source mixes dtypes: {kept_description} beside "
                             f"{_short(storage_dtype)} (--dtype auto){rounds}.")
@@ -153,8 +157,14 @@ def upcycle(
             outcome = {}
 
             def write(folder: Path) -> None:
+                changed: set[str] = set()
                 write_converted_folder(folder, target, config, plans, new_names, loaded, options.max_shard_bytes,
-                                       options.progress)
+                                       options.progress, changed)
+                rounded = describe_rounding([(name, dtype) for name, dtype in narrowed if name in changed],
+                                            storage_dtype)
+                if narrowed and not rounded:
+                    logger.info(f"--dtype {_short(storage_dtype)} changed no value: every source tensor is stored "
+                                "exactly.")
                 check_written_tokenizer(folder, loaded.tokenizer, options.prompts)
                 if not options.verify:
                     return
@@ -167,11 +177,12 @@ def upcycle(
                 raise_unless_passed(report, storage_dtype, None if keep_source_dtypes else loaded.checkpoint,
                                     moe_routing_hint(source_config, config, check_dtype) or
                                     (rounded_rotary_hint(source) if in_memory else ""),
-                                    IN_MEMORY_SOURCE_NOTE if in_memory else "")
+                                    IN_MEMORY_SOURCE_NOTE if in_memory else "", changed)
                 answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
                 card = render_model_card(config, report, loaded, base_model=options.base_model,
                                          kind=target.description, answers=answers, exact=target.exact,
-                                         kept_dtypes=kept_description, rounded=rounded)
+                                         kept_dtypes=kept_description, rounded=rounded,
+                                         rounded_on_load=rounded_on_load)
                 (folder / "README.md").write_text(card, encoding="utf-8")
 
             if output is not None:
@@ -249,6 +260,14 @@ def describe_kept_dtypes(kept: Mapping[torch.dtype, list[str]], plans: Mapping[s
         return f"{len(names)} tensor(s) in {_short(dtype)}{how} ({shown})"
 
     return "; ".join(group(dtype, names) for dtype, names in kept.items())
+
+
+def holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether every value of `narrow` is a value of `wide` (bfloat16 in float32: yes; float32 in bfloat16, float16
+    in bfloat16: no): a cast from `narrow` to `wide` changes nothing."""
+    wide_info, narrow_info = torch.finfo(wide), torch.finfo(narrow)
+    return (wide_info.eps <= narrow_info.eps and wide_info.max >= narrow_info.max
+            and wide_info.smallest_normal <= narrow_info.smallest_normal)
 
 
 def _short(dtype: torch.dtype) -> str:

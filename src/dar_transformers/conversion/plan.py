@@ -212,15 +212,28 @@ def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, des
             )
 
 
-def materialise(plan: TensorPlan, checkpoint: Checkpoint) -> torch.Tensor:
-    """The planned tensor in memory (its storage dtype)."""
+def materialise(plan: TensorPlan, checkpoint: Checkpoint, changed: set[str] | None = None) -> torch.Tensor:
+    """The planned tensor in memory (its storage dtype). `changed`: gets the source parts whose values the cast to
+    the storage dtype changed (a narrower dtype rounds only values it does not hold)."""
     if plan.value is not None:
         return plan.value.to(plan.dtype)
     if plan.transform is not None:
-        return plan.transform([checkpoint.read(part) for part in plan.parts]).to(plan.dtype).reshape(plan.shape)
+        return note_rounding(plan.transform([checkpoint.read(part) for part in plan.parts]), plan.dtype, plan.parts,
+                             changed).reshape(plan.shape)
     if len(plan.parts) == 1:
-        return checkpoint.read(plan.parts[0]).to(plan.dtype).reshape(plan.shape)
-    return torch.cat([checkpoint.read(part).to(plan.dtype).reshape(-1) for part in plan.parts]).reshape(plan.shape)
+        return note_rounding(checkpoint.read(plan.parts[0]), plan.dtype, plan.parts, changed).reshape(plan.shape)
+    return torch.cat([note_rounding(checkpoint.read(part), plan.dtype, (part,), changed).reshape(-1)
+                      for part in plan.parts]).reshape(plan.shape)
+
+
+def note_rounding(value: torch.Tensor, dtype: torch.dtype, parts: Sequence[str], changed: set[str] | None):
+    """`value` cast to `dtype`; `parts` (the source tensors it comes from) join `changed` when the cast changed a
+    value (a float32 tensor whose values are all bfloat16 values goes to bfloat16 unchanged)."""
+    cast = value.to(dtype)
+    if (changed is not None and value.dtype != dtype and value.is_floating_point()
+            and not torch.equal(cast.to(value.dtype), value)):
+        changed.update(parts)
+    return cast
 
 
 

@@ -599,11 +599,12 @@ def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> tu
 
 def raise_unless_passed(
     report: VerificationReport, storage_dtype: torch.dtype, source: Checkpoint | None = None, hint: str = "",
-    note: str = "",
+    note: str = "", changed: set[str] | None = None,
 ) -> None:
     """Raise `VerificationError` unless the report passed. With the `source` checkpoint, the hint names the source
     tensors that `storage_dtype` rounded (`rounded_tensors`) and the dtype that stores every tensor of the source
-    exactly (`exact_storage_dtype`); a `hint` given replaces the guess about rounding; a `note` follows either."""
+    exactly (`exact_storage_dtype`), of them those whose values the write changed when it says (`changed`); a `hint`
+    given replaces the guess about rounding; a `note` follows either."""
     if report.passed:
         if report.relaxed:  # (a failed check's table says RELAXED; no card is written for it)
             logger.warning(
@@ -613,6 +614,8 @@ def raise_unless_passed(
         return
     storage = str(storage_dtype).removeprefix("torch.")
     rounded = rounded_tensors(source, storage_dtype) if source is not None else []
+    if changed is not None:
+        rounded = [(name, dtype) for name, dtype in rounded if name in changed]
     if hint:
         hint = f"\n{hint}"
     elif rounded and not report.relaxed:
