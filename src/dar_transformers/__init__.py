@@ -37,7 +37,7 @@ from .peft_utils import register_peft_defaults
 __version__ = "0.1.0"
 # The transformers releases the package and the remote code of the folders it writes are tested with: setup.cfg's
 # install_requires says the same (tests/conversion/test_convert_moe.py checks), model cards quote it.
-TRANSFORMERS_REQUIREMENT = "transformers>=5.19,<5.25"
+TRANSFORMERS_REQUIREMENT = "transformers>=5.19,<5.26"
 
 
 # The one registration table: for each model type, the class every Auto class builds. Importing the package
