@@ -36,15 +36,15 @@ def test_a_conversion_checked_at_tolerance_inf_is_not_reported_passed_nor_verifi
 
 
 ROUNDED = ("Storing the weights in float16 rounded 29 source tensor(s) stored in float32 (model.embed_tokens.weight, "
-           "model.layers.0.input_layernorm.weight, ...); the converted model computes what the source computes with "
-           "them, which the check bounds by its tolerance.")
+           "model.layers.0.input_layernorm.weight, ...); by construction the converted model computes what the "
+           "source computes with them, and the check bounds its distance from the source as stored by its tolerance.")
 
 
 @pytest.mark.parametrize("tolerance, verdict, headline, relaxed", [
-    ("0.5", "PASSED: ", "**at conversion the model approximates the source model's function with its weights rounded "
-                        "to float16**: within a max abs logit difference of 5.0e-01 (a tolerance relaxed from the "
-                        "default 2.0e-04), verified below; it is not an exact conversion.",
-     "so this is an approximate, not an exact, conversion."),
+    ("0.5", "PASSED: ", "**at conversion the model approximates the source model's function**: within a max abs "
+                        "logit difference of 5.0e-01 (a tolerance relaxed from the default 2.0e-04), verified below at "
+                        "that bar, not as an exact conversion.",
+     "so it is verified as an approximate conversion, not as an exact one."),
     ("1e30", "NOT VERIFIED (tolerance 1.0e+30: differences reported only; ",
      "**at conversion the model computes the source model's function with its weights rounded to float16** by "
      "construction, which this conversion did NOT verify (see below).",

@@ -196,3 +196,22 @@ def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_pat
     float32_source = save_source(tmp_path / "float32")  # one dtype: no note
     upcycle(float32_source, tmp_path / "plain", **FAST)
     assert "The weights mix dtypes" not in (tmp_path / "plain" / "README.md").read_text()
+
+
+def test_a_relaxed_bar_is_named_as_the_bar_not_as_an_inexact_conversion(tmp_path):
+    """An exact float32 conversion run with tolerance=1e-3 measured a few 1e-6, yet the card said "it is not an exact
+    conversion"; and a rounded one said it approximates "the source model's function with its weights rounded"
+    within the bar, which the check measured against the source as stored."""
+    source = save_source(tmp_path / "source")
+    result = upcycle(source, tmp_path / "out", tolerance=1e-3, **FAST)
+    assert result.report.max_abs_logit_difference < result.report.default_tolerance  # exact, at a relaxed bar
+    card = " ".join((tmp_path / "out" / "README.md").read_text().split())
+    assert "verified below at that bar, not as an exact conversion" in card
+    assert "it is not an exact conversion" not in card
+
+
+def test_convert_of_a_path_returns_a_model_that_names_no_removed_folder(tmp_path):
+    """`convert(path)` loads the model back from a temporary folder it then removes; the model kept that path as its
+    name_or_path, which a Trainer's model card would name."""
+    model = convert(save_source(tmp_path / "source"), **FAST)
+    assert model.name_or_path == model.config.name_or_path == ""

@@ -63,8 +63,8 @@ class ConversionResult:
 def conversion_options(options: ConversionOptions | None, keywords: Mapping[str, object]) -> ConversionOptions:
     """`options` updated by `upcycle`'s keyword arguments: option names set options, the others are config fields."""
     if options is not None and not isinstance(options, ConversionOptions):
-        raise TypeError(f"options must be a ConversionOptions (or None), got {type(options).__name__}: pass the options "
-                        "as keywords (upcycle(source, output, dtype='bfloat16', dar_block_size=8)) or as "
+        raise TypeError(f"options must be a ConversionOptions (or None), got {type(options).__name__}: pass the "
+                        "options as keywords (upcycle(source, output, dtype='bfloat16', dar_block_size=8)) or as "
                         "options=ConversionOptions(...).")
     option_keywords, fields = ConversionOptions.split(keywords)
     named = option_keywords.pop("fields", None)
@@ -140,8 +140,8 @@ def upcycle(
             # (the writer finds which, from its one read: `changed`)
             narrowed = [] if keep_source_dtypes else rounded_tensors(loaded.checkpoint, storage_dtype)
             if narrowed:
-                logger.warning(f"--dtype {_short(storage_dtype)} may round {describe_rounding(narrowed, storage_dtype)}:"
-                               " where it does, the converted model can at most compute the source's function with "
+                logger.warning(f"--dtype {_short(storage_dtype)} may round "
+                               f"{describe_rounding(narrowed, storage_dtype)}: where it does, the converted model can at most compute the source's function with "
                                "those weights rounded, not bit for bit the source's, so the check may fail at its "
                                "default tolerance (--tolerance accepts the rounding, and the model card of a written "
                                "output says so); --dtype auto stores every tensor exactly.")
@@ -325,7 +325,9 @@ def convert(
                 "converts an in-memory model (convert(model, verify=False))."
             )
         with scratch_folder() as scratch:  # read into memory, not mapped: the folder goes before the model
-            return _load_written(upcycle(source, scratch / "dar", **keywords).output, disable_mmap=True)
+            model = _load_written(upcycle(source, scratch / "dar", **keywords).output, disable_mmap=True)
+        model.name_or_path = model.config.name_or_path = ""  # not the removed temporary folder (Trainer's card)
+        return model
     result = upcycle(source, output, **keywords)
     if result.model is not None:
         return result.model

@@ -193,17 +193,19 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
         caveat = (f" The source's config.json maps the model to its own code (auto_map: "
                   f"{'; '.join(f'`{entry}`' for entry in source.custom_code)}), which the conversion neither ran nor "
                   "reproduces: where that code computes something else, this model does not.")
+    compared = function  # what the check compared with: the source as stored
     if rounded:  # the weights are the source's rounded to the stored dtype: the function is that of those weights
         function += f" with its weights rounded to {storage}"
-        caveat = (f" Storing the weights in {storage} rounded {rounded}; the converted model computes what the source "
-                  f"computes with them, which the check bounds by its tolerance.{caveat}")
+        caveat = (f" Storing the weights in {storage} rounded {rounded}; by construction the converted model computes "
+                  f"what the source computes with them, and the check bounds its distance from the source as stored "
+                  f"by its tolerance.{caveat}")
     if report is None or not report.verified:
         return (f"**at conversion the model computes {function}** by construction, which this conversion did NOT "
                 f"verify (see below).{caveat}")
-    if report.relaxed:
-        return (f"**at conversion the model approximates {function}**: within a max abs logit difference of "
+    if report.relaxed:  # measured against the source as stored, whatever the rounding
+        return (f"**at conversion the model approximates {compared}**: within a max abs logit difference of "
                 f"{report.tolerance:.1e} (a tolerance relaxed from the default {report.default_tolerance:.1e}), "
-                f"verified below; it is not an exact conversion.{caveat}")
+                f"verified below at that bar, not as an exact conversion.{caveat}")
     return f"**at conversion the model computes {function}**, verified below.{caveat}"
 
 
@@ -290,7 +292,7 @@ def render_model_card(
             verification += (
                 f"\n\n**The tolerance was relaxed** to {report.tolerance:.1e} from the default "
                 f"{report.default_tolerance:.1e} for {report.dtype}, "
-                + ("so this is an approximate, not an exact, conversion." if report.verified else
+                + ("so it is verified as an approximate conversion, not as an exact one." if report.verified else
                    "at which no next token was compared, so nothing was verified: the differences above are reported "
                    "only.")
             )
