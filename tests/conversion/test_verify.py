@@ -480,6 +480,8 @@ def test_a_written_in_memory_source_is_checked_against_the_model_object_itself(t
         with pytest.raises(VerificationError, match=match):
             upcycle(source, tmp_path / "out", **options)
         assert not (tmp_path / "out").exists()
+        with pytest.raises(VerificationError, match=match):  # converted in memory: the same causes, named too
+            upcycle(source, **options)
     assert all(torch.equal(tensor, source.state_dict()[name]) for name, tensor in before.items())
 
 

@@ -220,10 +220,10 @@ def moe_routing_hint(source_config: PreTrainedConfig, config: PreTrainedConfig, 
             "in float32 (the default --verify-dtype), where they agree to float32 rounding.")
 
 
-# Why a written conversion of an in-memory model can fail where its weights would convert: it is checked against the
+# Why a conversion of an in-memory model can fail where its weights would convert: it is checked against the
 # model object itself (`verify.in_memory_source_logits`), which may compute what its config and weights do not say.
 IN_MEMORY_SOURCE_NOTE = (
-    "The written model was compared with the in-memory model itself: a config field edited after the model was built "
+    "The converted model was compared with the in-memory model itself: a config field edited after the model was built "
     "(rms_norm_eps, rope parameters: the modules keep the values of their construction), a forward hook or a replaced "
     "module make it compute what its config and weights do not say, and no conversion of them reproduces it. "
     "save_pretrained it and load it again to see what they compute."
@@ -294,7 +294,7 @@ def _upcycle_in_memory(source: PreTrainedModel, tokenizer, options: ConversionOp
         if options.storage_dtype is None:
             stored += sorted({parameter.dtype for parameter in source.parameters()} - {storage_dtype}, key=str)
         report.storage_dtype = " and ".join(str(dtype).removeprefix("torch.") for dtype in stored)
-        raise_unless_passed(report, storage_dtype, state, rounded_rotary_hint(source))
+        raise_unless_passed(report, storage_dtype, state, rounded_rotary_hint(source), IN_MEMORY_SOURCE_NOTE)
     name = display_name(source.config.name_or_path or type(source).__name__)
     loaded = Source(source, tokenizer, name, "in-memory model", source.config)
     return ConversionResult(model=model, tokenizer=tokenizer, report=report, source=loaded, output=None,
