@@ -4,6 +4,7 @@ name before any work, not read as truthy or failing deep inside; a DAR-MoE toler
 holds; a full temporary folder is one line naming $TMPDIR; task heads and base models are refused saying what
 converts. (A helper's audit of the Python entry points.)"""
 
+import copy
 import errno
 import json
 import math
@@ -215,3 +216,17 @@ def test_convert_of_a_path_returns_a_model_that_names_no_removed_folder(tmp_path
     name_or_path, which a Trainer's model card would name."""
     model = convert(save_source(tmp_path / "source"), **FAST)
     assert model.name_or_path == model.config.name_or_path == ""
+
+
+def test_load_source_of_an_in_memory_model_keeps_its_rotary_frequencies_as_a_path_source_does(tmp_path):
+    """load_source(model, bfloat16) copied the model with `.to(dtype)`, which rounds the rotary `inv_freq` buffer
+    that `from_pretrained(..., dtype=bfloat16)` keeps float32: the same weights computed 0.07 logits apart."""
+    from dar_transformers.conversion import load_source
+
+    source = save_source(tmp_path / "source")
+    from_path = load_source(source, torch.bfloat16).model
+    in_memory = load_source(copy.deepcopy(from_path).float(), torch.bfloat16, tokenizer=make_tokenizer()).model
+    assert in_memory.model.rotary_emb.inv_freq.dtype == torch.float32
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(from_path(ids).logits, in_memory(ids).logits)

@@ -533,8 +533,12 @@ def load_source(
             raise ValueError(
                 "tokenizer is required to write an output folder from an in-memory model (the repo ships one)."
             )
-        # Verification needs eval mode in `dtype`; a model in another state is copied, never switched.
-        model = source if source.dtype == dtype and not source.training else copy.deepcopy(source).to(dtype)
+        # Verification needs eval mode in `dtype`; a model in another state is copied, never switched, its buffers
+        # (rotary `inv_freq`) kept as they are, as `from_pretrained(..., dtype=...)` keeps them float32 (a path
+        # source loaded in bfloat16 and the same model given in memory computed 0.07 logits apart)
+        from .plan import cast_model  # plan imports this module
+
+        model = cast_model(source, dtype)
         name = display_name(source.config.name_or_path or type(source).__name__)
         return Source(model.eval(), tokenizer, name, "in-memory model", config=source.config)
     path = Path(source)
