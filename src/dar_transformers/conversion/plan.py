@@ -231,7 +231,7 @@ def note_rounding(value: torch.Tensor, dtype: torch.dtype, parts: Sequence[str],
     value (a float32 tensor whose values are all bfloat16 values goes to bfloat16 unchanged)."""
     cast = value.to(dtype)
     if (changed is not None and value.dtype != dtype and value.is_floating_point()
-            and not torch.equal(cast.to(value.dtype), value)):
+            and not changed.issuperset(parts) and not torch.equal(cast.to(value.dtype), value)):
         changed.update(parts)
     return cast
 
