@@ -29,6 +29,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from conftest import (
     TINY_LLAMA_FIELDS,
+    TINY_MOE,
     dar_parameter_names,
     is_dar_parameter,
     perturb_dar_parameters,
@@ -255,6 +256,41 @@ def test_left_padded_batch_gives_each_prompt_its_own_continuation(dar):
     generated = dar.generate(batch, attention_mask=attention_mask, do_sample=False, **GENERATION)[:, 7:]
     assert torch.equal(generated[0], dar.generate(long_prompt, do_sample=False, **GENERATION)[0, 7:])
     assert torch.equal(generated[1], dar.generate(short_prompt, do_sample=False, **GENERATION)[0, 4:])
+
+
+@pytest.mark.parametrize("kind", ["dar", "dar_moe"])
+def test_continuous_batching_gives_each_request_the_tokens_of_generate(kind):
+    """transformers' continuous batching (`generate_batch`, paged attention) flattens the requests into one sequence
+    per step, prefill chunks of several requests beside decoding tokens (8 tokens per step here); DAR mixes over depth
+    per token, so each request gets `generate`'s greedy tokens, as its Llama source does (weights scaled up so
+    that no greedy step is a near tie)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from dar_transformers import DARMoeConfig, DARMoeForCausalLM
+
+    if kind == "dar":
+        llama = tiny_llama()
+        with torch.no_grad():
+            for parameter in llama.parameters():
+                parameter.mul_(5 if parameter.dim() == 2 else 1)
+        model = upcycled_dar(llama, dar_block_size=3)
+    else:
+        torch.manual_seed(0)
+        model = DARMoeForCausalLM(DARMoeConfig(**TINY_MOE)).eval()
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    prompts = [[5, 17, 33, 9, 60, 11, 4, 8, 21, 30, 44], [7, 8], [90, 3, 44, 21], [12, 50, 55, 6, 7, 70, 71, 72, 73]]
+    alone = [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+             for prompt in prompts]
+    model.set_attn_implementation("paged|sdpa")
+    results = model.generate_batch(
+        prompts, generation_config=GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=8,
+                                                            use_cuda_graph=False),
+    )
+    assert [results[f"req_{index}"].generated_tokens for index in range(len(prompts))] == alone
+    assert len({tuple(tokens) for tokens in alone}) > 1  # the requests' continuations differ
 
 
 def test_static_cache_gives_the_tokens_of_dynamic_cache(dar):
