@@ -102,10 +102,18 @@ def dar_parameter_dtype() -> torch.dtype:
 def kv_cache_argument(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
     """The KV cache, whichever name the installed transformers passes it under: `past_key_values` up to 5.23,
     `cache` from 5.24 (`generate` and the heads pass `cache=`). Popped from `kwargs`, so that it reaches the decoder
-    layers once; they hand it to the branch modules under the name those take (`cache_keyword`)."""
+    layers once; they hand it to the branch modules under the name those take (`cache_keyword`). Up to 5.23 a
+    `cache` that is no `Cache` is an attention function's (continuous batching's paged cache, which Llama's
+    attention passes on in its keyword arguments, never updating it as a KV cache): it stays in `kwargs`."""
+    if LAYER_CACHE_KEYWORD != "cache" and not isinstance(kwargs.get("cache"), Cache):
+        return past_key_values
     cache = kwargs.pop("cache", None)
     if cache is not None and past_key_values is not None:
-        raise ValueError("DARModel.forward got both `cache` and `past_key_values`; pass the KV cache once.")
+        raise ValueError(
+            "DARModel.forward got both `cache` and `past_key_values`; pass the KV cache once (transformers 5.24+ "
+            "names it `cache`; PEFT's prompt learning, prefix tuning, passes `past_key_values` beside generate's "
+            "`cache` before peft 0.22, and Llama's forward then drops the prefix without a word)."
+        )
     return past_key_values if past_key_values is not None else cache
 
 
