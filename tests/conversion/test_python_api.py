@@ -211,11 +211,19 @@ def test_a_relaxed_bar_is_named_as_the_bar_not_as_an_inexact_conversion(tmp_path
     assert "it is not an exact conversion" not in card
 
 
-def test_convert_of_a_path_returns_a_model_that_names_no_removed_folder(tmp_path):
+def test_a_converted_model_is_named_by_its_source_for_the_cards_of_its_fine_tunes(tmp_path):
     """`convert(path)` loads the model back from a temporary folder it then removes; the model kept that path as its
-    name_or_path, which a Trainer's model card would name."""
-    model = convert(save_source(tmp_path / "source"), **FAST)
-    assert model.name_or_path == model.config.name_or_path == ""
+    name_or_path, which a Trainer's model card would name. It is the source folder's now (a local model to a
+    Trainer's card, as the source is); an in-memory conversion keeps the source model's name (a Hub id: the
+    card's base model), where it was "" (a broken link in a Trainer's card) and the string "None" (PEFT's adapter
+    config then named a Hub repo "None")."""
+    source = save_source(tmp_path / "source")
+    model = convert(source, **FAST)
+    assert model.name_or_path == model.config.name_or_path == str(source)
+    llama = make_source("llama", True)
+    llama.name_or_path = llama.config.name_or_path = "HuggingFaceTB/SmolLM2-135M"
+    for converted in (convert(llama, verify=False), upcycle_model(llama), convert_to_dar_moe(llama, 2, 1)):
+        assert converted.name_or_path == converted.config.name_or_path == "HuggingFaceTB/SmolLM2-135M"
 
 
 def test_load_source_of_an_in_memory_model_keeps_its_rotary_frequencies_as_a_path_source_does(tmp_path):

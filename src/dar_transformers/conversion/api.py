@@ -326,7 +326,10 @@ def convert(
             )
         with scratch_folder() as scratch:  # read into memory, not mapped: the folder goes before the model
             model = _load_written(upcycle(source, scratch / "dar", **keywords).output, disable_mmap=True)
-        model.name_or_path = model.config.name_or_path = ""  # not the removed temporary folder (Trainer's card)
+        # Not the removed temporary folder (a Trainer's card named it): the source's folder (a GGUF file's), which a
+        # Trainer's card takes for a local model, not a Hub id
+        source = Path(source)
+        model.name_or_path = model.config.name_or_path = os.fspath(source if source.is_dir() else source.parent)
         return model
     result = upcycle(source, output, **keywords)
     if result.model is not None:

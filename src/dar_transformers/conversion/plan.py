@@ -308,7 +308,9 @@ def upcycle_model(
     for names in kept_source_dtypes(plans, target, dtype).values():  # from_pretrained cast them to `dtype`
         for name in names:
             model.get_parameter(name).data = state[name]
-    model.config.name_or_path = ""
+    # The source's name, as the source model has it (a Hub id, a folder, or "" for a model built from a config): a
+    # Trainer's or PEFT's card names it as the base model (from_pretrained(None, ...) left the string "None")
+    model.name_or_path = model.config.name_or_path = source_model.config.name_or_path
     model.generation_config = copy.deepcopy(source_model.generation_config)
     return model.eval()
 
