@@ -205,6 +205,16 @@ def test_dar_parameters_must_stay_fp32():
         assert torch.isfinite(model(random_input_ids()).logits).all()
 
 
+def test_a_float64_model_keeps_float64_dar_parameters_in_its_optimiser_groups():
+    """A float64 model's DAR parameters are float64 (the package's policy: its compute dtype); the groups refused
+    them, and keep_dar_parameters_fp32, which the refusal named, rounded them to float32 (a 1e-12 update lost)."""
+    model = upcycled_dar(tiny_llama(), dar_block_size=2).to(torch.float64)
+    assert keep_dar_parameters_fp32(model) == 0
+    groups = dar_parameter_groups(model, 1e-3, 0.0)
+    (dar_group,) = [group for group in groups if group["name"] == "dar"]
+    assert {parameter.dtype for parameter in dar_group["params"]} == {torch.float64}
+
+
 def test_bad_optimizer_settings_raise():
     model = upcycled_dar(tiny_llama())
     with pytest.raises(ValueError, match="learning rates must be positive"):

@@ -38,6 +38,9 @@ def is_dar_parameter(name: str) -> bool:
     return any(part in DAR_MODULE_NAMES for part in name.split("."))
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # what a blanket `model.to(...)` rounds DAR's parameters to
+
+
 def dar_parameter_names(model: nn.Module) -> list[str]:
     """Names of the DAR parameters of `model`, in `named_parameters` order."""
     return [name for name, _ in model.named_parameters() if is_dar_parameter(name)]
@@ -51,8 +54,8 @@ def keep_dar_parameters_fp32(model: nn.Module) -> int:
     precision of the parameters and their optimiser updates.
     """
     changed = 0
-    for name, parameter in model.named_parameters():
-        if is_dar_parameter(name) and parameter.dtype != torch.float32 and parameter.is_floating_point():
+    for name, parameter in model.named_parameters():  # float64 (a float64 model's) is left as it is
+        if is_dar_parameter(name) and parameter.dtype in HALF_DTYPES:
             parameter.data = parameter.data.float()
             changed += 1
     return changed
@@ -69,7 +72,7 @@ def dar_parameter_groups(
     The DAR group has `weight_decay=0` and `lr=dar_learning_rate` (default: `learning_rate`). Only parameters
     with `requires_grad` are included, so a PEFT model with frozen DAR parameters gets no DAR group; empty groups
     are dropped. Every group carries a `"name"` key for logging. Raises if a trainable DAR parameter is not
-    float32 (call `keep_dar_parameters_fp32` first) or if the model has no trainable parameter at all.
+    float32 or float64 (call `keep_dar_parameters_fp32` first) or if the model has no trainable parameter at all.
     """
     if learning_rate <= 0 or (dar_learning_rate is not None and dar_learning_rate <= 0):
         raise ValueError(f"learning rates must be positive, got {learning_rate=} and {dar_learning_rate=}.")
@@ -85,10 +88,11 @@ def dar_parameter_groups(
         if not parameter.requires_grad:
             continue
         if is_dar_parameter(name):
-            if parameter.dtype != torch.float32:
+            if parameter.dtype in HALF_DTYPES:  # float32, or float64 in a float64 model (the package's policy)
                 raise ValueError(
-                    f"DAR parameter {name} is {parameter.dtype}; DAR parameters must stay float32 "
-                    "(call dar_transformers.training.keep_dar_parameters_fp32(model) after casting the model)."
+                    f"DAR parameter {name} is {parameter.dtype}; DAR parameters must stay float32 (float64 in a "
+                    "float64 model): call dar_transformers.training.keep_dar_parameters_fp32(model) after casting "
+                    "the model."
                 )
             groups["dar"]["params"].append(parameter)
         elif name in decayed_names:
