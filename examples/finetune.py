@@ -79,7 +79,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters on the default target modules")
     parser.add_argument("--lora-train-dar", action="store_true", help="with --lora, also train the DAR parameters")
-    parser.add_argument("--save", action="store_true", help="save model and tokenizer to --output-dir/final")
+    parser.add_argument("--save", action="store_true", help="save model and tokenizer to --output-dir/final (with "
+                        "--lora: the merged model, a plain DAR folder)")
     parser.add_argument("--push-to-hub", action="store_true")
     parser.add_argument("--hub-model-id", default=None)
     parser.add_argument("--logging-steps", type=int, default=10)
@@ -266,7 +267,11 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
             f"held-out perplexity {results['perplexity_before']:.3f} -> {results['perplexity_after']:.3f} "
             f"after {results['steps']} steps ({len(eval_blocks)} blocks of {arguments.sequence_length} tokens)"
         )
-    if arguments.save:
+    if arguments.save and arguments.lora:  # the adapter alone would need this run's upcycled base, which no folder holds
+        final = arguments.output_dir / "final"
+        trainer.model.merge_and_unload().save_pretrained(final)
+        trainer.processing_class.save_pretrained(final)
+    elif arguments.save:
         trainer.save_model(str(arguments.output_dir / "final"))
     if arguments.push_to_hub:
         trainer.push_to_hub(

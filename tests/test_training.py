@@ -480,6 +480,27 @@ def test_finetune_example_llama_baseline_starts_where_the_upcycle_starts(tmp_pat
         finetune.main([*common, "--output-dir", str(tmp_path / "bad"), "--eval-steps", "7"])
 
 
+def test_finetune_example_with_lora_saves_a_model_that_loads_on_its_own(tmp_path, docstring_corpus, monkeypatch):
+    """`--lora --save` saved the adapter alone, whose base (this run's upcycled DAR model) no folder held: it
+    named its base "None". It saves the merged model now, a plain DAR folder, which computes what the trained
+    adapter did."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    finetune = load_example("finetune")
+    trainer, _ = finetune.main([
+        "--tiny", "--corpus-dir", str(docstring_corpus), "--max-steps", "4", "--eval-steps", "4", "--sequence-length",
+        "32", "--batch-size", "2", "--train-documents", "40", "--eval-documents", "10", "--eval-blocks", "4",
+        "--logging-steps", "4", "--lora", "--lora-train-dar", "--save", "--output-dir", str(tmp_path / "run"),
+    ])
+    final = tmp_path / "run" / "final"
+    assert not (final / "adapter_config.json").exists() and (final / "tokenizer_config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.arange(3, 20).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trainer.model.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_finetune_example_rejects_a_missing_corpus(tmp_path):
     finetune = load_example("finetune")
     with pytest.raises(SystemExit):
