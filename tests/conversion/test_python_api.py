@@ -55,8 +55,8 @@ def test_options_of_the_wrong_type_are_refused_by_name(tmp_path):
         upcycle(source, tmp_path / "out", tokenizer=str(source))
     with pytest.raises(TypeError, match="output must be a folder path .*got int 123"):
         upcycle(source, 123)
-    with pytest.raises(TypeError, match=r"Unknown DAR field\(s\) \['overwite'\] \(did you mean 'overwrite'\?\).*"
-                                        r"conversion options"):
+    with pytest.raises(TypeError, match=r"Unknown option or config field\(s\) \['overwite'\] \(did you mean "
+                                        r"'overwrite'\?\); the options are"):
         upcycle(source, tmp_path / "out", overwite=True)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
 

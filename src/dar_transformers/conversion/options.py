@@ -7,6 +7,7 @@ option names from the target kind's config fields (`dar_block_size`, `num_expert
 """
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -15,7 +16,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers.utils.hub import convert_file_size_to_int
 
-from .targets import TargetKind, target_kind
+from .targets import TARGET_FIELDS, TargetKind, target_kind
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -135,8 +136,16 @@ class ConversionOptions:
     @classmethod
     def split(cls, keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
         """(option keywords, target config fields) of `upcycle(**keywords)`'s keyword arguments; `fields=` (a mapping
-        of config fields, as `ConversionOptions` takes them) stays an option, which `conversion_options` merges."""
+        of config fields, as `ConversionOptions` takes them) stays an option, which `conversion_options` merges. A
+        keyword that is neither (a misspelt option: overwite=True) is refused, naming the nearest name; which fields
+        a target kind takes is checked when its config is built."""
         names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(keywords) - names - TARGET_FIELDS)
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], [*names, *TARGET_FIELDS], n=1)
+            raise TypeError(f"Unknown option or config field(s) {unknown}"
+                            f"{f' (did you mean {near[0]!r}?)' if near else ''}; the options are {sorted(names)}, the "
+                            f"config fields {sorted(TARGET_FIELDS)}.")
         options = {name: value for name, value in keywords.items() if name in names}
         return options, {name: value for name, value in keywords.items() if name not in names}
 

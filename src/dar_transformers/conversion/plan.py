@@ -21,7 +21,7 @@ from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, requir
 from .families import source_family
 from .keymaps import TensorInfo, TensorPlan, check_keys, is_ignored_source_key
 from .options import resolve_dtype
-from .sources import check_has_layers, model_dtype_of
+from .sources import check_has_layers, copy_in_dtype, model_dtype_of
 from .targets import TargetKind, target_kind
 
 FINITE_CHECK_BYTES = 64 * 2**20  # rows of a source tensor checked for NaN/inf per read
@@ -348,12 +348,7 @@ def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     experts = needs_float64_experts(model, dtype)
     if all(parameter.dtype == dtype for parameter in model.parameters()) and not model.training and not experts:
         return model
-    copied = copy.deepcopy(model)
-    buffers = {name: buffer for name, buffer in copied.named_buffers()}
-    copied.to(dtype)
-    for name, buffer in buffers.items():
-        module_name, _, buffer_name = name.rpartition(".")
-        copied.get_submodule(module_name)._buffers[buffer_name] = buffer
+    copied = copy_in_dtype(model, dtype)
     set_experts_for(copied, dtype)
     return copied.eval()
 

@@ -515,6 +515,19 @@ def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, 
     return tuple(sorted(copied))
 
 
+def copy_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A copy of `model` whose parameters are in `dtype`, its buffers (rotary `inv_freq`) kept as they are, as
+    `from_pretrained(..., dtype=...)` keeps them float32: `model.to(dtype)` rounds them too (a path source loaded in
+    bfloat16 and the same model given in memory computed 0.07 logits apart)."""
+    copied = copy.deepcopy(model)
+    buffers = dict(copied.named_buffers())
+    copied.to(dtype)
+    for name, buffer in buffers.items():
+        module_name, _, buffer_name = name.rpartition(".")
+        copied.get_submodule(module_name)._buffers[buffer_name] = buffer
+    return copied
+
+
 def load_source(
     source: PreTrainedModel | str | os.PathLike,
     dtype: torch.dtype,
@@ -533,12 +546,8 @@ def load_source(
             raise ValueError(
                 "tokenizer is required to write an output folder from an in-memory model (the repo ships one)."
             )
-        # Verification needs eval mode in `dtype`; a model in another state is copied, never switched, its buffers
-        # (rotary `inv_freq`) kept as they are, as `from_pretrained(..., dtype=...)` keeps them float32 (a path
-        # source loaded in bfloat16 and the same model given in memory computed 0.07 logits apart)
-        from .plan import cast_model  # plan imports this module
-
-        model = cast_model(source, dtype)
+        # Verification needs eval mode in `dtype`; a model in another state is copied, never switched
+        model = source if source.dtype == dtype and not source.training else copy_in_dtype(source, dtype)
         name = display_name(source.config.name_or_path or type(source).__name__)
         return Source(model.eval(), tokenizer, name, "in-memory model", config=source.config)
     path = Path(source)
@@ -717,5 +726,5 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-__all__ = ["Source", "check_gguf_metadata", "custom_code_entries", "display_name", "exact_storage_dtype", "load_source",
+__all__ = ["Source", "check_gguf_metadata", "copy_in_dtype", "custom_code_entries", "display_name", "exact_storage_dtype", "load_source",
            "load_source_config", "open_source", "rounded_tensors", "source_storage_dtype", "tensors_phrase"]

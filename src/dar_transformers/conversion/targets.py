@@ -18,7 +18,6 @@ Both kinds take the source's architecture fields from `families.source_architect
 """
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -87,17 +86,14 @@ DAR_MOE_OPTION_FIELDS = (_option_fields(DARMoeConfig) | {"router_aux_loss_coef",
                          | SPARSE_LAYER_FIELDS)
 
 
+# Every config field a conversion keyword may set, of any target kind (`ConversionOptions.split` refuses others).
+TARGET_FIELDS = DAR_OPTION_FIELDS | DAR_MOE_OPTION_FIELDS | {"num_experts", "num_experts_per_tok", "top_k"}
+
+
 def _check_fields(fields: Mapping[str, object], allowed: frozenset[str], kind: str) -> None:
-    """Refuse keywords that are neither config fields of the target kind nor conversion options (a misspelt option
-    such as overwite=True arrives here as a field), naming both lists and the nearest name."""
     unknown = sorted(set(fields) - allowed)
     if unknown:
-        from .options import ConversionOptions  # options.py imports this module
-
-        options = sorted(field.name for field in dataclasses.fields(ConversionOptions))
-        near = difflib.get_close_matches(unknown[0], [*allowed, *options], n=1)
-        raise TypeError(f"Unknown {kind} field(s) {unknown}{f' (did you mean {near[0]!r}?)' if near else ''}; "
-                        f"allowed: {sorted(allowed)}, and the conversion options {options}.")
+        raise TypeError(f"Unknown {kind} field(s) {unknown}; allowed: {sorted(allowed)}.")
 
 
 def validated_config(config_class: type[DARConfig], fields: Mapping[str, object]) -> DARConfig:
