@@ -320,6 +320,19 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, output_r
         torch.testing.assert_close(checkpointed[name], gradient, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_the_aux_loss_under_reentrant_checkpointing_is_warned(caplog):
+    """Router logits are recorded inside the decoder layers, so reentrant checkpointing drops the load-balancing
+    loss's gradient (the routers' 0.27 off, as in Qwen3-MoE): said once, as for recorded hidden states."""
+    from transformers.utils import logging as hf_logging
+
+    model = tiny_dar_moe(**INIT, output_router_logits=True).train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    hf_logging.get_logger("dar_transformers.modeling_dar").warning_once.cache_clear()
+    with caplog.at_level("WARNING", logger="dar_transformers.modeling_dar"):
+        model(random_input_ids(length=10), labels=random_input_ids(length=10)).loss.backward()
+    assert "output_router_logits of a DAR model are recorded inside its decoder layers" in caplog.text
+
+
 GENERATION = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
 
 

@@ -50,7 +50,9 @@ class DARMoeConfig(DARConfig):
         "AutoModelForTokenClassification": "modeling_dar_moe.DARMoeForTokenClassification",
     }
 
-    # Tensor/expert parallel plans: Qwen3-MoE's for the experts (the same modules), Llama's for attention and MLPs.
+    # Tensor/expert parallel plans: Qwen3-MoE's for the experts (the same modules), as the installed release has them
+    # (5.19's tensor-parallel plan shards the experts, 5.25's leaves them to the expert-parallel plan), Llama's for
+    # attention and MLPs.
     base_model_tp_plan = {
         **DARConfig.base_model_tp_plan,
         **{name: plan for name, plan in Qwen3MoeConfig.base_model_tp_plan.items() if ".mlp.experts" in name},

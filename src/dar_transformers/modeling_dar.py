@@ -412,10 +412,12 @@ def check_layers_in_place(residuals) -> None:
 
 
 def warn_reentrant_recorded_outputs(layers, names: list[str]) -> None:
-    """`output_hidden_states` / `output_depth_weights` are recorded by hooks on modules inside each decoder layer
-    (Llama records the layer's output, which its checkpoint returns). Reentrant activation checkpointing runs the
-    layer's forward without gradients and rebuilds it in backward, so what those hooks recorded carries no gradient:
-    a loss on it trains nothing through it, silently. Non-reentrant checkpointing (transformers' default) is exact."""
+    """`output_hidden_states` / `output_depth_weights` / `output_router_logits` (DAR-MoE's load-balancing loss) are
+    recorded by hooks on modules inside each decoder layer (Llama records the layer's output, which its checkpoint
+    returns). Reentrant activation checkpointing runs the layer's forward without gradients and rebuilds it in
+    backward, so what those hooks recorded carries no gradient: a loss on it trains nothing through it, silently (the
+    routers' gradient 0.27 off with the aux loss, as in Qwen3-MoE). Non-reentrant checkpointing (transformers'
+    default) is exact."""
     for layer in layers:
         function = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and getattr(function, "keywords", {}).get("use_reentrant"):
@@ -684,7 +686,7 @@ class DARModel(DARPreTrainedModel):
 
         recorded = kwargs.get("output_depth_weights", getattr(self.config, "output_depth_weights", False))
         if self.training and torch.is_grad_enabled():
-            wanted = [name for name in ("hidden_states", "depth_weights")
+            wanted = [name for name in ("hidden_states", "depth_weights", "router_logits")  # (DAR-MoE's aux loss)
                       if kwargs.get(f"output_{name}", getattr(self.config, f"output_{name}", False))]
             if wanted:
                 warn_reentrant_recorded_outputs(self.layers, wanted)
