@@ -238,3 +238,21 @@ def test_load_source_of_an_in_memory_model_keeps_its_rotary_frequencies_as_a_pat
     ids = torch.arange(3, 40).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(from_path(ids).logits, in_memory(ids).logits)
+
+
+def test_only_source_values_a_cast_changes_count_as_rounded(tmp_path, caplog):
+    """The rounding note compares the source tensors' own values: Drop-Upcycling's noised experts (a transform of
+    the source MLP) counted as rounding of a source that bfloat16 holds exactly; and a failed check whose write
+    changed no value said "The weights were rounded to bfloat16" (the by-dtype guess) where the in-memory model's
+    forward hook was the cause."""
+    import logging
+
+    source = make_source("llama", tied=False).to(torch.bfloat16).to(torch.float32)  # values bfloat16 holds
+    with caplog.at_level(logging.INFO, logger="dar_transformers"):
+        upcycle_to_dar_moe(source, tmp_path / "moe", num_experts=2, top_k=1, expert_noise=0.5, dtype="bfloat16",
+                           tokenizer=make_tokenizer(), **FAST)
+    assert "changed no value: every source tensor is stored exactly" in caplog.text
+    source.model.layers[1].mlp.register_forward_hook(lambda module, args, output: 1.5 * output)
+    with pytest.raises(VerificationError) as caught:
+        upcycle(source, tmp_path / "hooked", tokenizer=make_tokenizer(), dtype="bfloat16", **FAST)
+    assert "rounded" not in str(caught.value) and "compared with the in-memory model itself" in str(caught.value)

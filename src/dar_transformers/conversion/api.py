@@ -157,9 +157,10 @@ def upcycle(
             outcome = {}
 
             def write(folder: Path) -> None:
-                changed: set[str] = set()
+                rounding = dict.fromkeys((name for name, _ in narrowed), False)  # marked by the write where it rounds
                 write_converted_folder(folder, target, config, plans, new_names, loaded, options.max_shard_bytes,
-                                       options.progress, changed)
+                                       options.progress, rounding)
+                changed = {name for name, rounded in rounding.items() if rounded}
                 rounded = describe_rounding([(name, dtype) for name, dtype in narrowed if name in changed],
                                             storage_dtype)
                 if narrowed and not rounded:

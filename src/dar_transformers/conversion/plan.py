@@ -212,29 +212,30 @@ def check_tied_output_head(checkpoint: Checkpoint, config: PreTrainedConfig, des
             )
 
 
-def materialise(plan: TensorPlan, checkpoint: Checkpoint, changed: set[str] | None = None) -> torch.Tensor:
-    """The planned tensor in memory (its storage dtype). `changed`: gets the source parts whose values the cast to
-    the storage dtype changed (a narrower dtype rounds only values it does not hold)."""
+def materialise(plan: TensorPlan, checkpoint: Checkpoint, rounding: dict[str, bool] | None = None) -> torch.Tensor:
+    """The planned tensor in memory (its storage dtype). `rounding`: the source tensors that the cast to the storage
+    dtype may round (its keys), each set True when the cast changed one of its values (`note_rounding`)."""
     if plan.value is not None:
         return plan.value.to(plan.dtype)
-    if plan.transform is not None:
-        return note_rounding(plan.transform([checkpoint.read(part) for part in plan.parts]), plan.dtype, plan.parts,
-                             changed).reshape(plan.shape)
+    if plan.transform is not None:  # the source parts' own values, not the transform's (Drop-Upcycling's noise)
+        parts = [checkpoint.read(part) for part in plan.parts]
+        for name, part in zip(plan.parts, parts):
+            note_rounding(part, plan.dtype, name, rounding)
+        return plan.transform(parts).to(plan.dtype).reshape(plan.shape)
     if len(plan.parts) == 1:
-        return note_rounding(checkpoint.read(plan.parts[0]), plan.dtype, plan.parts, changed).reshape(plan.shape)
-    return torch.cat([note_rounding(checkpoint.read(part), plan.dtype, (part,), changed).reshape(-1)
+        return note_rounding(checkpoint.read(plan.parts[0]), plan.dtype, plan.parts[0], rounding).reshape(plan.shape)
+    return torch.cat([note_rounding(checkpoint.read(part), plan.dtype, part, rounding).reshape(-1)
                       for part in plan.parts]).reshape(plan.shape)
 
 
-def note_rounding(value: torch.Tensor, dtype: torch.dtype, parts: Sequence[str], changed: set[str] | None):
-    """`value` cast to `dtype`; `parts` (the source tensors it comes from) join `changed` when the cast changed a
-    value (a float32 tensor whose values are all bfloat16 values goes to bfloat16 unchanged)."""
+def note_rounding(value: torch.Tensor, dtype: torch.dtype, name: str, rounding: dict[str, bool] | None):
+    """`value` (of the source tensor `name`, or rows of it) cast to `dtype`; when `name` is a tensor the cast may round
+    (a key of `rounding`, from the source's stored dtypes: a widening cast never rounds) and none of its values has
+    changed yet, compare: a float32 tensor whose values are all bfloat16 values goes to bfloat16 unchanged."""
     cast = value.to(dtype)
-    if (changed is not None and value.dtype != dtype and value.is_floating_point()
-            and not changed.issuperset(parts) and not torch.equal(cast.to(value.dtype), value)):
-        changed.update(parts)
+    if rounding is not None and rounding.get(name) is False and not torch.equal(cast.to(value.dtype), value):
+        rounding[name] = True
     return cast
-
 
 
 def in_memory_source(source):

@@ -627,7 +627,8 @@ def raise_unless_passed(
             "auto (the default) keeps each as the source stores it. A larger "
             "tolerance (--tolerance) would accept the rounding instead, which the model card records."
         )
-    elif storage_dtype in (torch.bfloat16, torch.float16) and not report.relaxed:
+    elif storage_dtype in (torch.bfloat16, torch.float16) and not report.relaxed and changed is None:
+        # (with `changed` from the write, the branch above named what was rounded, if anything was)
         hint = (
             f"\nThe weights were rounded to {str(storage_dtype).removeprefix('torch.')}, which moves the logits beyond "
             "the bar; pass a larger tolerance (--tolerance) to accept a lower bar, which the model card records."

@@ -69,11 +69,11 @@ def _check_cast(cast: torch.Tensor, source: torch.Tensor, name: str, first_row: 
 
 
 def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping[str, TensorInfo], target,
-                  changed: set[str] | None = None) -> None:
+                  rounding: dict[str, bool] | None = None) -> None:
     """Write one planned tensor; `checkpoint` checks every chunk for NaN/inf as it is read, so this read (the only
     one of the write: a GGUF tensor is dequantised once) is also the check. Floating tensors are copied through such
-    a checked read (the chunk copied is the chunk checked); others are copied by the kernel. `changed` gets the
-    source tensors whose values the cast to the storage dtype changed (`note_rounding`), from the same read."""
+    a checked read (the chunk copied is the chunk checked); others are copied by the kernel. `rounding`: the source
+    tensors the cast may round, marked when it changed a value (`note_rounding`), from the same read."""
     if plan.value is None and plan.transform is None:
         ranges = [checkpoint.checkpoint.byte_range(part) for part in plan.parts]
         same_bytes = all(r is not None for r in ranges) and all(infos[p].dtype == plan.dtype for p in plan.parts)
@@ -87,10 +87,10 @@ def _write_tensor(plan: TensorPlan, checkpoint: FiniteCheckpoint, infos: Mapping
             step = max(1, CHUNK_BYTES // max(1, info.nbytes // max(rows, 1) * (1 if same_bytes else 2)))
             for start in range(0, rows, step):
                 chunk = checkpoint.read(part, slice(start, start + step) if info.shape else None)
-                cast = _check_cast(note_rounding(chunk, plan.dtype, (part,), changed), chunk, part, start)
+                cast = _check_cast(note_rounding(chunk, plan.dtype, part, rounding), chunk, part, start)
                 target.write(memoryview(cast.contiguous().reshape(-1).view(torch.uint8).numpy()))
         return
-    tensor = materialise(plan, checkpoint, changed).contiguous()
+    tensor = materialise(plan, checkpoint, rounding).contiguous()
     # the parts were finite as read: a cast or a transform (Drop-Upcycling) overflowed
     require_finite_cast(tensor, ", ".join(plan.parts) or "a new parameter", "--dtype")
     target.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
@@ -117,14 +117,14 @@ def write_checkpoint(
     max_shard_size: int,
     own_shards: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
-    changed: set[str] | None = None,
+    rounding: dict[str, bool] | None = None,
 ) -> dict:
     """Write `plans` as safetensors shards `model-0000i-of-0000n.safetensors` and the index; the names in
     `own_shards` (DAR's new parameters) go into shard(s) of their own at the end. Returns the index.
 
     Every source tensor is read once, and each chunk is checked for NaN/inf as it is read: a non-finite source raises
     a ValueError naming the tensor part-way through the write (`convert` writes in a staging folder it removes on error).
-    `changed` gets the source tensors whose values the cast to their storage dtype changed."""
+    `rounding`: the source tensors the casts may round, marked when a cast changed a value (`note_rounding`)."""
     own = set(own_shards)
     shared = _shard(((name, plan.nbytes) for name, plan in plans.items() if name not in own), max_shard_size)
     new = _shard(((name, plans[name].nbytes) for name in own_shards), max_shard_size)
@@ -151,7 +151,7 @@ def write_checkpoint(
             for name in names:
                 if progress is not None:
                     progress(name)
-                _write_tensor(plans[name], checkpoint, infos, target, changed)
+                _write_tensor(plans[name], checkpoint, infos, target, rounding)
             if target.tell() != 8 + len(encoded) + offset:
                 raise RuntimeError(f"{file_name}: wrote {target.tell()} bytes, planned {8 + len(encoded) + offset}")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -160,13 +160,13 @@ def write_checkpoint(
 
 
 def write_converted_folder(folder, target, config, plans, new_names, source: Source, max_shard_bytes, progress,
-                           changed: set[str] | None = None):
+                           rounding: dict[str, bool] | None = None):
     """The repo folder without its card: weights (shared shards, then DAR's own), config with `auto_map` and the
     remote-code files, generation config, tokenizer, and the source's `side_files` (license, vocabulary files).
-    `changed`: gets the source tensors whose values the storage dtype rounded."""
+    `rounding`: the source tensors the storage dtype may round, marked where it did (`note_rounding`)."""
     bar = logging.tqdm(total=len(plans), desc="Writing tensors", unit="tensor", disable=not progress)
     write_checkpoint(folder, plans, source.checkpoint, max_shard_bytes, own_shards=new_names,
-                     progress=lambda name: bar.update(), changed=changed)
+                     progress=lambda name: bar.update(), rounding=rounding)
     bar.close()
     config = copy.deepcopy(config)
     config.name_or_path = ""
