@@ -105,8 +105,7 @@ def test_block_size_that_does_not_fit_is_refused_before_loading(tmp_path):
     before = {p.name for p in tmp_path.iterdir()}
     with pytest.raises(ValueError, match=r"dar_block_size must be an integer in \[1, 6\].*got 7"):
         upcycle(source, tmp_path / "out", dar_block_size=7, progress=False)
-    with pytest.raises(TypeError, match=r"Unknown option or config field\(s\) \['dar_blocksize'\] \(did you mean "
-                                        r"'dar_block_size'\?\)"):
+    with pytest.raises(TypeError, match=r"Unknown DAR field\(s\) \['dar_blocksize'\]"):
         upcycle(source, tmp_path / "out", dar_blocksize=2, progress=False)
     assert_nothing_written(tmp_path, before)
 

@@ -137,15 +137,14 @@ class ConversionOptions:
     def split(cls, keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
         """(option keywords, target config fields) of `upcycle(**keywords)`'s keyword arguments; `fields=` (a mapping
         of config fields, as `ConversionOptions` takes them) stays an option, which `conversion_options` merges. A
-        keyword that is neither (a misspelt option: overwite=True) is refused, naming the nearest name; which fields
-        a target kind takes is checked when its config is built."""
+        keyword that is no known field and spelt nearly as an option (overwite=True) is refused, naming the option;
+        any other is a field, which the target kind checks when its config is built (a registered kind's own)."""
         names = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(keywords) - names - TARGET_FIELDS)
-        if unknown:
-            near = difflib.get_close_matches(unknown[0], [*names, *TARGET_FIELDS], n=1)
-            raise TypeError(f"Unknown option or config field(s) {unknown}"
-                            f"{f' (did you mean {near[0]!r}?)' if near else ''}; the options are {sorted(names)}, the "
-                            f"config fields {sorted(TARGET_FIELDS)}.")
+        for keyword in sorted(set(keywords) - names - TARGET_FIELDS):
+            near = difflib.get_close_matches(keyword, names, n=1, cutoff=0.8)
+            if near:
+                raise TypeError(f"Unknown option {keyword!r} (did you mean {near[0]!r}?); the options are "
+                                f"{sorted(names)}, and other keywords are config fields of the target kind.")
         options = {name: value for name, value in keywords.items() if name in names}
         return options, {name: value for name, value in keywords.items() if name not in names}
 
