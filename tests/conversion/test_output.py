@@ -361,3 +361,21 @@ def test_an_in_memory_model_is_never_written_over_the_folder_it_was_loaded_from(
     llama.config.name_or_path = ""  # built from a config: no folder to protect
     upcycle(llama, tmp_path / "elsewhere", tokenizer=tokenizer, **FAST)
     assert (tmp_path / "elsewhere" / "config.json").is_file()
+
+
+def test_an_in_memory_model_loaded_from_a_gguf_file_leaves_the_rest_of_its_folder_free(tmp_path):
+    """transformers names a model loaded with `gguf_file=` by the folder that holds the file: the whole folder was
+    protected (an output beside the file refused), where the path form protects the file alone. The folder itself
+    stays protected; an output inside it is written."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_source, make_tokenizer, write_tiny_gguf
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    gguf = write_tiny_gguf(folder / "tiny.gguf", make_source("llama", True), make_tokenizer())
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name)
+    with pytest.raises(ValueError, match="is the source folder"):
+        upcycle(model, folder, tokenizer=make_tokenizer(), overwrite=True, **FAST)
+    upcycle(model, folder / "tiny-dar", tokenizer=make_tokenizer(), tolerance=1e-4, **FAST)
+    assert (folder / "tiny-dar" / "config.json").is_file() and gguf.is_file()

@@ -213,13 +213,18 @@ def test_a_relaxed_bar_is_named_as_the_bar_not_as_an_inexact_conversion(tmp_path
 
 def test_a_converted_model_is_named_by_its_source_for_the_cards_of_its_fine_tunes(tmp_path):
     """`convert(path)` loads the model back from a temporary folder it then removes; the model kept that path as its
-    name_or_path, which a Trainer's model card would name. It is the source folder's now (a local model to a
-    Trainer's card, as the source is); an in-memory conversion keeps the source model's name (a Hub id: the
-    card's base model), where it was "" (a broken link in a Trainer's card) and the string "None" (PEFT's adapter
-    config then named a Hub repo "None")."""
+    name_or_path, which a Trainer's model card would name; no local path is named (a card would keep it once the
+    folder is gone), a Hub cache snapshot by its Hub id. An in-memory conversion keeps the source model's name (a Hub
+    id: the card's base model), where it was "" and the string "None" (PEFT's adapter config then named a Hub repo
+    "None")."""
+    import shutil
+
     source = save_source(tmp_path / "source")
     model = convert(source, **FAST)
-    assert model.name_or_path == model.config.name_or_path == str(source)
+    assert model.name_or_path == model.config.name_or_path == ""
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(source, snapshot)
+    assert convert(snapshot, **FAST).name_or_path == "acme/tiny"
     llama = make_source("llama", True)
     llama.name_or_path = llama.config.name_or_path = "HuggingFaceTB/SmolLM2-135M"
     for converted in (convert(llama, verify=False), upcycle_model(llama), convert_to_dar_moe(llama, 2, 1)):

@@ -30,8 +30,8 @@ from .plan import (
 )
 from .report import VerificationReport
 from .sources import (
-    Source, check_has_layers, display_name, load_source_config, open_source, rounded_tensors, source_storage_dtype,
-    tensors_phrase, warn_if_declared_dtype_differs,
+    Source, check_has_layers, display_name, hub_snapshot, load_source_config, open_source, rounded_tensors,
+    source_storage_dtype, tensors_phrase, warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
 from .verify import (
@@ -327,10 +327,11 @@ def convert(
             )
         with scratch_folder() as scratch:  # read into memory, not mapped: the folder goes before the model
             model = _load_written(upcycle(source, scratch / "dar", **keywords).output, disable_mmap=True)
-        # Not the removed temporary folder (a Trainer's card named it): the source's folder (a GGUF file's), which a
-        # Trainer's card takes for a local model, not a Hub id
+        # Not the removed temporary folder (a Trainer's card named it), nor any local path (a card would name it once
+        # the folder is gone): the Hub id of a Hub cache snapshot, else none
         source = Path(source)
-        model.name_or_path = model.config.name_or_path = os.fspath(source if source.is_dir() else source.parent)
+        snapshot = hub_snapshot(source if source.is_dir() else source.parent)
+        model.name_or_path = model.config.name_or_path = snapshot[0] if snapshot else ""
         return model
     result = upcycle(source, output, **keywords)
     if result.model is not None:

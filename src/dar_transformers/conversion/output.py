@@ -345,15 +345,18 @@ def loaded_from(model: object) -> str | None:
 
 def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike, in_memory: bool = False) -> None:
     """Refuse an output that is, lies inside or contains the source (`_protected_paths`); `in_memory`: `source` is
-    the folder an in-memory model was loaded from, whose checkpoint a conversion of the model must keep too."""
+    the folder an in-memory model was loaded from, whose checkpoint a conversion of the model must keep too (an
+    output inside it only where it is an HF folder: one loaded with `gguf_file=` names the folder of the file, which
+    the path form's protection of the file alone leaves free)."""
     source_path = resolve_path(source)
     if not os.path.exists(source_path):
         return  # nothing to protect; the source's own check names the missing path
+    inside_refused = not in_memory or (source_path / "config.json").is_file()
     for protected, is_folder, what in _protected_paths(Path(source), source_path):
         relation = None
         if _same(output, protected):
             relation = "is"
-        elif is_folder and _inside(output, protected):
+        elif is_folder and inside_refused and _inside(output, protected):
             relation = "lies inside"
         elif _inside(protected, output):
             relation = "contains"
