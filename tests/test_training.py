@@ -483,7 +483,8 @@ def test_finetune_example_llama_baseline_starts_where_the_upcycle_starts(tmp_pat
 def test_finetune_example_with_lora_saves_a_model_that_loads_on_its_own(tmp_path, docstring_corpus, monkeypatch):
     """`--lora --save` saved the adapter alone, whose base (this run's upcycled DAR model) no folder held: it
     named its base "None". It saves the merged model now, a plain DAR folder, which computes what the trained
-    adapter did."""
+    adapter does; a copy is merged, so that the trainer's model keeps its adapter (a later `--push-to-hub` pushed
+    an emptied one)."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
@@ -496,9 +497,13 @@ def test_finetune_example_with_lora_saves_a_model_that_loads_on_its_own(tmp_path
     final = tmp_path / "run" / "final"
     assert not (final / "adapter_config.json").exists() and (final / "tokenizer_config.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(final).eval()
+    adapted = trainer.model.eval()  # the trained adapter, not merged
+    assert any("lora_" in name for name in adapted.state_dict())
     ids = torch.arange(3, 20).unsqueeze(0)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, trainer.model.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
+        with adapted.disable_adapter():  # the comparison is not void: the adapter changed the model
+            assert (loaded(ids).logits - adapted(ids).logits).abs().max() > 1e-4
 
 
 def test_finetune_example_rejects_a_missing_corpus(tmp_path):
