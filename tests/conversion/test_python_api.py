@@ -197,6 +197,14 @@ def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_pat
     float32_source = save_source(tmp_path / "float32")  # one dtype: no note
     upcycle(float32_source, tmp_path / "plain", **FAST)
     assert "The weights mix dtypes" not in (tmp_path / "plain" / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(float32_source)  # float64 norms beside float32: load in float64
+    for parameter in model.parameters():
+        if parameter.dim() == 1:
+            parameter.data = parameter.data.double()
+    model.save_pretrained(float32_source)
+    upcycle(float32_source, tmp_path / "wide", **FAST)
+    card = (tmp_path / "wide" / "README.md").read_text()
+    assert "beside float32" in card and "`from_pretrained(..., dtype=torch.float64)` computes with every tensor" in card
 
 
 def test_a_relaxed_bar_is_named_as_the_bar_not_as_an_inexact_conversion(tmp_path):

@@ -133,9 +133,9 @@ def upcycle(
                                                keep_source_dtypes)
             kept = kept_source_dtypes(plans, target, storage_dtype)
             kept_description = describe_kept_dtypes(kept, plans, loaded.checkpoint)  # the log's and the card's
-            rounded_on_load = describe_kept_dtypes(  # those that `from_pretrained` in the config's dtype rounds
-                {dtype: names for dtype, names in kept.items() if not holds_exactly(storage_dtype, dtype)}, plans,
-                loaded.checkpoint)
+            wider = {dtype: names for dtype, names in kept.items() if not holds_exactly(storage_dtype, dtype)}
+            rounded_on_load = describe_kept_dtypes(wider, plans, loaded.checkpoint)  # `from_pretrained` rounds them
+            load_dtype = max(wider, key=lambda dtype: torch.finfo(dtype).bits, default=None)  # which holds them all
             # "auto" keeps every tensor as the source stores it; a narrower dtype rounds the values it does not hold
             # (the writer finds which, from its one read: `changed`)
             narrowed = [] if keep_source_dtypes else rounded_tensors(loaded.checkpoint, storage_dtype)
@@ -183,7 +183,7 @@ def upcycle(
                 card = render_model_card(config, report, loaded, base_model=options.base_model,
                                          kind=target.description, answers=answers, exact=target.exact,
                                          kept_dtypes=kept_description, rounded=rounded,
-                                         rounded_on_load=rounded_on_load)
+                                         rounded_on_load=rounded_on_load, load_dtype=load_dtype)
                 (folder / "README.md").write_text(card, encoding="utf-8")
 
             if output is not None:

@@ -85,19 +85,21 @@ or from the command line: `dar generate <this folder> --prompt "The capital of F
 """
 
 
-def _mixed_dtypes_note(config, rounded_on_load: str, report) -> str:
+def _mixed_dtypes_note(config, rounded_on_load: str, load_dtype, report) -> str:
     """For weights stored in several dtypes: what the load code above computes, and how to load what was verified.
     `from_pretrained` casts every tensor to the config's dtype (its default `dtype="auto"`), which rounds the tensors
     the source keeps in a dtype that one does not hold (`rounded_on_load`, from `api.describe_kept_dtypes`: float32
     norms beside bf16 matrices, 0.13 off the verified logits on a tiny model), as it does for the source itself; the
-    check computed with every tensor as stored."""
+    check computed with every tensor as stored. `load_dtype`: the widest of them, in which a load keeps them all."""
     if not rounded_on_load:
         return ""
     dtype = str(config.dtype).removeprefix("torch.")
-    checked = f" (the function checked above, in {report.dtype})" if report is not None and report.verified else ""
+    wide = str(load_dtype).removeprefix("torch.")
+    checked = (f" (the function checked above, in {report.dtype})"
+               if report is not None and report.verified and report.dtype == wide else "")
     return (f"\nThe weights mix dtypes: {rounded_on_load}, beside {dtype}. The code above loads every tensor in "
             f"{dtype}, the config's dtype, as `from_pretrained` loads the source too, which rounds those tensors; "
-            f"`from_pretrained(..., dtype=torch.float32)` computes with every tensor as stored{checked}.\n")
+            f"`from_pretrained(..., dtype=torch.{wide})` computes with every tensor as stored{checked}.\n")
 
 
 def _usage(tokenizer) -> str:
@@ -267,7 +269,7 @@ def _conversion_paragraph(config, source, function_sentence: str, exact: bool = 
 
 def render_model_card(
     config, report, source, base_model: str | None = None, kind: str = "Dual Attention Residuals", answers=None,
-    exact: bool = True, kept_dtypes: str = "", rounded: str = "", rounded_on_load: str = ""
+    exact: bool = True, kept_dtypes: str = "", rounded: str = "", rounded_on_load: str = "", load_dtype=None
 ) -> str:
     """Markdown with YAML front matter; `base_model` (a Hub id) goes into the front matter when given.
 
@@ -275,7 +277,8 @@ def render_model_card(
     when the target deliberately differs from the source (`TargetKind.exact`), which the card then says.
     `kept_dtypes`: the source tensors stored in another dtype than the config's (`api.describe_kept_dtypes`).
     `rounded`: the source tensors the stored dtype rounds (`api.describe_rounding`), named by the function claim.
-    `rounded_on_load`: those of `kept_dtypes` that loading in the config's dtype rounds (`_mixed_dtypes_note`).
+    `rounded_on_load`: those of `kept_dtypes` that loading in the config's dtype rounds, `load_dtype` the widest of
+    their dtypes (`_mixed_dtypes_note`).
     """
     front_matter = ["library_name: transformers", "pipeline_tag: text-generation", *_license_front_matter(source)]
     if base_model:
@@ -315,7 +318,7 @@ def render_model_card(
         verification=verification,
         repo="<this repo or folder>",
         transformers_requirement=TRANSFORMERS_REQUIREMENT,
-        mixed_dtypes=_mixed_dtypes_note(config, rounded_on_load, report),
+        mixed_dtypes=_mixed_dtypes_note(config, rounded_on_load, load_dtype, report),
         usage=_usage(source.tokenizer),
         model_type=config.model_type,
     )
