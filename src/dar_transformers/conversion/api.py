@@ -137,14 +137,15 @@ def upcycle(
             rounded_on_load = describe_kept_dtypes(wider, plans, loaded.checkpoint)  # `from_pretrained` rounds them
             load_dtype = max(wider, key=lambda dtype: torch.finfo(dtype).bits, default=None)  # which holds them all
             # "auto" keeps every tensor as the source stores it; a narrower dtype rounds the values it does not hold
-            # (the writer finds which, from its one read: `changed`)
+            # (the writer finds which, from its one read: `rounding` below)
             narrowed = [] if keep_source_dtypes else rounded_tensors(loaded.checkpoint, storage_dtype)
             if narrowed:
-                logger.warning(f"--dtype {_short(storage_dtype)} may round "
-                               f"{describe_rounding(narrowed, storage_dtype)}: where it does, the converted model can at most compute the source's function with "
-                               "those weights rounded, not bit for bit the source's, so the check may fail at its "
-                               "default tolerance (--tolerance accepts the rounding, and the model card of a written "
-                               "output says so); --dtype auto stores every tensor exactly.")
+                may_round = describe_rounding(narrowed, storage_dtype)
+                logger.warning(f"--dtype {_short(storage_dtype)} may round {may_round}: where it does, the converted "
+                               "model can at most compute the source's function with those weights rounded, not bit "
+                               "for bit the source's, so the check may fail at its default tolerance (--tolerance "
+                               "accepts the rounding, and the model card of a written output says so); --dtype auto "
+                               "stores every tensor exactly.")
             if kept:
                 rounds = (f"; --dtype {_short(storage_dtype)} would round those whose values it does not hold"
                           if rounded_tensors(loaded.checkpoint, storage_dtype) else "")
@@ -224,9 +225,9 @@ def moe_routing_hint(source_config: PreTrainedConfig, config: PreTrainedConfig, 
 # Why a conversion of an in-memory model can fail where its weights would convert: it is checked against the
 # model object itself (`verify.in_memory_source_logits`), which may compute what its config and weights do not say.
 IN_MEMORY_SOURCE_NOTE = (
-    "The converted model was compared with the in-memory model itself: a config field edited after the model was built "
-    "(rms_norm_eps, rope parameters: the modules keep the values of their construction), a forward hook or a replaced "
-    "module make it compute what its config and weights do not say, and no conversion of them reproduces it. "
+    "The converted model was compared with the in-memory model itself: a config field edited after the model was "
+    "built (rms_norm_eps, rope parameters: the modules keep the values of their construction), a forward hook or a "
+    "replaced module make it compute what its config and weights do not say, and no conversion of them reproduces it. "
     "save_pretrained it and load it again to see what they compute."
 )
 
