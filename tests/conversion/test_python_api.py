@@ -188,7 +188,8 @@ def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_pat
     card = (tmp_path / "out" / "README.md").read_text()
     assert re.search(r"\n\nThe weights mix dtypes: \d+ tensor\(s\) in float32 as the source stores them \(model\.layers"
                      r"\.0\.input_layernorm\.weight, .*\), beside bfloat16\. The code above loads every tensor in "
-                     r"bfloat16", card)
+                     r"bfloat16, the config's dtype, which rounds those tensors \(as `from_pretrained` loads the source "
+                     r"too\)", card)
     assert "`from_pretrained(..., dtype=torch.float32)` computes with every tensor as stored (the function checked " \
            "above, in float32)" in card
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -205,6 +206,18 @@ def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_pat
     upcycle(float32_source, tmp_path / "wide", **FAST)
     card = (tmp_path / "wide" / "README.md").read_text()
     assert "beside float32" in card and "`from_pretrained(..., dtype=torch.float64)` computes with every tensor" in card
+    # a config.json that declares another dtype than the stored one: the source itself loads in that one
+    model.to(torch.bfloat16)
+    for parameter in model.parameters():
+        if parameter.dim() == 1:
+            parameter.data = parameter.data.float()
+    model.save_pretrained(float32_source)
+    config = json.loads((float32_source / "config.json").read_text())
+    (float32_source / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    upcycle(float32_source, tmp_path / "declared", **FAST)
+    card = " ".join((tmp_path / "declared" / "README.md").read_text().split())
+    assert ("loads every tensor in bfloat16, the config's dtype, which rounds those tensors (while `from_pretrained` "
+            "loads the source in float32, the dtype its config.json declares)") in card
 
 
 def test_a_relaxed_bar_is_named_as_the_bar_not_as_an_inexact_conversion(tmp_path):

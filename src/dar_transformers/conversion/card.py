@@ -4,6 +4,7 @@
 
 import math
 
+import torch
 import yaml
 from huggingface_hub.repocard import metadata_load
 
@@ -85,20 +86,24 @@ or from the command line: `dar generate <this folder> --prompt "The capital of F
 """
 
 
-def _mixed_dtypes_note(config, rounded_on_load: str, load_dtype, report) -> str:
+def _mixed_dtypes_note(config, rounded_on_load: str, load_dtype, report, source_dtype=None) -> str:
     """For weights stored in several dtypes: what the load code above computes, and how to load what was verified.
     `from_pretrained` casts every tensor to the config's dtype (its default `dtype="auto"`), which rounds the tensors
     the source keeps in a dtype that one does not hold (`rounded_on_load`, from `api.describe_kept_dtypes`: float32
     norms beside bf16 matrices, 0.13 off the verified logits on a tiny model), as it does for the source itself; the
-    check computed with every tensor as stored. `load_dtype`: the widest of them, in which a load keeps them all."""
+    check computed with every tensor as stored. `load_dtype`: the widest of them, in which a load keeps them all.
+    `source_dtype`: the dtype the source's config.json declares, in which `from_pretrained` loads the source."""
     if not rounded_on_load:
         return ""
     dtype = str(config.dtype).removeprefix("torch.")
+    declared = str(source_dtype).removeprefix("torch.") if isinstance(source_dtype, torch.dtype) else dtype
+    source_load = ("as `from_pretrained` loads the source too" if declared == dtype else
+                   f"while `from_pretrained` loads the source in {declared}, the dtype its config.json declares")
     wide = str(load_dtype).removeprefix("torch.")
     checked = (f" (the function checked above, in {report.dtype})"
                if report is not None and report.verified and report.dtype == wide else "")
     return (f"\nThe weights mix dtypes: {rounded_on_load}, beside {dtype}. The code above loads every tensor in "
-            f"{dtype}, the config's dtype, as `from_pretrained` loads the source too, which rounds those tensors; "
+            f"{dtype}, the config's dtype, which rounds those tensors ({source_load}); "
             f"`from_pretrained(..., dtype=torch.{wide})` computes with every tensor as stored{checked}.\n")
 
 
@@ -318,7 +323,8 @@ def render_model_card(
         verification=verification,
         repo="<this repo or folder>",
         transformers_requirement=TRANSFORMERS_REQUIREMENT,
-        mixed_dtypes=_mixed_dtypes_note(config, rounded_on_load, load_dtype, report),
+        mixed_dtypes=_mixed_dtypes_note(config, rounded_on_load, load_dtype, report,
+                                        getattr(source.config, "dtype", None)),
         usage=_usage(source.tokenizer),
         model_type=config.model_type,
     )
