@@ -303,3 +303,18 @@ def test_a_registered_target_kind_takes_its_own_fields_as_keywords(tmp_path, mon
     register_target_kind("tagged_dar", dataclasses.replace(targets.DAR_TARGET, build_config=build_config))
     upcycle(save_source(tmp_path / "source"), kind="tagged_dar", my_tag="x", **FAST)
     assert seen == {"my_tag": "x"}
+
+
+def test_the_check_leaves_an_in_memory_source_with_a_dynamic_rope_as_it_was():
+    """A dynamic rope keeps the longest length it has run: the check's prompts, past the model's
+    max_position_embeddings, were run through the caller's own model (already in the check's dtype and eval mode)
+    and through the returned one, which then computed otherwise than before (5.7 logits at 300 tokens)."""
+    source = make_source("llama", True)
+    source.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    source.config.max_position_embeddings = 16
+    source = type(source)(source.config).eval()  # built with the dynamic rope
+    rotary = source.model.rotary_emb
+    before = (rotary.max_seq_len_cached, rotary.inv_freq.clone())
+    model = convert(source, tokenizer=make_tokenizer(), **FAST)  # prompts of more than 16 tokens
+    assert rotary.max_seq_len_cached == before[0] and torch.equal(rotary.inv_freq, before[1])
+    assert model.model.rotary_emb.max_seq_len_cached == 16

@@ -345,9 +345,13 @@ def set_experts_for(model: PreTrainedModel, dtype: torch.dtype) -> None:
 def cast_model(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     """A copy of `model` whose parameters compute in `dtype` (the verification dtype), its experts on a kernel that
     takes it (`set_experts_for`); buffers are kept as they are, as `from_pretrained` keeps rotary `inv_freq` in
-    float32. `model` itself where it already computes so in eval mode; it is never changed."""
+    float32. `model` itself where it already computes so in eval mode, unless a forward changes it: a dynamic rope
+    keeps the longest length it has run (`max_seq_len_cached`), so the check's prompts would leave the caller's model
+    computing otherwise than before (5.7 logits at 300 tokens past a 256-token `max_position_embeddings`)."""
     experts = needs_float64_experts(model, dtype)
-    if all(parameter.dtype == dtype for parameter in model.parameters()) and not model.training and not experts:
+    stateful = any("dynamic" in str(getattr(module, "rope_type", "")) for module in model.modules())
+    if (all(parameter.dtype == dtype for parameter in model.parameters()) and not model.training and not experts
+            and not stateful):
         return model
     copied = copy_in_dtype(model, dtype)
     set_experts_for(copied, dtype)
