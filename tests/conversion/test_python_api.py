@@ -2,7 +2,9 @@
 """The Python conversion API as a notebook calls it (CPU, tiny models): options of the wrong type are refused by
 name before any work, not read as truthy or failing deep inside; a DAR-MoE tolerance given through the options
 holds; a full temporary folder is one line naming $TMPDIR; task heads and base models are refused saying what
-converts. (A helper's audit of the Python entry points.)"""
+converts; rounding is claimed by value and a mixed-dtype card says what its load code computes; a relaxed bar is
+named as the bar; a converted model is named by its source, never by a local path; an in-memory source (a dynamic
+rope's state included) is left as it was. (Helpers' audits of the Python entry points and of conversions on 5.25.)"""
 
 import copy
 import errno
