@@ -268,13 +268,15 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
             f"held-out perplexity {results['perplexity_before']:.3f} -> {results['perplexity_after']:.3f} "
             f"after {results['steps']} steps ({len(eval_blocks)} blocks of {arguments.sequence_length} tokens)"
         )
-    if arguments.save and arguments.lora and trainer.args.should_save:
+    if arguments.save and arguments.lora:
         # The merged model, a plain DAR folder: the adapter alone would need this run's upcycled base, which no folder
-        # holds. A copy is merged, so that the trainer's model (a later push) keeps its adapter.
-        final = arguments.output_dir / "final"
-        copy.deepcopy(trainer.model).merge_and_unload().save_pretrained(final)
-        trainer.processing_class.save_pretrained(final)
-    elif arguments.save and not arguments.lora:
+        # holds. A copy is merged, so that the trainer's model (a later push) keeps its adapter; on the main process
+        # only, as trainer.save_model writes.
+        if trainer.args.should_save:
+            final = arguments.output_dir / "final"
+            copy.deepcopy(trainer.model).merge_and_unload().save_pretrained(final)
+            trainer.processing_class.save_pretrained(final)
+    elif arguments.save:
         trainer.save_model(str(arguments.output_dir / "final"))
     if arguments.push_to_hub:
         trainer.push_to_hub(

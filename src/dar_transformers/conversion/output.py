@@ -98,8 +98,8 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
                          "the Hub) need; choose an output folder whose path is UTF-8.") from None
     if isinstance(source, (str, os.PathLike)):
         _refuse_source_overlap(output, shown, source)
-    elif loaded_from(source) is not None:
-        _refuse_source_overlap(output, shown, loaded_from(source), in_memory=True)
+    elif (folder := loaded_from(source)) is not None:
+        _refuse_source_overlap(output, shown, folder, in_memory=True)
     if os.path.lexists(output) and not output.is_dir():
         raise FileExistsError(f"Output {shown} exists and is not a folder; choose a new or empty folder.")
     blocking = _nearest_existing(output)
@@ -497,11 +497,11 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
             if error.errno is None:  # one of this module's own refusals, already one line
                 raise
             raise _write_error(output, error.errno, _describe(error), getattr(error, "kept", None)) from error
-        except Exception as error:  # Rust writers (tokenizers) report an OS error as a bare Exception "(os error N)"
-            os_error = re.search(r"\(os error (\d+)\)", str(error))
-            if os_error is None or type(error) is not Exception:
+        except Exception as error:
+            number = rust_os_errno(error)
+            if number is None:
                 raise
-            raise _write_error(output, int(os_error.group(1)), str(error)) from error
+            raise _write_error(output, number, str(error)) from error
         finally:
             with signals_held():
                 if staging is not None and os.path.lexists(staging):
@@ -538,11 +538,11 @@ def scratch_folder() -> Iterator[Path]:
         cause = error.__cause__ if isinstance(error, OutputWriteError) else None  # `convert(path)`'s output in it
         described = _describe(cause) if isinstance(cause, OSError) else _describe(error)
         raise _scratch_error(folder, parent, error.errno, described) from error
-    except Exception as error:  # Rust writers (tokenizers) report an OS error as a bare Exception "(os error N)"
-        os_error = re.search(r"\(os error (\d+)\)", str(error))
-        if os_error is None or type(error) is not Exception:
+    except Exception as error:
+        number = rust_os_errno(error)
+        if number is None:
             raise
-        raise _scratch_error(folder, parent, int(os_error.group(1)), str(error)) from error
+        raise _scratch_error(folder, parent, number, str(error)) from error
     finally:
         with signals_held():
             _remove_own_folder(folder)
@@ -550,6 +550,13 @@ def scratch_folder() -> Iterator[Path]:
         # The verification's models of the folder (loaded memory-mapped) may be left in reference cycles until the
         # next collection, each mapping the removed files, whose space stays taken until then.
         gc.collect()
+
+
+def rust_os_errno(error: Exception) -> int | None:
+    """The errno of an OS error that a Rust writer (tokenizers) reported as a bare Exception "... (os error N)";
+    None for any other exception."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    return int(found.group(1)) if found is not None and type(error) is Exception else None
 
 
 # Errors of writing that name no file (a full disk, a quota, a file system gone read-only): the scratch folder's.

@@ -220,7 +220,8 @@ def materialise(plan: TensorPlan, checkpoint: Checkpoint, rounding: dict[str, bo
     if plan.transform is not None:  # the source parts' own values, not the transform's (Drop-Upcycling's noise)
         parts = [checkpoint.read(part) for part in plan.parts]
         for name, part in zip(plan.parts, parts):
-            note_rounding(part, plan.dtype, name, rounding)
+            if _may_round(rounding, name):  # else no cast of the part is needed at all
+                note_rounding(part, plan.dtype, name, rounding)
         return plan.transform(parts).to(plan.dtype).reshape(plan.shape)
     if len(plan.parts) == 1:
         return note_rounding(checkpoint.read(plan.parts[0]), plan.dtype, plan.parts[0], rounding).reshape(plan.shape)
@@ -233,9 +234,14 @@ def note_rounding(value: torch.Tensor, dtype: torch.dtype, name: str, rounding: 
     (a key of `rounding`, from the source's stored dtypes: a widening cast never rounds) and none of its values has
     changed yet, compare: a float32 tensor whose values are all bfloat16 values goes to bfloat16 unchanged."""
     cast = value.to(dtype)
-    if rounding is not None and rounding.get(name) is False and not torch.equal(cast.to(value.dtype), value):
+    if _may_round(rounding, name) and not torch.equal(cast.to(value.dtype), value):
         rounding[name] = True
     return cast
+
+
+def _may_round(rounding: dict[str, bool] | None, name: str) -> bool:
+    """Whether `name` is a source tensor the cast may round (a key of `rounding`) not yet seen rounded."""
+    return rounding is not None and rounding.get(name) is False
 
 
 def in_memory_source(source):

@@ -726,5 +726,6 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-__all__ = ["Source", "check_gguf_metadata", "copy_in_dtype", "custom_code_entries", "display_name", "exact_storage_dtype", "load_source",
-           "load_source_config", "open_source", "rounded_tensors", "source_storage_dtype", "tensors_phrase"]
+__all__ = ["Source", "check_gguf_metadata", "copy_in_dtype", "custom_code_entries", "display_name",
+           "exact_storage_dtype", "load_source", "load_source_config", "open_source", "rounded_tensors",
+           "source_storage_dtype", "tensors_phrase"]
