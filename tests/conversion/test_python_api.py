@@ -174,6 +174,15 @@ def test_a_narrower_dtype_that_changes_no_value_is_not_said_to_round(tmp_path, c
     assert "rounded 1 source tensor(s) stored in float32 (model.norm.weight)" in card
 
 
+def save_in_dtypes(model, folder, matrices: torch.dtype | None = None, vectors: torch.dtype | None = None) -> None:
+    """Save `model` into `folder` with its matrices and its vectors (norms) in the dtypes given (a mixed source)."""
+    for parameter in model.parameters():
+        dtype = matrices if parameter.dim() == 2 else vectors
+        if dtype is not None:
+            parameter.data = parameter.data.to(dtype)
+    model.save_pretrained(folder)
+
+
 def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_path):
     """bf16 matrices with float32 norms, stored as they are (dtype auto): the card's `from_pretrained(repo)` loads
     every tensor in the config's bfloat16, rounding the norms (0.13 off the verified logits on a tiny model), which
@@ -182,10 +191,7 @@ def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_pat
 
     source = save_source(tmp_path / "source")
     model = AutoModelForCausalLM.from_pretrained(source)
-    for parameter in model.parameters():
-        if parameter.dim() == 2:
-            parameter.data = parameter.data.bfloat16()
-    model.save_pretrained(source)
+    save_in_dtypes(model, source, matrices=torch.bfloat16)
     upcycle(source, tmp_path / "out", **FAST)
     card = (tmp_path / "out" / "README.md").read_text()
     assert re.search(r"\n\nThe weights mix dtypes: \d+ tensor\(s\) in float32 as the source stores them \(model\.layers"
@@ -201,19 +207,12 @@ def test_the_card_of_a_mixed_dtype_source_says_what_its_load_code_rounds(tmp_pat
     upcycle(float32_source, tmp_path / "plain", **FAST)
     assert "The weights mix dtypes" not in (tmp_path / "plain" / "README.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(float32_source)  # float64 norms beside float32: load in float64
-    for parameter in model.parameters():
-        if parameter.dim() == 1:
-            parameter.data = parameter.data.double()
-    model.save_pretrained(float32_source)
+    save_in_dtypes(model, float32_source, vectors=torch.float64)
     upcycle(float32_source, tmp_path / "wide", **FAST)
     card = (tmp_path / "wide" / "README.md").read_text()
     assert "beside float32" in card and "`from_pretrained(..., dtype=torch.float64)` computes with every tensor" in card
     # a config.json that declares another dtype than the stored one: the source itself loads in that one
-    model.to(torch.bfloat16)
-    for parameter in model.parameters():
-        if parameter.dim() == 1:
-            parameter.data = parameter.data.float()
-    model.save_pretrained(float32_source)
+    save_in_dtypes(model, float32_source, matrices=torch.bfloat16, vectors=torch.float32)
     config = json.loads((float32_source / "config.json").read_text())
     (float32_source / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
     upcycle(float32_source, tmp_path / "declared", **FAST)
