@@ -15,7 +15,7 @@ import shlex
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from dar_transformers.cli import main as cli_main
 from dar_transformers.conversion import upcycle
@@ -35,18 +35,26 @@ def test_a_stray_sliding_window_in_a_llama_config_is_not_carried(tmp_path, caplo
     """A Llama config.json holding `sliding_window` (Llama-ified Mistral fine-tunes, merged configs): transformers'
     Llama attention ignores the key, DAR would build a sliding mask from it. The window (8) is shorter than the prompts,
     so carrying it fails the check; a real window (4096) is longer than every prompt and passed over a model that
-    differs beyond it. Dropped with a warning naming the key; greedy decoding is off (`--max-new-tokens 0`) because
-    transformers' own generation cache does apply the window, so the source's cached decoding is not its forward."""
+    differs beyond it. Dropped with a warning naming the key. transformers' generation cache does apply the window,
+    so the source's own `generate` is not its forward past 8 tokens (shown below); the check decodes the source with
+    a full cache and passes with greedy decoding on (it failed as "does not reproduce the source" before)."""
     source = save_source(tmp_path / "source")
     edit_json(source / "config.json", sliding_window=8)
-    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "24", cwd=tmp_path)
     assert code == 0, stderr[-3000:]
     assert "sliding_window=8 is not carried" in caplog.text
     assert json.loads((tmp_path / "out" / "config.json").read_text()).get("sliding_window") is None
     ids = random_tokens(64)
-    source_logits = logits(AutoModelForCausalLM.from_pretrained(source).eval(), ids)
-    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids),
-                               source_logits, atol=1e-5, rtol=0)
+    source_model = AutoModelForCausalLM.from_pretrained(source).eval()
+    dar = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(logits(dar, ids), logits(source_model, ids), atol=1e-5, rtol=0)
+    greedy = {"max_new_tokens": 24, "do_sample": False}
+    with torch.no_grad():
+        windowed = source_model.generate(ids[:, :16], **greedy)  # the cache keeps the last 8 tokens
+        full = source_model.generate(ids[:, :16], past_key_values=DynamicCache(), **greedy)
+        converted = dar.generate(ids[:, :16], **greedy)
+    assert not torch.equal(windowed, full)  # the quirk is real: the cached decoding departs from the forward
+    assert torch.equal(converted, full)
 
 
 def test_a_weight_outside_float16s_range_is_refused_naming_the_tensor_not_written_as_inf(tmp_path):

@@ -165,6 +165,19 @@ def rope_folded_fields(config: PreTrainedConfig) -> tuple[str, ...]:
     return (name,) if hasattr(config, name) and rope.get(name) == getattr(config, name) else ()
 
 
+def ignored_sliding_window(config: PreTrainedConfig) -> int | None:
+    """The `sliding_window` of a config whose family's attention never reads it (a stray key in a Llama config.json),
+    or None. transformers' generation cache still applies such a window (`DynamicCache(config=...)` keeps only that
+    many tokens), so the model's cached decoding is not its own forward past the window; a Qwen config's window acts
+    only through `layer_types`, which its cache follows too."""
+    model_type = config.model_type
+    if model_type == DAR_SOURCE_TYPE:
+        model_type = config.dar_branch_family
+    if model_type in SLIDING_WINDOW_FAMILIES or model_type in LAYER_TYPED_FAMILIES:
+        return None
+    return getattr(config, "sliding_window", None)
+
+
 def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
     """The architecture fields of a source (those its config has, None included), checked for full attention. A dense
     DAR source's attention is that of its branch family (a Mistral-branch DAR keeps its sliding window)."""
@@ -176,13 +189,16 @@ def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
     values = effective_rope(source_config).to_dict()
     fields = {name: values[name] for name in architecture_fields() if name in values}
     if model_type not in SLIDING_WINDOW_FAMILIES:
-        window = fields.pop("sliding_window", None)  # Qwen: only with use_sliding_window (refused above)
-        if window is not None and model_type not in LAYER_TYPED_FAMILIES:
-            logger.warning(
-                f"The {model_type} source's sliding_window={window} is not carried: its attention ignores "
-                "the key (the converted model reproduces that full attention), though transformers' generation cache "
-                f"keeps only the last {window} tokens of such a config; remove the key from the source's config.json."
-            )
+        fields.pop("sliding_window", None)  # Qwen: only with use_sliding_window (refused above)
+    window = ignored_sliding_window(source_config)
+    if window is not None:
+        logger.warning(
+            f"The {model_type} source's sliding_window={window} is not carried: its attention ignores the key (the "
+            "converted model reproduces that full attention), though transformers' generation cache keeps only the "
+            f"last {window} tokens of such a config, so the source's own `generate` departs from its forward past "
+            f"{window} tokens (the verification decodes the source with a full cache); remove the key from the "
+            "source's config.json."
+        )
     return fields
 
 
@@ -196,6 +212,7 @@ __all__ = [
     "check_causal",
     "check_model_type",
     "effective_rope",
+    "ignored_sliding_window",
     "one_line",
     "rope_folded_fields",
     "source_architecture",

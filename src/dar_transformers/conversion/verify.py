@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
 from .checkpoints import Checkpoint, SafetensorsCheckpoint
-from .families import one_line
+from .families import ignored_sliding_window, one_line
 from .keymaps import TensorPlan, to_model_layout
 from .options import ConversionOptions
 from .plan import cast_model, logging_level_error, materialise, meta_model, set_experts_for
@@ -270,6 +270,9 @@ def greedy_continuations(
     # An MoE config that records router logits (its training adds the auxiliary loss) makes transformers' generate
     # compute that loss over the padded batch, which fails; decoding needs neither.
     no_router_logits = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
+    # A window the model's attention ignores would still trim the cache generate builds from its config; a cache made
+    # without the config keeps every token, so the continuation is the model's forward, which the conversion keeps.
+    full_cache = {"past_key_values": DynamicCache()} if ignored_sliding_window(model.config) is not None else {}
     output = model.generate(
         input_ids,
         attention_mask=attention_mask,
@@ -277,6 +280,7 @@ def greedy_continuations(
         pad_token_id=pad_token_id,
         **GREEDY_SEARCH,
         **no_router_logits,
+        **full_cache,
         streamer=TokenProgress(max_new_tokens, description, progress),
     )
     return output[:, length:].tolist()
