@@ -494,3 +494,17 @@ def test_dar_generate_with_a_chat_template_that_fails_is_one_line_naming_the_way
     assert "Traceback" not in error and "fails on the prompt (TemplateError: System message required)" in error
     assert "--no-chat-template" in error
     assert cli_main(["generate", str(source), "--prompt", "Hello", "--max-new-tokens", "2", "--no-chat-template"]) == 0
+
+
+def test_a_partial_rotary_factor_the_default_rope_ignores_converts(tmp_path):
+    """The positive control of the refusal in test_cli_bad_sources: transformers' default rope ignores
+    `partial_rotary_factor` (its scaled ropes honour it, and Llama's attention then fails on every forward), so this
+    source runs, rotating whole heads, and converts to a model that computes the same."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "config.json", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5})
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    ids = random_tokens(32)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids),
+                               logits(AutoModelForCausalLM.from_pretrained(source).eval(), ids), atol=1e-5, rtol=0)

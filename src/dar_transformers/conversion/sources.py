@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
@@ -256,10 +257,32 @@ def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
                          f"(allowed: {', '.join(sorted(ACT2FN))}).")
     try:
         with torch.device("meta"):  # a copy: from_config sets the attention and experts implementations on its config
-            AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
     except Exception as error:  # whatever the constructor trips over: a config the source's own class cannot build
         raise ValueError(f"Invalid {config_file}: {reference_class(config.model_type)} cannot be built from it "
                          f"({type(error).__name__}: {one_line(error)}).") from error
+    check_rotary_covers_heads(model, config, config_file)
+
+
+def check_rotary_covers_heads(model: PreTrainedModel, config: PreTrainedConfig, config_file: Path) -> None:
+    """Refuse a rope whose rotary dimensions are not the head dimension: the attention of every family that converts
+    rotates all of each head, so the source itself fails on every forward (a shape error deep in the verification).
+    transformers' default rope ignores `partial_rotary_factor`, its scaled ropes (linear, yarn, ...) honour it.
+    `model` is the source's model built on the meta device: its rotary frequencies have their shape."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    frequencies = getattr(rotary, "inv_freq", None)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if frequencies is None or 2 * frequencies.shape[-1] == head_dim:
+        return
+    rope = getattr(config, "rope_parameters", None) or {}
+    raise ValueError(
+        f"Invalid {config_file}: its rope (rope_type {rope.get('rope_type', 'default')!r}, partial_rotary_factor "
+        f"{rope.get('partial_rotary_factor', getattr(config, 'partial_rotary_factor', None))}) gives "
+        f"{2 * frequencies.shape[-1]} rotary dimensions per head, but {reference_class(config.model_type)}'s "
+        f"attention rotates all head_dim={head_dim} of them, so the source model fails on every forward in "
+        f"transformers {transformers.__version__}, and there is nothing to reproduce. If the key is stray, remove it; "
+        "a model trained with a partial rotary belongs to a family that does not convert."
+    )
 
 
 def undefined_config_fields(config: PreTrainedConfig) -> list[str]:
