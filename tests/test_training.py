@@ -315,6 +315,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.skipif(
+    "every_n_layers" not in inspect.signature(getattr(DARForCausalLM, "activation_checkpointing_enable", len)).parameters,
+    reason="every_n_layers is new in transformers 5.25")
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
+@pytest.mark.parametrize("every_n_layers", [2, 3])
+def test_checkpointing_every_nth_layer_gives_the_same_gradients(implementation, every_n_layers):
+    """transformers 5.25's `activation_checkpointing_enable(every_n_layers=n)` checkpoints layers 0, n, 2n, ...: DAR's
+    blocks (2 layers here, 4 branches) then mix checkpointed and plain layers, whose recomputed reads, partials and
+    deferred entry gradients must meet the plain ones exactly."""
+    model = upcycled_dar(tiny_llama(num_hidden_layers=5), dar_block_size=2, dar_implementation=implementation)
+    model = model.double().train()
+    perturb_dar_parameters(model)
+    input_ids = random_input_ids()
+    plain = _gradients(model, input_ids, input_ids)
+    model.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [i % every_n_layers == 0 for i in range(5)]
+    checkpointed = _gradients(model, input_ids, input_ids, use_cache=False)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_a_loss_on_recorded_outputs_under_checkpointing_is_exact_or_warned(use_reentrant, caplog):
     """Hidden states and depth weights are recorded inside the decoder layers: under reentrant checkpointing they
