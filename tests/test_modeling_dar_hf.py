@@ -300,6 +300,31 @@ def test_static_cache_gives_the_tokens_of_dynamic_cache(dar):
     assert torch.equal(static, dynamic)
 
 
+@pytest.mark.parametrize("kind", ["dar", "dar_moe"])
+def test_assisted_and_prompt_lookup_decoding_give_the_tokens_of_greedy_decoding(kind):
+    """Speculative decoding verifies several drafted tokens in one forward and crops the KV cache back to the accepted
+    ones: DAR's depth mixing is per token (no state across positions but the KV cache), so greedy tokens are
+    unchanged, with a smaller DAR model as the assistant and with prompt lookup (a repeated prompt, so that drafts are
+    accepted and rejected). Float64, so that no greedy step is a near tie between the two forward shapes."""
+    from dar_transformers import DARMoeConfig, DARMoeForCausalLM
+
+    if kind == "dar":
+        model = upcycled_dar(tiny_llama(num_hidden_layers=4), dar_block_size=2)
+    else:
+        torch.manual_seed(0)
+        model = DARMoeForCausalLM(DARMoeConfig(**TINY_MOE)).eval()
+        model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    model = model.double()
+    perturb_dar_parameters(model, scale=0.5, seed=1)
+    assistant = upcycled_dar(tiny_llama(seed=1), dar_block_size=1).double()
+    prompt = random_input_ids(length=10)[:1]  # assisted decoding takes one sequence
+    prompt = torch.cat([prompt, prompt], dim=1)
+    greedy = {"max_new_tokens": 16, "do_sample": False}
+    expected = model.generate(prompt, **greedy)
+    assert torch.equal(model.generate(prompt, assistant_model=assistant, **greedy), expected)
+    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=3, **greedy), expected)
+
+
 # Attention implementations and recorded outputs.
 
 
