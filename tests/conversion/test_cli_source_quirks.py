@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Gene
 
 from dar_transformers.cli import main as cli_main
 from dar_transformers.conversion import upcycle
+from dar_transformers.conversion.verify import GENERATE_CACHE_KEYWORD
 
 from conftest import (
     VOCAB, assert_refused_in_one_line, edit_json, logits, make_source, make_tokenizer, run_convert_in_process,
@@ -51,7 +52,7 @@ def test_a_stray_sliding_window_in_a_llama_config_is_not_carried(tmp_path, caplo
     greedy = {"max_new_tokens": 24, "do_sample": False}
     with torch.no_grad():
         windowed = source_model.generate(ids[:, :16], **greedy)  # the cache keeps the last 8 tokens
-        full = source_model.generate(ids[:, :16], past_key_values=DynamicCache(), **greedy)
+        full = source_model.generate(ids[:, :16], **{GENERATE_CACHE_KEYWORD: DynamicCache()}, **greedy)
         converted = dar.generate(ids[:, :16], **greedy)
     assert not torch.equal(windowed, full)  # the quirk is real: the cached decoding departs from the forward
     assert torch.equal(converted, full)

@@ -17,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
+from ..modeling_dar import cache_keyword
 from .checkpoints import Checkpoint, SafetensorsCheckpoint
 from .families import ignored_sliding_window, one_line
 from .keymaps import TensorPlan, to_model_layout
@@ -247,6 +248,11 @@ def greedy_divergence(source_model, target_model, input_ids: torch.Tensor, sourc
     return index, float(top[0] - top[1]), float((target_logits - source_logits).abs().max())
 
 
+# The name `generate` takes a cache under: `cache` from transformers 5.24, where `past_key_values` warns. generate's
+# own signature hides it in **kwargs; the method it hands the cache to names it.
+GENERATE_CACHE_KEYWORD = cache_keyword(GenerationMixin.prepare_inputs_for_generation)
+
+
 @torch.no_grad()
 def greedy_continuations(
     model: PreTrainedModel,
@@ -272,7 +278,7 @@ def greedy_continuations(
     no_router_logits = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
     # A window the model's attention ignores would still trim the cache generate builds from its config; a cache made
     # without the config keeps every token, so the continuation is the model's forward, which the conversion keeps.
-    full_cache = {"past_key_values": DynamicCache()} if ignored_sliding_window(model.config) is not None else {}
+    full_cache = {GENERATE_CACHE_KEYWORD: DynamicCache()} if ignored_sliding_window(model.config) is not None else {}
     output = model.generate(
         input_ids,
         attention_mask=attention_mask,
