@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from dar_transformers import DARConfig, DARForCausalLM
-from dar_transformers.conversion import DAR_NEW_PARAMETERS, new_parameter_values, upcycle
+from dar_transformers.conversion import DAR_NEW_PARAMETERS, convert, new_parameter_values, upcycle
 from dar_transformers.conversion.keymaps import TensorInfo
 from dar_transformers.conversion.plan import plan_conversion
 from dar_transformers.conversion.targets import DAR_TARGET, plan_dar_tensors
 
-from conftest import SHAPE, VOCAB, make_source
+from conftest import SHAPE, VOCAB, make_source, make_tokenizer
 
 
 @pytest.mark.parametrize("fields", [dict(dar_block_size=2), dict(dar_block_size=1, dar_num_streams=1),
@@ -114,6 +114,14 @@ def test_in_memory_sources_as_users_hold_them(tmp_path):
     ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (converted(ids).logits - source(ids).logits).abs().max() <= 1e-5
+    # convert() took every non-PreTrainedModel for a path: "tokenizer is required", then a TypeError inside pathlib
+    for model in (convert(torch.compile(source), dar_block_size=2, max_new_tokens=4, progress=False),
+                  convert(torch.compile(source), tmp_path / "compiled", tokenizer=make_tokenizer(), dar_block_size=2,
+                          max_new_tokens=4, progress=False)):
+        with torch.no_grad():
+            assert (model(ids).logits - source(ids).logits).abs().max() <= 1e-5
+    with pytest.raises(TypeError, match="must be a transformers PreTrainedModel, an HF folder or a .gguf file"):
+        convert(torch.nn.Linear(2, 2))
     peft_model = get_peft_model(make_source("llama", tied=False), LoraConfig(target_modules=["q_proj"], r=2))
     with pytest.raises(ValueError, match=r"PEFT adapters \(PeftModel\).*merge_and_unload"):
         upcycle(peft_model, tmp_path / "out", tokenizer=None)
@@ -124,3 +132,4 @@ def test_in_memory_sources_as_users_hold_them(tmp_path):
     with pytest.raises(TypeError, match="must be a transformers PreTrainedModel, an HF folder or a .gguf file"):
         upcycle_model(torch.nn.Linear(2, 2))
     assert not (tmp_path / "out").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["compiled"]

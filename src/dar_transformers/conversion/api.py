@@ -19,7 +19,7 @@ from transformers.utils import logging
 
 from ..modeling_dar_moe import DARMoeForCausalLM
 from .card import chat_answers, render_model_card
-from .families import MOE_SOURCE_FAMILIES, source_family
+from .families import MOE_SOURCE_FAMILIES, source_family, warn_ignored_sliding_window
 from .options import ConversionOptions
 from .output import check_output_folder, scratch_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
@@ -112,7 +112,8 @@ def upcycle(
         check_has_layers(source_config, "The in-memory model's config.num_hidden_layers")
     branch_family = source_family(source_config)
     if in_memory and output is None:
-        return _upcycle_in_memory(source, tokenizer, options)
+        return _upcycle_in_memory(source, tokenizer, options)  # `upcycle_model` warns
+    warn_ignored_sliding_window(source_config)
     # Validate the target config before opening any weight.
     target.build_config(source_config, branch_family, options.storage_dtype or torch.float32, options.fields)
 
@@ -318,7 +319,7 @@ def convert(
     >>> dar = convert("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-dar", dar_block_size=8)
     ```
     """
-    if output is None and not isinstance(source, PreTrainedModel):
+    if output is None and isinstance(source, (str, os.PathLike)):  # a model, compiled or not, is converted in memory
         options = keywords.get("options")
         if keywords.get("verify") is False or (options is not None and not options.verify):
             raise ValueError(

@@ -189,17 +189,23 @@ def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
     values = effective_rope(source_config).to_dict()
     fields = {name: values[name] for name in architecture_fields() if name in values}
     if model_type not in SLIDING_WINDOW_FAMILIES:
-        fields.pop("sliding_window", None)  # Qwen: only with use_sliding_window (refused above)
+        # Qwen: only with use_sliding_window (refused above); any other family ignores it (`warn_ignored_sliding_window`)
+        fields.pop("sliding_window", None)
+    return fields
+
+
+def warn_ignored_sliding_window(source_config: PreTrainedConfig) -> None:
+    """Say, once per conversion, that a window the source's attention ignores is not carried (`source_architecture`
+    leaves it out of the target config, where DAR would build a sliding mask from it)."""
     window = ignored_sliding_window(source_config)
     if window is not None:
         logger.warning(
-            f"The {model_type} source's sliding_window={window} is not carried: its attention ignores the key (the "
-            "converted model reproduces that full attention), though transformers' generation cache keeps only the "
-            f"last {window} tokens of such a config, so the source's own `generate` departs from its forward past "
-            f"{window} tokens (the verification decodes the source with a full cache); remove the key from the "
+            f"The {source_config.model_type} source's sliding_window={window} is not carried: its attention ignores the "
+            "key (the converted model reproduces that full attention), though transformers' generation cache keeps "
+            f"only the last {window} tokens of such a config, so the source's own `generate` departs from its forward "
+            f"past {window} tokens (the verification decodes the source with a full cache); remove the key from the "
             "source's config.json."
         )
-    return fields
 
 
 __all__ = [
@@ -217,4 +223,5 @@ __all__ = [
     "rope_folded_fields",
     "source_architecture",
     "source_family",
+    "warn_ignored_sliding_window",
 ]
