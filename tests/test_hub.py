@@ -65,6 +65,37 @@ def pushed(tmp_path_factory):
     return SimpleNamespace(folder=folder, model=trainer.model.eval(), tokenizer=trainer.processing_class, tmp=tmp_path)
 
 
+def test_a_lora_fine_tune_pushes_the_merged_model(tmp_path):
+    """`finetune.py --lora --push-to-hub` uploaded the adapter alone (adapter_config.json naming base None, no config,
+    code or weights), whose base, this run's upcycled model, no repo holds. It pushes the merged DAR model now, as
+    `--save` writes it: a folder that loads on its own and computes what the trained adapter computes."""
+    from transformers import AutoModelForCausalLM
+
+    api = CapturingHubApi(tmp_path / "hub")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(transformers.trainer, "hf_api", lambda: api)
+    patch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    try:
+        trainer, _ = load_example("finetune").main([
+            "--tiny", "--corpus-dir", str(write_docstring_corpus(tmp_path / "corpus")), "--output-dir",
+            str(tmp_path / "run"), "--max-steps", "4", "--eval-steps", "4", "--sequence-length", "32",
+            "--batch-size", "2", "--train-documents", "40", "--eval-documents", "10", "--eval-blocks", "4",
+            "--lora", "--lora-train-dar", "--push-to-hub", "--hub-model-id", "someone/dar-tiny-lora",
+        ])
+    finally:
+        patch.undo()
+    assert len(api.uploads) == 1
+    folder = api.uploads[0][1]
+    names = {path.name for path in folder.iterdir()}
+    assert "adapter_config.json" not in names and "adapter_model.safetensors" not in names
+    assert {"config.json", "modeling_dar.py", "model.safetensors", "tokenizer.json", "README.md"} <= names
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "dar"
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.arange(3, 20).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trainer.model.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_pushed_folder_holds_config_with_auto_map_code_weights_tokenizer_and_card(pushed):
     names = {path.name for path in pushed.folder.iterdir()}
     assert {"config.json", "configuration_dar.py", "modeling_dar.py", "model.safetensors", "generation_config.json",
