@@ -243,6 +243,33 @@ def test_sampling_depends_on_the_seed(dar):
     assert not torch.equal(*samples)
 
 
+@pytest.mark.parametrize("implementation", ["fast", "two_phase", "reference"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_rms_norm_eps_zero_keeps_a_left_padded_batch_finite_and_exact(implementation, grad):
+    """A Llama config may hold rms_norm_eps = 0 (its norms never see a zero vector). A fully masked padded position's
+    attention output is zero, so DAR's history holds an all-zero entry there, whose depth key was 0/0 = NaN with that
+    eps; the NaN reached the real positions through the next attention's values (every backend, and the converter
+    then wrote a model that is NaN on padded batches). The key norm's eps has a floor (`depth_key_norm_eps`):
+    upcycled, the model still gives Llama's logits, and trained queries give finite ones."""
+    llama = tiny_llama(rms_norm_eps=0.0, num_hidden_layers=3)
+    ids = random_input_ids(length=8)[:1]
+    # padded with a token whose embedding row is not zero (the tiny model's pad row is: Llama would be NaN there)
+    padded = torch.cat([torch.full((1, 4), 3), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    with torch.no_grad():
+        expected = llama(padded, attention_mask=mask).logits[:, 4:]
+    assert torch.isfinite(llama(padded, attention_mask=mask).logits).all()
+    for trained in (False, True):
+        dar = upcycled_dar(llama, dar_block_size=2, dar_implementation=implementation)
+        if trained:
+            perturb_dar_parameters(dar, scale=0.5, seed=1)
+        with torch.set_grad_enabled(grad):
+            logits = dar(padded, attention_mask=mask).logits
+        assert torch.isfinite(logits).all(), (trained, logits.isnan().sum().item())
+        if not trained:
+            assert _max_abs_diff(logits[:, 4:].detach(), expected) <= 1e-5
+
+
 def test_left_padded_batch_gives_each_prompt_its_own_continuation(dar):
     long_prompt, short_prompt = random_input_ids(1, 7, seed=1), random_input_ids(1, 4, seed=2)
     batch = torch.zeros(2, 7, dtype=torch.long)

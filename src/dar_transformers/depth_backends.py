@@ -108,6 +108,14 @@ def dar_history_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if config.dar_history_dtype == "model" else dar_compute_dtype(model_dtype)
 
 
+def depth_key_norm_eps(config) -> float:
+    """The eps of the depth keys' RMSNorm: `config.rms_norm_eps`, at least float32's smallest normal number. An
+    all-zero entry (a padded position's branch output, its attention fully masked) then gets a zero key where
+    rms_norm_eps = 0, which a Llama config may hold (its own norms never see a zero vector), made it 0/0 = NaN, and the
+    padded position's NaN reached real ones through the next attention's values; any eps above the floor is kept."""
+    return max(float(config.rms_norm_eps), torch.finfo(torch.float32).tiny)
+
+
 @dataclass(frozen=True)
 class DepthState:
     """The residual state between branches: the committed history B_0 .. B_{S-1} of every stream (a tuple of
@@ -1282,7 +1290,7 @@ class TwoPhaseDepthBackend:
     """Two-phase depth reads (DESIGN.md section 7); stateless apart from the model's configuration."""
 
     def __init__(self, config):
-        self.eps = config.rms_norm_eps
+        self.eps = depth_key_norm_eps(config)
         self.compiled_read = config.dar_compiled_read
         self.training_kernel = config.dar_training_kernel
         self.lean: _LeanPartials | None = None
@@ -1609,7 +1617,7 @@ class InferenceDepthBackend:
     """
 
     def __init__(self, config):
-        self.eps = config.rms_norm_eps
+        self.eps = depth_key_norm_eps(config)
         self.wants_kernels = config.dar_inference_kernel == "cpp"
         self.kernels = None  # the C++ kernels, where this forward runs them (`start`)
         self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
@@ -2327,7 +2335,7 @@ class FastDepthBackend:
                 "'reference'; the fused 'fast' path keeps its depth buffers in float32."
             )
         self.num_slots = 1 + math.ceil(config.dar_num_branches / config.dar_block_size)  # embedding + one per block
-        self.eps = config.rms_norm_eps
+        self.eps = depth_key_norm_eps(config)
         self.history_buffer = self.inv_rms_buffer = None
         self.gradients = DepthGradients()
         self.wants_kernels = config.dar_training_kernel == "cpp"
@@ -2483,5 +2491,6 @@ __all__ = [
     "dar_compute_dtype",
     "dar_history_dtype",
     "depth_backend",
+    "depth_key_norm_eps",
     "module_registrations",
 ]

@@ -63,7 +63,9 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dar import DARConfig, check_layout_unchanged, dar_layout, dar_routing
-from .depth_backends import DepthState, dar_compute_dtype, dar_history_dtype, depth_backend, module_registrations
+from .depth_backends import (
+    DepthState, dar_compute_dtype, dar_history_dtype, depth_backend, depth_key_norm_eps, module_registrations,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -197,7 +199,7 @@ class DARDepthAttention(nn.Module):
         self.num_streams = config.dar_num_streams
         streams, hidden = config.dar_num_streams, config.hidden_size
         self.pseudo_query = nn.Parameter(torch.zeros(streams, hidden, dtype=dar_parameter_dtype()))
-        self.key_norm = DARStreamRMSNorm(config.dar_num_streams, config.hidden_size, config.rms_norm_eps)
+        self.key_norm = DARStreamRMSNorm(config.dar_num_streams, config.hidden_size, depth_key_norm_eps(config))
         self.key_streams, self.value_streams = dar_routing(config)
         self.count_scaling = config.dar_count_scaling
 
