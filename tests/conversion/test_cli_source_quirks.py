@@ -32,34 +32,42 @@ def random_tokens(length: int, seed: int = 0) -> torch.LongTensor:
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def test_a_stray_sliding_window_in_a_llama_config_is_not_carried(tmp_path, caplog):
-    """A Llama config.json holding `sliding_window` (Llama-ified Mistral fine-tunes, merged configs): transformers'
-    Llama attention ignores the key, DAR would build a sliding mask from it. The window (8) is shorter than the prompts,
-    so carrying it fails the check; a real window (4096) is longer than every prompt and passed over a model that
-    differs beyond it. Dropped with a warning naming the key. transformers' generation cache does apply the window,
-    so the source's own `generate` is not its forward past 8 tokens (shown below); the check decodes the source with
-    a full cache and passes with greedy decoding on (it failed as "does not reproduce the source" before)."""
+@pytest.mark.parametrize("fields, named, decodes", [
+    ({"sliding_window": 8}, "sliding_window=8", True),
+    ({"attention_chunk_size": 8}, "attention_chunk_size=8", True),  # a chunked cache layer
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]},  # no window: generate fails
+     "layer_types=['full_attention', 'sliding_attention', 'full_attention']", False),
+], ids=["sliding_window", "attention_chunk_size", "layer_types"])
+def test_a_stray_cache_window_in_a_llama_config_is_not_carried(tmp_path, caplog, fields, named, decodes):
+    """A Llama config.json holding `sliding_window`, `attention_chunk_size` or `layer_types` (Llama-ified Mistral
+    fine-tunes, merged configs): Llama's attention ignores them, DAR would build a sliding mask from the window (8,
+    shorter than the prompts: carrying it fails the check). transformers' generation cache does read them, so the
+    source's own `generate` is not its forward past the window (shown below), or fails (sliding layer types without a
+    window). Dropped with one warning naming the field; the check decodes the source with a full cache and passes with
+    greedy decoding on (it failed as "does not reproduce the source", or in a traceback, before)."""
     source = save_source(tmp_path / "source")
-    edit_json(source / "config.json", sliding_window=8)
+    edit_json(source / "config.json", **fields)
     code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "24", cwd=tmp_path)
     assert code == 0, stderr[-3000:]
-    assert caplog.text.count("sliding_window=8 is not carried") == 1  # was twice: the target config is built twice
-    assert json.loads((tmp_path / "out" / "config.json").read_text()).get("sliding_window") is None
+    assert caplog.text.count(f"{named} is not carried") == 1  # was twice: the target config is built twice
+    assert "never reads them" not in caplog.text  # not the undefined-fields warning: the cache reads them
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert not set(fields) & {name for name, value in written.items() if value is not None}
     ids = random_tokens(64)
     source_model = AutoModelForCausalLM.from_pretrained(source).eval()
     for output in (None, tmp_path / "in-memory"):  # an in-memory source: `upcycle_model`, or a written folder
         caplog.clear()
         upcycle(source_model, output, tokenizer=make_tokenizer(), max_new_tokens=0, progress=False)
-        assert caplog.text.count("sliding_window=8 is not carried") == 1
+        assert caplog.text.count(f"{named} is not carried") == 1
     dar = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    torch.testing.assert_close(logits(dar, ids), logits(source_model, ids), atol=1e-5, rtol=0)
+    with torch.no_grad():  # no cache: the source's, built from its layer types, fails without a window
+        torch.testing.assert_close(dar(ids).logits, source_model(ids, use_cache=False).logits, atol=1e-5, rtol=0)
     greedy = {"max_new_tokens": 24, "do_sample": False}
     with torch.no_grad():
-        windowed = source_model.generate(ids[:, :16], **greedy)  # the cache keeps the last 8 tokens
         full = source_model.generate(ids[:, :16], **{GENERATE_CACHE_KEYWORD: DynamicCache()}, **greedy)
-        converted = dar.generate(ids[:, :16], **greedy)
-    assert not torch.equal(windowed, full)  # the quirk is real: the cached decoding departs from the forward
-    assert torch.equal(converted, full)
+        assert torch.equal(dar.generate(ids[:, :16], **greedy), full)
+        if decodes:  # the quirk is real: the cached decoding departs from the forward
+            assert not torch.equal(source_model.generate(ids[:, :16], **greedy), full)
 
 
 def test_a_weight_outside_float16s_range_is_refused_naming_the_tensor_not_written_as_inf(tmp_path):

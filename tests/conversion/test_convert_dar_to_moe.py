@@ -162,6 +162,22 @@ def test_a_dense_dar_of_another_branch_family_upcycles_with_its_attention(tmp_pa
     assert torch.allclose(logits(moe, IDS), logits(dar, IDS), atol=1e-5, rtol=0)
 
 
+def test_a_llama_branch_dar_keeps_its_sliding_window(tmp_path):
+    """DAR's mask applies `sliding_window` whatever the branch family, so a Llama-branch DAR's window is its own, not
+    a stray Llama key: it was dropped as one ("its attention ignores the key"), and the full-attention upcycle then
+    FAILED the check (5.3 logits off with a window of 5)."""
+    source = saved(trained_dar(dar_block_size=2), tmp_path / "dar")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "sliding_window": 5}))
+    dar = DARForCausalLM.from_pretrained(source).eval()
+    assert dar.config.sliding_window == 5
+    result = upcycle_to_dar_moe(source, tmp_path / "moe", num_experts=4, top_k=2, tolerance=1e-5, **FAST)
+    assert result.report.passed
+    moe = DARMoeForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    assert moe.config.sliding_window == 5
+    assert torch.allclose(logits(moe, IDS), logits(dar, IDS), atol=1e-5, rtol=0)
+
+
 def test_an_in_memory_dense_dar_model_upcycles_to_dar_moe(tmp_path):
     dar = trained_dar(dar_block_size=2)
     moe = upcycle_model(dar, "dar_moe", num_experts=3, num_experts_per_tok=2, dar_implementation="two_phase")

@@ -165,17 +165,30 @@ def rope_folded_fields(config: PreTrainedConfig) -> tuple[str, ...]:
     return (name,) if hasattr(config, name) and rope.get(name) == getattr(config, name) else ()
 
 
-def ignored_sliding_window(config: PreTrainedConfig) -> int | None:
-    """The `sliding_window` of a config whose family's attention never reads it (a stray key in a Llama config.json),
-    or None. transformers' generation cache still applies such a window (`DynamicCache(config=...)` keeps only that
-    many tokens), so the model's cached decoding is not its own forward past the window; a Qwen config's window acts
-    only through `layer_types`, which its cache follows too."""
+def cache_only_windows(config: PreTrainedConfig) -> dict[str, object]:
+    """The fields of `config` with which transformers' generation cache keeps only a window of tokens in layers whose
+    attention applies no such window, with their values ({} when the cache and the attention agree). The cache reads
+    `layer_types`, else `sliding_window`, else `attention_chunk_size` (`get_layer_types_and_kwargs`); Llama's
+    attention reads none of them (a stray key: Llama-ified Mistral fine-tunes, merged configs), Mistral's and
+    Mixtral's read `sliding_window`, and so does DAR's whatever its branch family; Qwen's attention and cache both
+    follow `layer_types` (a sliding one is refused). With such fields the model's cached `generate` departs from its
+    own forward past the window (or fails: sliding layer types without a window), so the converted model, which
+    reproduces the forward, is checked against the source decoded with a full cache."""
     model_type = config.model_type
-    if model_type == DAR_SOURCE_TYPE:
-        model_type = config.dar_branch_family
-    if model_type in SLIDING_WINDOW_FAMILIES or model_type in LAYER_TYPED_FAMILIES:
-        return None
-    return getattr(config, "sliding_window", None)
+    if model_type in LAYER_TYPED_FAMILIES:
+        return {}
+    window = getattr(config, "sliding_window", None)
+    attention_window = window if model_type in SLIDING_WINDOW_FAMILIES or model_type == DAR_SOURCE_TYPE else None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        expected = "full_attention" if attention_window is None else "sliding_attention"
+        agree = all(kind == expected for kind in layer_types)
+    else:
+        agree = (window if window is not None else getattr(config, "attention_chunk_size", None)) == attention_window
+    if agree:
+        return {}
+    names = ["layer_types", "attention_chunk_size"] + ([] if attention_window is not None else ["sliding_window"])
+    return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
 
 
 def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
@@ -188,23 +201,23 @@ def source_architecture(source_config: PreTrainedConfig) -> dict[str, object]:
         check_full_attention(source_config)
     values = effective_rope(source_config).to_dict()
     fields = {name: values[name] for name in architecture_fields() if name in values}
-    if model_type not in SLIDING_WINDOW_FAMILIES:
-        # Qwen: only with use_sliding_window (refused above); any other family ignores it (`warn_ignored_sliding_window`)
+    if model_type not in SLIDING_WINDOW_FAMILIES and source_config.model_type != DAR_SOURCE_TYPE:
+        # Qwen: only with use_sliding_window (refused above); Llama's attention ignores it (`cache_only_windows`)
         fields.pop("sliding_window", None)
     return fields
 
 
-def warn_ignored_sliding_window(source_config: PreTrainedConfig) -> None:
-    """Say, once per conversion, that a window the source's attention ignores is not carried (`source_architecture`
-    leaves it out of the target config, where DAR would build a sliding mask from it)."""
-    window = ignored_sliding_window(source_config)
-    if window is not None:
+def warn_cache_only_windows(source_config: PreTrainedConfig) -> None:
+    """Say, once per conversion, which window fields of the source its attention ignores (`cache_only_windows`): the
+    converted config does not carry them (DAR would build a sliding mask from `sliding_window`)."""
+    fields = cache_only_windows(source_config)
+    if fields:
+        named = ", ".join(f"{name}={value}" for name, value in fields.items())
         logger.warning(
-            f"The {source_config.model_type} source's sliding_window={window} is not carried: its attention ignores the "
-            "key (the converted model reproduces that full attention), though transformers' generation cache keeps "
-            f"only the last {window} tokens of such a config, so the source's own `generate` departs from its forward "
-            f"past {window} tokens (the verification decodes the source with a full cache); remove the key from the "
-            "source's config.json."
+            f"The {source_config.model_type} source's {named} is not carried: its attention ignores it (the converted "
+            "model reproduces that full attention), though transformers' generation cache keeps only a window of "
+            "tokens for such a config, so the source's own `generate` departs from its forward past the window or "
+            "fails (the verification decodes the source with a full cache); remove it from the source's config.json."
         )
 
 
@@ -215,13 +228,13 @@ __all__ = [
     "SOURCE_FAMILIES",
     "UnsupportedArchitectureError",
     "architecture_fields",
+    "cache_only_windows",
     "check_causal",
     "check_model_type",
     "effective_rope",
-    "ignored_sliding_window",
     "one_line",
     "rope_folded_fields",
     "source_architecture",
     "source_family",
-    "warn_ignored_sliding_window",
+    "warn_cache_only_windows",
 ]

@@ -23,7 +23,7 @@ from transformers.utils import logging
 
 from ..modeling_dar import cache_keyword
 from .checkpoints import Checkpoint, SafetensorsCheckpoint
-from .families import ignored_sliding_window, one_line
+from .families import cache_only_windows, one_line
 from .keymaps import TensorPlan, to_model_layout
 from .options import ConversionOptions
 from .plan import cast_model, logging_level_error, materialise, meta_model, set_experts_for
@@ -242,8 +242,9 @@ def greedy_divergence(source_model, target_model, input_ids: torch.Tensor, sourc
                  min(len(source_tokens), len(target_tokens)))
     ids = torch.cat([input_ids, torch.tensor([source_tokens[:index]], dtype=input_ids.dtype)], dim=1)
     device = next(source_model.parameters()).device
-    source_logits = source_model(ids.to(device)).logits[0, -1].double().cpu()  # [V]
-    target_logits = target_model(ids.to(next(target_model.parameters()).device)).logits[0, -1].double().cpu()
+    source_logits = source_model(ids.to(device), use_cache=False).logits[0, -1].double().cpu()  # [V]
+    target_device = next(target_model.parameters()).device
+    target_logits = target_model(ids.to(target_device), use_cache=False).logits[0, -1].double().cpu()
     top = source_logits.topk(2).values
     return index, float(top[0] - top[1]), float((target_logits - source_logits).abs().max())
 
@@ -278,7 +279,7 @@ def greedy_continuations(
     no_router_logits = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
     # A window the model's attention ignores would still trim the cache generate builds from its config; a cache made
     # without the config keeps every token, so the continuation is the model's forward, which the conversion keeps.
-    full_cache = {GENERATE_CACHE_KEYWORD: DynamicCache()} if ignored_sliding_window(model.config) is not None else {}
+    full_cache = {GENERATE_CACHE_KEYWORD: DynamicCache()} if cache_only_windows(model.config) else {}
     output = model.generate(
         input_ids,
         attention_mask=attention_mask,
@@ -345,7 +346,9 @@ def _verify_conversion(
     steps = logging.tqdm(total=len(prompts) + 2, desc="Verifying (source vs DAR)", disable=not progress)
     logit_pairs, first_nonfinite = [], None
     for name, input_ids in prompts:
-        pair = source_model(input_ids).logits.double(), target_model(input_ids).logits.double()  # [1, T, V] each
+        # No KV cache: a cache built from a config that windows its layers fails or trims where the forward does not
+        pair = (source_model(input_ids, use_cache=False).logits.double(),  # [1, T, V] each
+                target_model(input_ids, use_cache=False).logits.double())
         for role, model, logits in zip(("source", "converted"), (source_model, target_model), pair):
             if first_nonfinite is None and not torch.isfinite(logits).all():
                 first_nonfinite = f"{role} {first_nonfinite_module(model, input_ids)}"
@@ -423,7 +426,7 @@ def first_nonfinite_module(model: PreTrainedModel, input_ids: torch.Tensor) -> s
                if name in ("embed_tokens", "final_readout", "norm") or re.fullmatch(r"layers\.\d+", name)]
     hooks = [module.register_forward_hook(watch(name)) for name, module in watched]
     try:
-        model(input_ids)
+        model(input_ids, use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
@@ -584,7 +587,7 @@ def in_memory_source_logits(model: PreTrainedModel, prompts: Sequence[torch.Tens
     model = cast_model(model, dtype)  # a copy wherever it must change: never the caller's model changed
     device = next(model.parameters()).device
     with norms_in_input_dtype(model) if dtype == torch.float64 else contextlib.nullcontext():
-        return [model(ids.to(device)).logits[0].to("cpu", dtype) for ids in prompts]
+        return [model(ids.to(device), use_cache=False).logits[0].to("cpu", dtype) for ids in prompts]
 
 
 def _full_greedy(source, folder, prompts, dtype, max_new_tokens, progress) -> tuple[list[list[list[int]]], list]:
