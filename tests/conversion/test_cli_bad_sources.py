@@ -75,6 +75,8 @@ def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):
        [rf"config\.json: its rope \(rope_type '{kind}', partial_rotary_factor 0\.5\) gives 4 rotary dimensions per "
         r"head, but .*LlamaForCausalLM.*'s attention rotates all head_dim=8 of them, so the source model fails on "
         r"every forward"]) for kind in ("linear", "yarn")],
+    ({"num_key_value_heads": 3}, [r"config\.json: num_key_value_heads=3 does not divide num_attention_heads=4: "
+                                  r".*LlamaForCausalLM.*'s attention repeats each key/value head"]),  # was SDPA's
     ({"model_type": ["llama"]}, [r"Cannot convert model_type \['llama'\] \(.*config\.json\): DAR converts"]),  # was
     # "unhashable type: 'list'"; no decoder layers was blamed on --block-size ("must be an integer in [1, 0]"):
     ({"num_hidden_layers": 0}, [r"^dar convert: error: Invalid .*config\.json: num_hidden_layers is 0; a model to "
@@ -102,6 +104,27 @@ def test_an_in_memory_model_without_decoder_layers_is_refused_naming_num_hidden_
         upcycle(model, kind=kind, max_new_tokens=0, progress=False)
     with pytest.raises(ValueError, match=message):
         upcycle(model, tmp_path / "out", kind=kind, max_new_tokens=0, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fields, pattern", [
+    ({"num_key_value_heads": 3}, r"num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                          "original_max_position_embeddings": 32}},
+     r"its rope \(rope_type 'yarn', partial_rotary_factor 0\.5\) gives 4 rotary dimensions per head"),
+], ids=["kv_heads", "partial_rotary"])
+def test_an_in_memory_model_that_cannot_run_is_refused_as_its_folder_is(tmp_path, fields, pattern):
+    """A model built from a config that transformers accepts but cannot run (its own forward fails) was refused in one
+    line as a folder, while `upcycle(model)`, `upcycle(model, out)` and `upcycle_model(model)` raised the shape error
+    of the source's own forward, deep in the verification."""
+    model = LlamaForCausalLM(tiny_llama_config(**fields))
+    message = rf"^The in-memory model's config: {pattern}"
+    with pytest.raises(ValueError, match=message):
+        upcycle_model(model, "dar")
+    with pytest.raises(ValueError, match=message):
+        upcycle(model, tokenizer=make_tokenizer(), max_new_tokens=0, progress=False)
+    with pytest.raises(ValueError, match=message):
+        upcycle(model, tmp_path / "out", tokenizer=make_tokenizer(), max_new_tokens=0, progress=False)
     assert not (tmp_path / "out").exists()
 
 

@@ -30,7 +30,7 @@ from .plan import (
 )
 from .report import VerificationReport
 from .sources import (
-    Source, check_has_layers, display_name, hub_snapshot, load_source_config, open_source, rounded_tensors,
+    Source, check_has_layers, check_heads_run, display_name, hub_snapshot, load_source_config, open_source, rounded_tensors,
     source_storage_dtype, tensors_phrase, warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
@@ -110,6 +110,7 @@ def upcycle(
     source_config = source.config if in_memory else load_source_config(source)
     if in_memory:  # a folder's or GGUF file's config is checked as it is read (`load_source_config`)
         check_has_layers(source_config, "The in-memory model's config.num_hidden_layers")
+        check_heads_run(source, source_config, "The in-memory model's config")
     branch_family = source_family(source_config)
     if in_memory and output is None:
         return _upcycle_in_memory(source, tokenizer, options)  # `upcycle_model` warns

@@ -21,7 +21,7 @@ from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, requir
 from .families import source_family, warn_cache_only_windows
 from .keymaps import TensorInfo, TensorPlan, check_keys, is_ignored_source_key
 from .options import resolve_dtype
-from .sources import check_has_layers, copy_in_dtype, model_dtype_of
+from .sources import check_has_layers, check_heads_run, copy_in_dtype, model_dtype_of
 from .targets import TargetKind, target_kind
 
 FINITE_CHECK_BYTES = 64 * 2**20  # rows of a source tensor checked for NaN/inf per read
@@ -301,6 +301,7 @@ def upcycle_model(
     keep_source_dtypes = dtype is None
     dtype = dtype or source_model.dtype
     check_has_layers(source_model.config, "The in-memory model's config.num_hidden_layers")
+    check_heads_run(source_model, source_model.config, "The in-memory model's config")
     warn_cache_only_windows(source_model.config)
     config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
     checkpoint = StateDictCheckpoint(source_model.state_dict())

@@ -263,27 +263,37 @@ def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
     except Exception as error:  # whatever the constructor trips over: a config the source's own class cannot build
         raise ValueError(f"Invalid {config_file}: {reference_class(config.model_type)} cannot be built from it "
                          f"({type(error).__name__}: {one_line(error)}).") from error
-    check_rotary_covers_heads(model, config, config_file)
+    check_heads_run(model, config, f"Invalid {config_file}")
 
 
-def check_rotary_covers_heads(model: PreTrainedModel, config: PreTrainedConfig, config_file: Path) -> None:
-    """Refuse a rope whose rotary dimensions are not the head dimension: the attention of every family that converts
-    rotates all of each head, so the source itself fails on every forward (a shape error deep in the verification).
-    transformers' default rope ignores `partial_rotary_factor`, its scaled ropes (linear, yarn, ...) honour it.
-    `model` is the source's model built on the meta device: its rotary frequencies have their shape."""
+def check_heads_run(model: PreTrainedModel, config: PreTrainedConfig, where: str) -> None:
+    """Refuse the head layouts that transformers' validators accept and its model builds, yet fails on at every
+    forward (a shape error deep in the verification, or a traceback from the caller's own model): key/value heads
+    that do not divide the query heads (each is repeated for a group of them), and a rope whose rotary dimensions are
+    not the head dimension (every family that converts rotates whole heads; transformers' default rope ignores
+    `partial_rotary_factor`, its scaled ropes honour it). `model` is the source's model, or one built from its config
+    on the meta device; `where` starts the message ("Invalid .../config.json", "The in-memory model's config")."""
+    version = f"transformers {transformers.__version__}"
+    heads, key_value_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if key_value_heads and heads % key_value_heads:
+        raise ValueError(
+            f"{where}: num_key_value_heads={key_value_heads} does not divide num_attention_heads={heads}: "
+            f"{reference_class(config.model_type)}'s attention repeats each key/value head for a group of query heads, "
+            f"so the source model fails on every forward in {version}, and there is nothing to reproduce."
+        )
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     frequencies = getattr(rotary, "inv_freq", None)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if frequencies is None or 2 * frequencies.shape[-1] == head_dim:
         return
     rope = getattr(config, "rope_parameters", None) or {}
     raise ValueError(
-        f"Invalid {config_file}: its rope (rope_type {rope.get('rope_type', 'default')!r}, partial_rotary_factor "
+        f"{where}: its rope (rope_type {rope.get('rope_type', 'default')!r}, partial_rotary_factor "
         f"{rope.get('partial_rotary_factor', getattr(config, 'partial_rotary_factor', None))}) gives "
         f"{2 * frequencies.shape[-1]} rotary dimensions per head, but {reference_class(config.model_type)}'s "
-        f"attention rotates all head_dim={head_dim} of them, so the source model fails on every forward in "
-        f"transformers {transformers.__version__}, and there is nothing to reproduce. If the key is stray, remove it; "
-        "a model trained with a partial rotary belongs to a family that does not convert."
+        f"attention rotates all head_dim={head_dim} of them, so the source model fails on every forward in {version}, "
+        "and there is nothing to reproduce. If the key is stray, remove it; a model trained with a partial rotary "
+        "belongs to a family that does not convert."
     )
 
 
@@ -751,6 +761,6 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-__all__ = ["Source", "check_gguf_metadata", "copy_in_dtype", "custom_code_entries", "display_name",
-           "exact_storage_dtype", "load_source", "load_source_config", "open_source", "rounded_tensors",
+__all__ = ["Source", "check_gguf_metadata", "check_heads_run", "copy_in_dtype", "custom_code_entries",
+           "display_name", "exact_storage_dtype", "load_source", "load_source_config", "open_source", "rounded_tensors",
            "source_storage_dtype", "tensors_phrase"]
