@@ -209,13 +209,12 @@ def named_by_flag(message: str, given: Sequence[str] = ()) -> str:
     """An error message that starts with an option's API name (`tolerance must be ...`, `DARConfig.dar_block_size
     must be ...`), prefixed with the flag it came from, so that the user sees what to change on the command line. A
     message about two fields together (`mlp_only_layers and decoder_sparse_step leave no sparse layer`) names the
-    flags of those the user passed (`given`), or the first field's if none."""
+    flags of those the user passed (`given`); a value no flag gave (an MoE source's own config field) names none."""
     head = re.match(r"(?:DAR(?:Moe)?Config\.)?([a-z_]+)((?: and [a-z_]+)*)\b", message)
     if head is None:
         return message
     flags = [OPTION_FLAGS[field] for field in (head.group(1), *head.group(2).split(" and ")[1:]) if field in OPTION_FLAGS]
-    passed = [flag for flag in flags if flag in given]
-    named = passed or flags[:1]
+    named = [flag for flag in flags if flag in given]
     return f"{' and '.join(named)}: {message}" if named else message
 
 

@@ -185,3 +185,32 @@ def test_sparse_layer_choices_are_refused_for_an_moe_source_and_named_by_flag(tm
                      "--decoder-sparse-step", "2"]) == 1
     assert "the mixtral source's layers are sparse or dense as it stores them" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mix", "source"]
+
+
+def test_an_moe_sources_own_fields_are_not_blamed_on_flags_and_stray_layer_indices_convert(tmp_path, capsys):
+    """A Qwen3-MoE source's own config fields, no flag given: top-k 6 of 4 experts was refused as "--top-k: ...", a flag
+    the user never passed; `mlp_only_layers` naming a layer the model does not have (7 of 3: transformers' MoE layers
+    test membership, so it selects nothing) refused a source that runs ("--mlp-only-layers: ... indices in [0, 2]").
+    The first is refused naming no flag; the second converts, its stray index dropped."""
+    import json
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from conftest import SHAPE, VOCAB, make_tokenizer
+
+    def source(name, **fields):
+        config = Qwen3MoeConfig(**SHAPE, vocab_size=VOCAB, num_experts=4, moe_intermediate_size=16, **fields)
+        Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / name)
+        make_tokenizer().save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    top_k = source("top_k", num_experts_per_tok=2)
+    config = json.loads((tmp_path / "top_k" / "config.json").read_text())
+    (tmp_path / "top_k" / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 6}))
+    assert cli_main(["convert", top_k, str(tmp_path / "out"), "--kind", "dar_moe"]) == 1
+    error = capsys.readouterr().err
+    assert "DARMoeConfig.num_experts_per_tok must be an integer in [1, num_experts=4], got 6" in error
+    assert "--top-k" not in error
+    stray = source("stray", num_experts_per_tok=2, mlp_only_layers=[0, 7])
+    assert cli_main(["convert", stray, str(tmp_path / "out"), "--kind", "dar_moe", "--max-new-tokens", "4"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["mlp_only_layers"] == [0]
