@@ -250,7 +250,7 @@ def test_rms_norm_eps_zero_keeps_a_left_padded_batch_finite_and_exact(implementa
     attention output is zero, so DAR's history holds an all-zero entry there, whose depth key was 0/0 = NaN with that
     eps; the NaN reached the real positions through the next attention's values (every backend, and the converter
     then wrote a model that is NaN on padded batches). The key norm's eps has a floor (`depth_key_norm_eps`):
-    upcycled, the model still gives Llama's logits, and trained queries give finite ones."""
+    upcycled, the model still gives Llama's logits, trained queries give finite ones, and gradients are finite."""
     llama = tiny_llama(rms_norm_eps=0.0, num_hidden_layers=3)
     ids = random_input_ids(length=8)[:1]
     # padded with a token whose embedding row is not zero (the tiny model's pad row is: Llama would be NaN there)
@@ -268,6 +268,9 @@ def test_rms_norm_eps_zero_keeps_a_left_padded_batch_finite_and_exact(implementa
         assert torch.isfinite(logits).all(), (trained, logits.isnan().sum().item())
         if not trained:
             assert _max_abs_diff(logits[:, 4:].detach(), expected) <= 1e-5
+        if grad:  # the padded positions' zero entries get zero gradients, not 0 x inf (a floor of 1e-38 overflowed)
+            logits[:, 4:].logsumexp(-1).sum().backward()
+            assert all(torch.isfinite(parameter.grad).all() for parameter in dar.parameters() if parameter.grad is not None)
 
 
 def test_left_padded_batch_gives_each_prompt_its_own_continuation(dar):

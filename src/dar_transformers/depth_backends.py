@@ -97,6 +97,9 @@ except ImportError:
     DTensor = ()
 
 
+DEPTH_KEY_NORM_MIN_EPS = 1e-12  # `depth_key_norm_eps`
+
+
 def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the DAR state and depth mixing: float32, or wider if the model is wider."""
     return torch.promote_types(model_dtype, torch.float32)
@@ -109,11 +112,14 @@ def dar_history_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def depth_key_norm_eps(config) -> float:
-    """The eps of the depth keys' RMSNorm: `config.rms_norm_eps`, at least float32's smallest normal number. An
-    all-zero entry (a padded position's branch output, its attention fully masked) then gets a zero key where
-    rms_norm_eps = 0, which a Llama config may hold (its own norms never see a zero vector), made it 0/0 = NaN, and the
-    padded position's NaN reached real ones through the next attention's values; any eps above the floor is kept."""
-    return max(float(config.rms_norm_eps), torch.finfo(torch.float32).tiny)
+    """The eps of the depth keys' RMSNorm: `config.rms_norm_eps`, at least `DEPTH_KEY_NORM_MIN_EPS`. An all-zero entry
+    (a padded position's branch output, its attention fully masked) then gets a zero key, where rms_norm_eps = 0, which
+    a Llama config may hold (its own norms never see a zero vector), made it 0/0 = NaN, and the padded position's NaN
+    reached real ones through the next attention's values. The floor keeps the backward finite as well: the inverse
+    RMS's derivative at a zero entry goes as eps^-1.5 (1e18 here; float32's smallest normal number as the floor
+    overflowed it to inf, and 0 x inf gave NaN gradients). Against any real entry's mean square it changes nothing
+    float32 resolves, and every eps above it is kept as is."""
+    return max(float(config.rms_norm_eps), DEPTH_KEY_NORM_MIN_EPS)
 
 
 @dataclass(frozen=True)
