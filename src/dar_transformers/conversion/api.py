@@ -30,8 +30,8 @@ from .plan import (
 )
 from .report import VerificationReport
 from .sources import (
-    Source, check_has_layers, check_heads_run, display_name, hub_snapshot, load_source_config, open_source, rounded_tensors,
-    source_storage_dtype, tensors_phrase, warn_if_declared_dtype_differs,
+    Source, check_has_layers, check_heads_run, display_name, hub_snapshot, load_source_config, open_source,
+    rounded_tensors, source_storage_dtype, tensors_phrase, warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
 from .verify import (

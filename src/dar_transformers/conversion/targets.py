@@ -189,8 +189,9 @@ def dar_moe_config_from_source(
             )
         for name, source_value in MOE_CONFIG_FIELDS[model_type].items():
             fields[name] = getattr(source_config, source_value) if isinstance(source_value, str) else source_value
-        if fields.get("mlp_only_layers"):  # transformers tests membership: an index past the last layer selects none
-            fields["mlp_only_layers"] = [i for i in fields["mlp_only_layers"] if i < source_config.num_hidden_layers]
+        if fields.get("mlp_only_layers"):  # transformers tests membership: an index of no layer selects nothing
+            layers = range(source_config.num_hidden_layers)
+            fields["mlp_only_layers"] = [index for index in fields["mlp_only_layers"] if index in layers]
         for name, requested in (("num_experts", num_experts), ("num_experts_per_tok", top_k)):
             if requested is not None and requested != fields[name]:
                 raise ValueError(
