@@ -77,6 +77,10 @@ def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):
         r"every forward"]) for kind in ("linear", "yarn")],
     ({"num_key_value_heads": 3}, [r"config\.json: num_key_value_heads=3 does not divide num_attention_heads=4: "
                                   r".*LlamaForCausalLM.*'s attention repeats each key/value head"]),  # was SDPA's
+    # transformers reads it as 'ministral', which was named as if the file said so:
+    ({"model_type": "mistral", "layer_types": ["full_attention"] * 3},
+     [r"config\.json: transformers \S+ reads its model_type 'mistral' as 'ministral' \(a 'mistral' config with "
+      r"layer_types: .*If every layer is 'full_attention', remove layer_types"]),
     ({"model_type": ["llama"]}, [r"Cannot convert model_type \['llama'\] \(.*config\.json\): DAR converts"]),  # was
     # "unhashable type: 'list'"; no decoder layers was blamed on --block-size ("must be an integer in [1, 0]"):
     ({"num_hidden_layers": 0}, [r"^dar convert: error: Invalid .*config\.json: num_hidden_layers is 0; a model to "

@@ -210,6 +210,15 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as error:  # transformers' validators raise StrictDataclass*, ValueError, TypeError, KeyError
         raise ValueError(f"Invalid {config_file}: {one_line(error)}") from error
+    if config.model_type != fields.get("model_type") and config.model_type not in (*ALL_SOURCE_FAMILIES, DAR_SOURCE_TYPE):
+        ministral = fields.get("model_type") == "mistral" and "layer_types" in fields  # transformers' own heuristic
+        raise ValueError(
+            f"Cannot convert {config_file}: transformers {transformers.__version__} reads its model_type "
+            f"{fields.get('model_type')!r} as {config.model_type!r}"
+            + (" (a 'mistral' config with layer_types: Ministral's per-layer attention types)" if ministral else "")
+            + ", which DAR does not convert."
+            + (" If every layer is 'full_attention', remove layer_types: it then converts as Mistral." if ministral else "")
+        )
     check_model_builds(config, config_file)
     check_has_layers(config, f"Invalid {config_file}: num_hidden_layers")
     check_causal(config, f"{config_file} sets is_causal={json.dumps(fields.get('is_causal'))}")
