@@ -4,7 +4,9 @@ stream), while the partial, the per-token statistics and the depth softmax and m
 
 In an fp32 model it is the float32 state bit for bit (so exact upcycling holds); in a bf16 model the entries are bf16
 and everything else of the state float32; the reference and two-phase backends agree under it (values and every
-gradient)."""
+gradient). A float16 model keeps the float32 history (float16's range)."""
+
+import logging
 
 import pytest
 import torch
@@ -103,6 +105,40 @@ def test_bf16_model_stores_entries_in_the_history_dtype_and_statistics_in_float3
     assert kept == [str(entry_dtype)] * len(states[-1][3:]), kept
     loss.backward()
     assert all(torch.isfinite(parameter.grad).all() for parameter in model.parameters())
+
+
+@pytest.mark.parametrize("implementation", ["two_phase", "reference"])
+def test_a_float16_model_keeps_the_float32_history(implementation, tmp_path, caplog):
+    """float16's range (65504) does not hold every committed entry Llama's residual stays within: a block's sum of
+    branch outputs (one stream, no gate: +20000 and +50000 in a channel where the embedding is -40000, so Llama's
+    running residual peaks at 30000) became inf in a float16 history, and the logits NaN. A float16 model keeps the
+    float32 history under dar_history_dtype='model' (warned once); bfloat16 stores its own dtype (test above)."""
+    llama = tiny_llama(initializer_range=0.2)
+    channel = 5
+    embeds = torch.randn(1, 6, llama.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    embeds[..., channel] = -40000.0
+    layer = llama.model.layers[0]
+    for module, projection, target in ((layer.self_attn, layer.self_attn.o_proj, 20000.0),
+                                       (layer.mlp, layer.mlp.down_proj, 50000.0)):
+        outputs = []
+        hook = module.register_forward_hook(lambda m, args, output: outputs.append(
+            output[0] if isinstance(output, tuple) else output))
+        with torch.no_grad():
+            llama(inputs_embeds=embeds)
+            hook.remove()
+            projection.weight[channel] *= target / outputs[0][..., channel].mean()
+    llama.save_pretrained(tmp_path / "llama")
+    upcycled_dar(llama, dar_block_size=2, dar_num_streams=1).save_pretrained(tmp_path / "dar")
+    llama16 = type(llama).from_pretrained(tmp_path / "llama", dtype=torch.float16).eval()
+    dar16 = DARForCausalLM.from_pretrained(tmp_path / "dar", dtype=torch.float16, dar_history_dtype="model",
+                                           dar_implementation=implementation).eval()
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process warning: once per parameter here
+    with torch.no_grad():
+        expected = llama16(inputs_embeds=embeds.half()).logits.float()
+        logits = dar16(inputs_embeds=embeds.half()).logits.float()
+    assert torch.isfinite(expected).all() and torch.isfinite(logits).all()
+    assert (logits - expected).abs().max() <= 1e-3 * expected.abs().max()
+    assert "keeps the DAR history in float32 in a float16 model" in caplog.text
 
 
 @pytest.mark.parametrize("routing", ["dar", "selfkv", "crossv", "fixedkv"])

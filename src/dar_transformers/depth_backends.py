@@ -107,8 +107,22 @@ def dar_compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 def dar_history_dtype(config, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the committed entries B_0 .. B_{n-1} are stored in (`config.dar_history_dtype`): the compute dtype
-    ("float32"), or the model dtype ("model"). Partial, statistics and mixing are in the compute dtype either way."""
-    return model_dtype if config.dar_history_dtype == "model" else dar_compute_dtype(model_dtype)
+    ("float32"), or the model dtype ("model"). Partial, statistics and mixing are in the compute dtype either way.
+    A float16 model keeps the compute dtype under "model" too, with a warning once: a committed entry is a block's
+    sum of branch outputs, each scaled by its write gate (up to 2), which Llama's running residual never holds alone,
+    so it can leave float16's range (65504) where Llama's stays inside, and became inf, then NaN (bfloat16 has
+    float32's range)."""
+    if config.dar_history_dtype != "model":
+        return dar_compute_dtype(model_dtype)
+    if model_dtype == torch.float16:
+        if not torch.compiler.is_compiling():
+            logger.warning_once(
+                "dar_history_dtype='model' keeps the DAR history in float32 in a float16 model: a committed entry (a "
+                "block's gated sum of branch outputs) can exceed float16's range where Llama's residual does not. "
+                "Load the model in bfloat16 to store it in the model dtype."
+            )
+        return dar_compute_dtype(model_dtype)
+    return model_dtype
 
 
 def depth_key_norm_eps(config) -> float:
