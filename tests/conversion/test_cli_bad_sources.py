@@ -77,6 +77,9 @@ def test_a_source_with_one_nan_weight_is_refused_naming_the_tensor(tmp_path):
         r"every forward"]) for kind in ("linear", "yarn")],
     ({"num_key_value_heads": 3}, [r"config\.json: num_key_value_heads=3 does not divide num_attention_heads=4: "
                                   r".*LlamaForCausalLM.*'s attention repeats each key/value head"]),  # was SDPA's
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},  # the source's logits NaN: FAILED before
+     [r"config\.json: rope_theta=0\.0 \(rope_parameters\) must be a positive finite number"]),
+    ({"rms_norm_eps": -1.0}, [r"config\.json: rms_norm_eps=-1\.0 must be a finite number >= 0"]),
     # transformers reads it as 'ministral', which was named as if the file said so:
     ({"model_type": "mistral", "layer_types": ["full_attention"] * 3},
      [r"config\.json: transformers \S+ reads its model_type 'mistral' as 'ministral' \(a 'mistral' config with "

@@ -440,6 +440,24 @@ def test_gguf_metadata_at_its_neutral_values_is_read_as_transformers_reads_it(tm
     assert load_source_config(gguf_path).model_type == "llama"
 
 
+@pytest.mark.parametrize("method, value, named", [
+    ("add_head_count_kv", 3, r"num_key_value_heads=3 does not divide num_attention_heads=4"),  # SDPA's traceback
+    ("add_head_count_kv", 0, r"cannot be built from it \(ZeroDivisionError"),  # a traceback in open_source
+    ("add_rope_freq_base", 0.0, r"rope_theta=0\.0 \(rope_parameters\) must be a positive finite number"),  # FAILED
+    ("add_layer_norm_rms_eps", -1.0, r"rms_norm_eps=-1\.0 must be a finite number >= 0"),  # FAILED, NaN
+], ids=["kv_heads", "kv_heads_zero", "rope_theta_zero", "eps_negative"])
+def test_gguf_metadata_no_forward_runs_with_is_refused_as_a_folders_config_is(tmp_path, monkeypatch, method, value,
+                                                                               named):
+    """The config transformers reads from a GGUF file's metadata was checked for what transformers drops, not for
+    what it cannot run: key/value heads that do not divide the heads, or none, ended in tracebacks; a zero rope base
+    or a negative norm eps made the source itself NaN, reported as a FAILED check. Refused as a folder's config.json
+    is (`check_model_builds`), naming the file. The metadata key is written with `value`, the tensors as they are."""
+    write = getattr(gguf_py.GGUFWriter, method)
+    monkeypatch.setattr(gguf_py.GGUFWriter, method, lambda self, _: write(self, value))
+    assert_gguf_refused(tmp_path, rf"Invalid GGUF file .*tiny\.gguf \(the config transformers reads from its "
+                                  rf"metadata\): .*{named}")
+
+
 def test_a_llama_gguf_without_head_count_kv_is_refused(tmp_path, monkeypatch):
     """llama.cpp's converter writes no head_count_kv for a config.json without num_key_value_heads (Llama-1-era):
     llama.cpp then takes as many key/value heads as heads, while transformers' reader leaves q and k in llama.cpp's

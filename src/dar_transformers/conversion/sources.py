@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import fnmatch
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -186,6 +187,7 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
             raise ValueError(f"Could not read the GGUF metadata of {path}: {one_line(error)}") from error
         check_gguf_metadata(path, config)
         check_has_layers(config, f"GGUF file {path}: its metadata block_count")
+        check_model_builds(config, f"GGUF file {path} (the config transformers reads from its metadata)")
         return config
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -250,11 +252,14 @@ def check_has_layers(config: PreTrainedConfig, where: str) -> None:
         raise ValueError(f"{where} is {layers!r}; a model to convert needs 1 or more decoder layers.")
 
 
-def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
+def check_model_builds(config: PreTrainedConfig, config_file: Path | str) -> None:
     """Refuse a config that transformers' own class for its model_type cannot build a model from, before any weight is
     read: an activation (`hidden_act`) or a rope type (`rope_parameters`, `rope_scaling`) that transformers does not
     know passes its config validation, then fails as a bare KeyError deep in the model's constructor. Those two are
-    named with the values allowed; anything else the constructor raises names the file and the error."""
+    named with the values allowed; anything else the constructor raises names the file and the error. A rope_theta
+    that is not positive and finite, or a negative rms_norm_eps, builds a model whose every forward holds NaN: named
+    too, as are the head layouts no forward runs with (`check_heads_run`). A GGUF source's config, which transformers
+    reads from the file's metadata, is checked the same way."""
     allowed_rope_types = ("default", *ROPE_INIT_FUNCTIONS)
     rope = getattr(config, "rope_parameters", None) or {}
     for parameters in (rope, *(value for value in rope.values() if isinstance(value, dict))):
@@ -262,6 +267,14 @@ def check_model_builds(config: PreTrainedConfig, config_file: Path) -> None:
         if rope_type not in allowed_rope_types:
             raise ValueError(f"Invalid {config_file}: rope type {rope_type!r} (rope_parameters / rope_scaling) is not "
                              f"one transformers knows (allowed: {', '.join(allowed_rope_types)}).")
+        theta = parameters.get("rope_theta")
+        if theta is not None and not (isinstance(theta, (int, float)) and 0 < theta < math.inf):
+            raise ValueError(f"Invalid {config_file}: rope_theta={theta!r} (rope_parameters) must be a positive finite "
+                             "number: the rotary frequencies are inf or NaN otherwise.")
+    epsilon = getattr(config, "rms_norm_eps", None)
+    if isinstance(epsilon, (int, float)) and not 0 <= epsilon < math.inf:
+        raise ValueError(f"Invalid {config_file}: rms_norm_eps={epsilon!r} must be a finite number >= 0: the norms "
+                         "compute NaN where a mean square is below a negative eps.")
     activation = getattr(config, "hidden_act", None)
     if isinstance(activation, str) and activation not in ACT2FN:
         raise ValueError(f"Invalid {config_file}: hidden_act {activation!r} is not an activation transformers knows "
