@@ -129,10 +129,10 @@ def depth_key_norm_eps(config) -> float:
     """The eps of the depth keys' RMSNorm: `config.rms_norm_eps`, at least `DEPTH_KEY_NORM_MIN_EPS`. An all-zero entry
     (a padded position's branch output, its attention fully masked) then gets a zero key, where rms_norm_eps = 0, which
     a Llama config may hold (its own norms never see a zero vector), made it 0/0 = NaN, and the padded position's NaN
-    reached real ones through the next attention's values. The floor keeps the backward finite as well: the inverse
-    RMS's derivative at a zero entry goes as eps^-1.5 (1e18 here; float32's smallest normal number as the floor
-    overflowed it to inf, and 0 x inf gave NaN gradients). Against any real entry's mean square it changes nothing
-    float32 resolves, and every eps above it is kept as is."""
+    reached real ones through the next attention's values. The floor keeps the backward finite too: the inverse RMS's
+    derivative at a zero entry goes as eps^-1.5, 1e18 at this floor but inf at float32's smallest normal number (then
+    0 x inf: NaN gradients). Against any real entry's mean square it changes nothing float32 resolves, and every eps
+    above it is kept as is."""
     return max(float(config.rms_norm_eps), DEPTH_KEY_NORM_MIN_EPS)
 
 

@@ -17,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationMixin, PreTrainedModel,
+)
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
