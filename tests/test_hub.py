@@ -42,23 +42,31 @@ class CapturingHubApi:
         return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0")
 
 
-@pytest.fixture(scope="module")
-def pushed(tmp_path_factory):
-    """Run the fine-tuning example with --push-to-hub against the capturing client; return what was uploaded."""
-    tmp_path = tmp_path_factory.mktemp("hub")
+def fine_tune_and_push(tmp_path: Path, *arguments: str) -> tuple[CapturingHubApi, object]:
+    """`examples/finetune.py --tiny --push-to-hub` with `arguments`, against the capturing client: (client, trainer)."""
     api = CapturingHubApi(tmp_path / "hub")
     patch = pytest.MonkeyPatch()
     patch.setattr(transformers.trainer, "hf_api", lambda: api)
     patch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     try:
-        trainer, results = load_example("finetune").main([
+        trainer, _ = load_example("finetune").main([
             "--tiny", "--corpus-dir", str(write_docstring_corpus(tmp_path / "corpus")),
-            "--output-dir", str(tmp_path / "run"), "--max-steps", "8", "--sequence-length", "64", "--batch-size", "4",
-            "--learning-rate", "3e-3", "--train-documents", "60", "--eval-documents", "10", "--eval-blocks", "4",
-            "--push-to-hub", "--hub-model-id", "someone/dar-tiny-finetune",
+            "--output-dir", str(tmp_path / "run"), "--push-to-hub", *arguments,
         ])
     finally:
         patch.undo()
+    return api, trainer
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    """Run the fine-tuning example with --push-to-hub against the capturing client; return what was uploaded."""
+    tmp_path = tmp_path_factory.mktemp("hub")
+    api, trainer = fine_tune_and_push(
+        tmp_path, "--max-steps", "8", "--sequence-length", "64", "--batch-size", "4", "--learning-rate", "3e-3",
+        "--train-documents", "60", "--eval-documents", "10", "--eval-blocks", "4",
+        "--hub-model-id", "someone/dar-tiny-finetune",
+    )
     assert api.created == ["someone/dar-tiny-finetune"] and len(api.uploads) == 1
     repo_id, folder = api.uploads[0]
     assert repo_id == "someone/dar-tiny-finetune"
@@ -71,19 +79,11 @@ def test_a_lora_fine_tune_pushes_the_merged_model(tmp_path):
     `--save` writes it: a folder that loads on its own and computes what the trained adapter computes."""
     from transformers import AutoModelForCausalLM
 
-    api = CapturingHubApi(tmp_path / "hub")
-    patch = pytest.MonkeyPatch()
-    patch.setattr(transformers.trainer, "hf_api", lambda: api)
-    patch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    try:
-        trainer, _ = load_example("finetune").main([
-            "--tiny", "--corpus-dir", str(write_docstring_corpus(tmp_path / "corpus")), "--output-dir",
-            str(tmp_path / "run"), "--max-steps", "4", "--eval-steps", "4", "--sequence-length", "32",
-            "--batch-size", "2", "--train-documents", "40", "--eval-documents", "10", "--eval-blocks", "4",
-            "--lora", "--lora-train-dar", "--push-to-hub", "--hub-model-id", "someone/dar-tiny-lora",
-        ])
-    finally:
-        patch.undo()
+    api, trainer = fine_tune_and_push(
+        tmp_path, "--max-steps", "4", "--eval-steps", "4", "--sequence-length", "32", "--batch-size", "2",
+        "--train-documents", "40", "--eval-documents", "10", "--eval-blocks", "4", "--lora", "--lora-train-dar",
+        "--hub-model-id", "someone/dar-tiny-lora",
+    )
     assert len(api.uploads) == 1
     folder = api.uploads[0][1]
     names = {path.name for path in folder.iterdir()}
