@@ -128,10 +128,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def given_flags(args: argparse.Namespace) -> list[str]:
-    """The value flags of `dar convert` (`OPTION_FLAGS`) set on the command line: those not at their defaults."""
-    defaults = (None, 0.0, "2GB")  # unset, --expert-noise's, --max-shard-size's
+    """The value flags of `dar convert` (`OPTION_FLAGS`) set on the command line: those not at their defaults (each
+    flag's own: `--max-shard-size 0` is given, though 0 == 0.0, --expert-noise's default)."""
+    defaults = {"--expert-noise": 0.0, "--max-shard-size": "2GB"}  # any other flag: None, unset
     return [flag for flag in OPTION_FLAGS.values()
-            if getattr(args, flag.removeprefix("--").replace("-", "_"), None) not in defaults]
+            if getattr(args, flag.removeprefix("--").replace("-", "_"), None) not in (None, defaults.get(flag))]
 
 
 def convert_fields(args: argparse.Namespace) -> dict:
