@@ -25,7 +25,7 @@ from .analysis import add_arguments as add_analyze_arguments
 from .analysis import at_least, check_token_ids
 from .analysis import run_command as run_analyze
 from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
-from .convert import DTYPES, TARGET_KINDS, VerificationError, upcycle
+from .convert import DTYPES, MOE_SOURCE_FAMILIES, TARGET_KINDS, VerificationError, load_source_config, upcycle
 from .moe_upcycling import upcycle_to_dar_moe  # also registers --kind dar_moe
 
 # CLI option -> target config field. Other kinds (the MoE variant) add their options and rows here.
@@ -64,7 +64,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "source, inside it or around it",
     )
     parser.add_argument("--kind", default=None, choices=sorted(TARGET_KINDS),
-                        help="target model kind (default: dar; dar_moe with --experts/--top-k/--expert-noise)")
+                        help="target model kind (default: dar; dar_moe with --experts/--top-k/--expert-noise, and for "
+                             "a mixture-of-experts source)")
     parser.add_argument(
         "--block-size", type=int, default=None,
         help="DAR block size K in branches (2 per layer); 1 = Full DAR; default: about 8 blocks",
@@ -140,6 +141,21 @@ def convert_fields(args: argparse.Namespace) -> dict:
     return {field: getattr(args, option) for option, field in CONVERT_FIELD_OPTIONS.items() if getattr(args, option) is not None}
 
 
+def is_moe_source(source: str) -> bool:
+    """Whether `source` is a mixture-of-experts model (Mixtral, Qwen2/Qwen3-MoE), which converts to DAR-MoE only: then
+    `dar convert` without --kind makes DAR-MoE, and says so. A source whose config cannot be read is not one here; the
+    conversion then refuses it with the reason."""
+    try:
+        model_type = load_source_config(source).model_type
+    except (ValueError, TypeError, OSError):
+        return False
+    if model_type in MOE_SOURCE_FAMILIES:
+        print(f"dar convert: the source is a mixture of experts (model_type {model_type!r}), which converts to DAR-MoE "
+              "only: --kind dar_moe.", file=sys.stderr, flush=True)
+        return True
+    return False
+
+
 def run_convert(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         return convert_error(f"--max-new-tokens must be 0 (no greedy continuations) or more, got {args.max_new_tokens}.")
@@ -150,7 +166,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if moe_flags and args.kind not in (None, "dar_moe"):
         return convert_error(f"{', '.join(moe_flags)} {'make' if len(moe_flags) > 1 else 'makes'} a DAR-MoE model, which "
                              f"contradicts --kind {args.kind}; pass --kind dar_moe or leave --kind out.")
-    kind = args.kind or ("dar_moe" if moe_flags else "dar")
+    kind = args.kind or ("dar_moe" if moe_flags or is_moe_source(args.source) else "dar")
     convert_function, kind_options = upcycle, {"kind": kind}
     if kind == "dar_moe":
         convert_function = upcycle_to_dar_moe

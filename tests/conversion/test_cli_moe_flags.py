@@ -214,3 +214,22 @@ def test_an_moe_sources_own_fields_are_not_blamed_on_flags_and_stray_layer_indic
     stray = source("stray", num_experts_per_tok=2, mlp_only_layers=[0, 7])
     assert cli_main(["convert", stray, str(tmp_path / "out"), "--kind", "dar_moe", "--max-new-tokens", "4"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["mlp_only_layers"] == [0]
+
+
+def test_an_moe_source_without_kind_converts_to_dar_moe_and_says_so(tmp_path, capsys):
+    """A Mixtral folder converts to DAR-MoE only: `dar convert mixtral out` was refused ("convert it to DAR-MoE with
+    --kind dar_moe"); without --kind it makes DAR-MoE now, saying so. An explicit --kind dar is still refused."""
+    import json
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from conftest import SHAPE, VOCAB, make_tokenizer
+
+    MixtralForCausalLM(MixtralConfig(**SHAPE, vocab_size=VOCAB, num_local_experts=4)).save_pretrained(tmp_path / "mix")
+    make_tokenizer().save_pretrained(tmp_path / "mix")
+    assert cli_main(["convert", str(tmp_path / "mix"), str(tmp_path / "out"), "--kind", "dar"]) == 1
+    assert "convert it to DAR-MoE with --kind dar_moe" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "mix"), str(tmp_path / "out"), "--max-new-tokens", "4"]) == 0
+    assert "the source is a mixture of experts (model_type 'mixtral'), which converts to DAR-MoE only" in \
+        capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "dar_moe"
