@@ -25,7 +25,8 @@ from .analysis import add_arguments as add_analyze_arguments
 from .analysis import at_least, check_token_ids
 from .analysis import run_command as run_analyze
 from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
-from .convert import DTYPES, MOE_SOURCE_FAMILIES, TARGET_KINDS, VerificationError, load_source_config, upcycle
+from .conversion.sources import source_model_type
+from .convert import DTYPES, MOE_SOURCE_FAMILIES, TARGET_KINDS, VerificationError, upcycle
 from .moe_upcycling import upcycle_to_dar_moe  # also registers --kind dar_moe
 
 # CLI option -> target config field. Other kinds (the MoE variant) add their options and rows here.
@@ -143,12 +144,9 @@ def convert_fields(args: argparse.Namespace) -> dict:
 
 def is_moe_source(source: str) -> bool:
     """Whether `source` is a mixture-of-experts model (Mixtral, Qwen2/Qwen3-MoE), which converts to DAR-MoE only: then
-    `dar convert` without --kind makes DAR-MoE, and says so. A source whose config cannot be read is not one here; the
-    conversion then refuses it with the reason."""
-    try:
-        model_type = load_source_config(source).model_type
-    except (ValueError, TypeError, OSError):
-        return False
+    `dar convert` without --kind makes DAR-MoE, and says so. A source whose model_type cannot be read is not one here;
+    the conversion then refuses it with the reason."""
+    model_type = source_model_type(source)
     if model_type in MOE_SOURCE_FAMILIES:
         print(f"dar convert: the source is a mixture of experts (model_type {model_type!r}), which converts to DAR-MoE "
               "only: --kind dar_moe.", file=sys.stderr, flush=True)

@@ -172,6 +172,19 @@ def _gguf_folder_and_file(path: Path) -> tuple[str, str]:
     return str(path.parent), path.name
 
 
+def source_model_type(path: str | os.PathLike) -> str | None:
+    """The model_type of a folder or GGUF source as transformers reads it, without checks or warnings (those come
+    with `load_source_config`); None where it cannot be read, which the conversion then reports."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            return json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+        folder, gguf_file = _gguf_folder_and_file(path)
+        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False).model_type
+    except Exception:  # whatever a foreign or broken source trips over: the conversion names it
+        return None
+
+
 def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
     """The config of a folder or GGUF source, read before any weight so that bad inputs fail fast."""
     path = Path(path)
@@ -785,4 +798,4 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 __all__ = ["Source", "check_gguf_metadata", "check_heads_run", "copy_in_dtype", "custom_code_entries",
            "display_name", "exact_storage_dtype", "load_source", "load_source_config", "open_source", "rounded_tensors",
-           "source_storage_dtype", "tensors_phrase"]
+           "source_model_type", "source_storage_dtype", "tensors_phrase"]
