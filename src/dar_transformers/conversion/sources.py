@@ -178,11 +178,13 @@ def source_model_type(path: str | os.PathLike) -> str | None:
     path = Path(path)
     try:
         if path.is_dir():
-            return json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
-        folder, gguf_file = _gguf_folder_and_file(path)
-        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False).model_type
+            model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+        else:
+            folder, gguf_file = _gguf_folder_and_file(path)
+            model_type = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False).model_type
     except Exception:  # whatever a foreign or broken source trips over: the conversion names it
         return None
+    return model_type if isinstance(model_type, str) else None  # `"model_type": ["llama"]`: refused by the conversion
 
 
 def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
