@@ -25,7 +25,7 @@ from .analysis import add_arguments as add_analyze_arguments
 from .analysis import at_least, check_token_ids
 from .analysis import run_command as run_analyze
 from .configuration_dar import DAR_ROUTINGS, DAR_WRITE_MODES
-from .conversion.sources import source_model_type
+from .conversion.sources import gguf_parsed_once, source_model_type
 from .convert import DTYPES, MOE_SOURCE_FAMILIES, TARGET_KINDS, VerificationError, upcycle
 from .moe_upcycling import upcycle_to_dar_moe  # also registers --kind dar_moe
 
@@ -154,6 +154,7 @@ def is_moe_source(source: str) -> bool:
     return False
 
 
+@gguf_parsed_once()  # the MoE check's reading of a GGUF source is the conversion's too
 def run_convert(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         return convert_error(f"--max-new-tokens must be 0 (no greedy continuations) or more, got {args.max_new_tokens}.")

@@ -20,9 +20,13 @@ from dar_transformers.conversion import VerificationError, api, checkpoints, pla
 from dar_transformers.conversion.checkpoints import GGUFCheckpoint, SafetensorsCheckpoint
 from dar_transformers.conversion.plan import meta_model
 from dar_transformers.conversion.checkpoints import StateDictCheckpoint
-from dar_transformers.conversion.sources import exact_storage_dtype, load_source_config, plain_config, rounded_tensors
+from dar_transformers.cli import main as cli_main
+from dar_transformers.conversion.sources import (
+    exact_storage_dtype, gguf_parsed_once, load_source_config, plain_config, rounded_tensors,
+)
 
 from conftest import (
+    FAST,
     SHAPE,
     VOCAB,
     assert_nothing_written,
@@ -190,6 +194,45 @@ def test_a_gguf_conversion_dequantises_each_tensor_once_before_verifying(tmp_pat
             progress=False)
     (dequantised, tensors, counted), = at_verification
     assert tensors == 3 + 3 * 9 and dequantised == counted == 2 * tensors  # embedding, norm, head; 9 per layer (3)
+
+
+def test_a_gguf_source_is_parsed_once_per_conversion(tmp_path, monkeypatch):
+    """Its config, this package's metadata checks, the tokenizer, the tensors' key map and their reader each made a
+    `gguf.GGUFReader` of their own (transformers' loaders most of them): seven parses of the file per `dar convert`,
+    about 4 s each for SmolLM2's (a quarter of the conversion). One now, by the API and by the CLI (whose MoE check
+    reads the file first); gguf's own class is back afterwards."""
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=False), make_tokenizer())
+    original = gguf_py.GGUFReader
+    parses = []
+    parse = original.__init__
+    monkeypatch.setattr(original, "__init__", lambda self, *args, **keywords: parses.append(args[0]) or
+                        parse(self, *args, **keywords))
+    upcycle(gguf_path, tmp_path / "api", dar_block_size=2, tolerance=1e-5, full_greedy=True, **FAST)
+    assert parses == [str(gguf_path)]
+    assert cli_main(["convert", str(gguf_path), str(tmp_path / "cli"), "--block-size", "2", "--tolerance", "1e-5",
+                     "--max-new-tokens", "2"]) == 0
+    assert parses == [str(gguf_path)] * 2
+    assert gguf_py.GGUFReader is original
+    assert {path.name for path in (tmp_path / "cli").iterdir()} == {path.name for path in (tmp_path / "api").iterdir()}
+
+
+def test_readers_of_a_gguf_file_are_shared_only_while_it_is_unchanged(tmp_path):
+    """Sharing is for the same bytes: a file rewritten meanwhile is parsed again, a writable map is the caller's
+    own, nested uses share one cache, and the class is gguf's again when the outermost ends."""
+    first = write_tiny_gguf(tmp_path / "first.gguf", make_source("llama", tied=False), make_tokenizer())
+    original = gguf_py.GGUFReader
+    with gguf_parsed_once():
+        reader = gguf_py.GGUFReader(first)
+        with gguf_parsed_once():
+            assert gguf_py.GGUFReader(str(first)) is reader and gguf_py.GGUFReader(first, "r") is reader
+        assert gguf_py.GGUFReader is not original and gguf_py.GGUFReader(first, "r+") is not reader
+        write_tiny_gguf(first, make_source("llama", tied=True), make_tokenizer())
+        rewritten = gguf_py.GGUFReader(first)
+        assert rewritten is not reader and len(rewritten.tensors) == len(reader.tensors) - 1  # no output.weight
+        with pytest.raises(FileNotFoundError):
+            gguf_py.GGUFReader(tmp_path / "missing.gguf")
+    assert gguf_py.GGUFReader is original and gguf_py.GGUFReader(first) is not rewritten
 
 
 def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp_path):

@@ -30,7 +30,8 @@ from .plan import (
 )
 from .report import VerificationReport
 from .sources import (
-    Source, check_has_layers, check_heads_run, display_name, hub_snapshot, load_source_config, open_source,
+    Source, check_has_layers, check_heads_run, display_name, gguf_parsed_once, hub_snapshot, load_source_config,
+    open_source,
     rounded_tensors, source_storage_dtype, tensors_phrase, warn_if_declared_dtype_differs,
 )
 from .targets import TargetKind, dar_moe_target_kind
@@ -77,6 +78,7 @@ def conversion_options(options: ConversionOptions | None, keywords: Mapping[str,
     return dataclasses.replace(options, **option_keywords, fields={**options.fields, **fields})
 
 
+@gguf_parsed_once()  # a GGUF source's metadata is read by several loaders: parsed once
 def upcycle(
     source: PreTrainedModel | str | os.PathLike,
     output: str | os.PathLike | None = None,

@@ -6,6 +6,7 @@ before any weight (`load_source_config`); `load_source` loads a whole model inst
 """
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import fnmatch
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import re
+import threading
 from pathlib import Path
 
 import torch
@@ -447,11 +449,70 @@ def with_gguf_end_tokens(generation_config: GenerationConfig, vocab_size: int, f
 
 
 def gguf_reader(path: Path):
-    """A GGUF file's reader (`gguf.GGUFReader`: its metadata parsed, its tensors memory-mapped), read once per source:
-    parsing a 49k-token vocabulary takes about 2 s (SmolLM2's file)."""
+    """A GGUF file's reader (`gguf.GGUFReader`: its metadata parsed, its tensors memory-mapped); inside
+    `gguf_parsed_once`, the one every reader of the file shares."""
     import gguf  # present: transformers read the file's metadata with it
 
     return gguf.GGUFReader(str(path))
+
+
+class _SharedGGUFReaders:
+    """The state of `gguf_parsed_once`: how many are open (threads may nest them), gguf's own reader class while
+    they are, and the readers made so far, keyed by the file's real path and identity (inode, size, mtime), so that
+    a file replaced meanwhile is parsed again."""
+
+    lock = threading.Lock()
+    open = 0
+    original = None
+    readers: dict[tuple, object] = {}
+
+    @classmethod
+    def reader(cls, path, mode="r"):
+        if mode != "r":  # a writable map is the caller's own
+            return cls.original(path, mode)
+        try:
+            stat = os.stat(path)
+        except OSError:  # gguf's own error, as without sharing
+            return cls.original(path, mode)
+        key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        with cls.lock:
+            reader = cls.readers.get(key)
+        if reader is None:
+            reader = cls.original(path, mode)
+            with cls.lock:
+                reader = cls.readers.setdefault(key, reader)
+        return reader
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Inside it, each GGUF file is parsed once: every `gguf.GGUFReader(path)` of an unchanged file, read-only,
+    returns the first one made. A conversion reads a GGUF source's metadata seven times otherwise (its config, this
+    package's checks, the tokenizer, the tensors' key map and their reader, each through a reader of its own, most of
+    them transformers' loaders), each parse about 4 s for SmolLM2's file, whose 49k-token vocabulary dominates it.
+    The readers only read the file (a read-only memory map and the parsed fields), so sharing one changes nothing
+    they see. gguf's class is swapped for the duration (transformers' loaders import it as they run) and restored
+    when the outermost one closes, in any thread."""
+    try:
+        import gguf
+    except ImportError:  # no GGUF support installed: nothing to share
+        yield
+        return
+    state = _SharedGGUFReaders
+    with state.lock:
+        if state.open == 0:
+            state.original = gguf.GGUFReader
+            gguf.GGUFReader = type("GGUFReader", (state.original,), {"__new__": lambda _cls, *args, **keywords:
+                                                                     state.reader(*args, **keywords)})
+        state.open += 1
+    try:
+        yield
+    finally:
+        with state.lock:
+            state.open -= 1
+            if state.open == 0:
+                gguf.GGUFReader, state.original = state.original, None
+                state.readers.clear()
 
 
 def gguf_tensor_types(reader) -> str:
@@ -799,5 +860,5 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 
 __all__ = ["Source", "check_gguf_metadata", "check_heads_run", "copy_in_dtype", "custom_code_entries",
-           "display_name", "exact_storage_dtype", "load_source", "load_source_config", "open_source", "rounded_tensors",
+           "display_name", "exact_storage_dtype", "gguf_parsed_once", "load_source", "load_source_config", "open_source", "rounded_tensors",
            "source_model_type", "source_storage_dtype", "tensors_phrase"]
