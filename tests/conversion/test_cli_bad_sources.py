@@ -536,3 +536,45 @@ def test_a_quantized_folder_is_refused_as_quantized_before_reading_its_tensors(t
                                r"quantized weights", r"unquantized checkpoint")
     assert "never reads" not in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+@pytest.mark.parametrize("layout", ["gptq", "fp8"])
+def test_quantized_weights_without_a_quantization_config_are_refused_as_quantized(tmp_path, layout):
+    """AutoGPTQ's layout (packed `qweight`, `qzeros`, `scales`, `g_idx`, and `quantize_config.json` instead of a
+    `quantization_config`) or FP8 weights with their `weight_scale_inv` and no `quantization_config`: refused as
+    parameters "DAR has no place for", which blamed the converter; now named as quantized weights."""
+    source = save_source(tmp_path / "source")
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        base = name.removesuffix(".weight")
+        if not name.endswith("proj.weight"):
+            tensors[name] = tensor
+        elif layout == "gptq":
+            rows, columns = tensor.shape
+            tensors |= {f"{base}.qweight": torch.zeros(columns // 8, rows, dtype=torch.int32),
+                        f"{base}.qzeros": torch.zeros(1, rows // 8, dtype=torch.int32),
+                        f"{base}.scales": torch.ones(1, rows, dtype=torch.float16),
+                        f"{base}.g_idx": torch.zeros(columns, dtype=torch.int32)}
+        else:
+            tensors |= {name: tensor.to(torch.float8_e4m3fn), f"{name}_scale_inv": torch.ones(1, 1)}
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    if layout == "gptq":
+        (source / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "quant_method": "gptq"}))
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"holds quantized weights", "qweight" if layout == "gptq" else
+                               "weight_scale_inv", r"unquantized checkpoint")
+    assert "no place for" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_a_folder_of_pytorch_pickles_is_refused_naming_them_and_the_way_out(tmp_path):
+    """A folder with `pytorch_model.bin` only (which transformers loads): "has no safetensors weights", without a word
+    of the file that is there or what to do with it."""
+    source = save_source(tmp_path / "source")
+    torch.save(load_file(source / "model.safetensors"), source / "pytorch_model.bin")  # as transformers 4 saved
+    (source / "model.safetensors").unlink()
+    assert AutoModelForCausalLM.from_pretrained(source) is not None  # transformers loads it
+    code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"has no safetensors weights", r"It holds pytorch_model\.bin",
+                               r"save the model as safetensors first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]

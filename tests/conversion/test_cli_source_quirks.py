@@ -153,6 +153,32 @@ def test_an_architectures_field_that_is_not_a_list_converts(tmp_path):
                                logits(AutoModelForCausalLM.from_pretrained(source).eval(), ids), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family, tied", [("llama", True), ("qwen2", True), ("llama", False)])
+def test_a_base_models_weights_convert_as_transformers_loads_them(tmp_path, family, tied):
+    """A folder saved from the base model (`LlamaModel.save_pretrained`: `embed_tokens.weight`, `layers.0. ...`,
+    architectures ["LlamaModel"]; untied, `lm_head.weight` beside them), which `AutoModelForCausalLM.from_pretrained`
+    loads with nothing missing or unexpected by putting `model.` before each name: refused as "parameters that DAR
+    has no place for". Its tensors are read under the names transformers gives them; the output computes the causal
+    LM transformers loads, bit for bit in float32's tolerance."""
+    causal = make_source(family, tied)
+    source = tmp_path / "source"
+    causal.model.save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    if not tied:  # the head beside the base model's weights, at the top level, as transformers names it
+        weights = load_file(source / "model.safetensors")
+        save_file({**weights, "lm_head.weight": causal.lm_head.weight.detach().contiguous()},
+                  source / "model.safetensors", metadata={"format": "pt"})
+        edit_json(source / "config.json", tie_word_embeddings=False)
+    loaded, info = AutoModelForCausalLM.from_pretrained(source, output_loading_info=True)
+    assert not any(info.values())  # transformers reads the whole causal LM from it
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "4", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    ids = random_tokens(32)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids),
+                               logits(causal.eval(), ids), atol=1e-5, rtol=0)
+    assert torch.equal(logits(loaded.eval(), ids), logits(causal, ids))
+
+
 def test_the_sources_license_and_vocabulary_files_travel_with_the_weights(tmp_path):
     """A source folder with a license in its card's front matter, LICENSE / NOTICE / USE_POLICY.md and the tokenizer's
     own vocabulary files (tokenizer.model of Llama-2 / Mistral repos, vocab.json and merges.txt of Qwen2 repos): the

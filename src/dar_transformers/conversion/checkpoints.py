@@ -15,7 +15,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -237,9 +237,13 @@ class SafetensorsCheckpoint(Checkpoint):
             else:
                 files = sorted(path.name for path in self.folder.glob("*.safetensors"))
         if not files:
+            pickled = sorted(path.name for path in self.folder.glob("*.bin"))
+            resave = (f" It holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: PyTorch pickles, "
+                      "which the converter does not read (it reads safetensors tensor by tensor); save the model as "
+                      "safetensors first (from_pretrained, then save_pretrained, which writes them)." if pickled else "")
             raise FileNotFoundError(
                 f"Source folder {self.folder} has no safetensors weights (model.safetensors or sharded "
-                "model-0000x-of-0000y.safetensors with model.safetensors.index.json)."
+                f"model-0000x-of-0000y.safetensors with model.safetensors.index.json).{resave}"
             )
         self._fds: list[int] = []
         self._files: dict[int, Path] = {}  # fd -> file, for messages
@@ -296,6 +300,18 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def infos(self) -> dict[str, TensorInfo]:
         return {name: info for name, (_, _, info) in self._entries.items()}
+
+    def with_base_model_prefix(self, prefix: str, expected: Collection[str]) -> list[str]:
+        """Read a base model's weights (`LlamaModel.save_pretrained`: `layers.0. ...`, `embed_tokens.weight`) as
+        transformers' `from_pretrained` of the causal LM reads them: a tensor name the model lacks (`expected`: its
+        state dict's names) but has with `prefix.` before it is read under that name (`core_model_loading.
+        rename_source_key`), and the messages naming the folder say so. -> the names it renamed."""
+        renamed = {name: f"{prefix}.{name}" for name in self._entries if name not in expected
+                   and f"{prefix}.{name}" in expected and f"{prefix}.{name}" not in self._entries}
+        if renamed:
+            self._entries = {renamed.get(name, name): entry for name, entry in self._entries.items()}
+            self.description += f" (a base model's weights, read with the {prefix}. prefix as transformers reads them)"
+        return list(renamed)
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         fd, offset, info = self._entries[name]

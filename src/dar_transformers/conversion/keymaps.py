@@ -69,6 +69,13 @@ class TensorPlan:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+# The names of quantized tensors, where a quantized checkpoint's config.json lacks its quantization_config
+# (AutoGPTQ writes quantize_config.json instead): GPTQ/AWQ packed weights and their zeros, scales and group indices;
+# bitsandbytes' statistics and quantization state; FP8 weights' scales.
+QUANTIZED_TENSOR_KEY = (r".*\.(qweight|qzeros|scales|g_idx|weight_scale(_inv)?|input_scale|SCB|weight_format|absmax|"
+                        r"quant_map|nested_absmax|nested_quant_map|quant_state\..*)")
+
+
 def is_ignored_source_key(key: str) -> bool:
     return any(re.fullmatch(pattern, key) for pattern in SOURCE_KEYS_IGNORED)
 
@@ -85,6 +92,14 @@ def map_keys(source_keys: Iterable[str], key_map: Sequence[tuple[str, str]] = DA
                 break
         else:
             unexpected.append(key)
+    quantized = [key for key in unexpected if re.fullmatch(QUANTIZED_TENSOR_KEY, key)]
+    if quantized:  # its config.json lacks the quantization_config that names them (refused where it has one)
+        raise ValueError(
+            f"The source holds quantized weights: {len(quantized)} tensor(s) of a quantized layout such as "
+            f"{quantized[:4]} (GPTQ/AWQ packed integers, bitsandbytes or FP8 scales) beside or instead of the "
+            "weights, which the converter reads only as GGUF files. Convert the unquantized checkpoint it was made "
+            "from, or a dequantized copy of it."
+        )
     if unexpected:
         raise ValueError(
             f"The source has {len(unexpected)} parameter(s) that DAR has no place for: {unexpected[:8]}. Only the "

@@ -742,6 +742,13 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                       generation_config, license=gguf_license(reader.fields), stored_as=gguf_tensor_types(reader))
     loaded_tokenizer = tokenizer or _load_tokenizer(path)
     checkpoint = SafetensorsCheckpoint(path)
+    if any(not name.startswith(("model.", "lm_head.")) for name in checkpoint.infos()):  # a base model's keys?
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(plain_config(source_config))
+        if checkpoint.with_base_model_prefix(meta.base_model_prefix, meta.state_dict().keys()):
+            logger.info(f"{path} holds a base model's weights ({source_config.architectures or 'no architectures'}): "
+                        f"read with the {meta.base_model_prefix}. prefix, as transformers loads them into the causal "
+                        "LM.")
     if (path / "generation_config.json").is_file():
         try:
             generation_config = GenerationConfig.from_pretrained(path)
