@@ -387,3 +387,31 @@ def test_a_float64_check_of_an_in_memory_moe_source_leaves_its_experts_kernel_al
                      **FAST)  # its router renormalises in float32 (see above): 1e-7 apart
     assert result.report is not None and result.report.dtype == "float64"
     assert source.config._experts_implementation == before
+
+
+@pytest.mark.parametrize("window, layer_types, converts", [
+    (8, ["full_attention"] * 3, False),  # Qwen3-MoE never reads layer types: every layer slides
+    (None, None, True),  # use_sliding_window without a window: transformers attends fully
+], ids=["window_beside_full_layer_types", "flag_without_a_window"])
+def test_a_qwen3_moe_source_is_decided_sliding_by_what_its_model_reads(tmp_path, capsys, window, layer_types,
+                                                                       converts):
+    """Qwen3-MoE applies `sliding_window` in every layer whenever `use_sliding_window` is true (its config keeps the
+    window only then) and has no layer types. The check read `layer_types` first: a stray all-full list beside a window
+    of 8 passed the window by, and the conversion FAILED (4.7 logits; PASSED over full attention where the window
+    exceeds the prompts), while the flag without a window, which transformers runs with full attention, was refused."""
+    source = tiny_moe_source("qwen3_moe")
+    source.save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    fields = json.loads((tmp_path / "source" / "config.json").read_text())
+    fields.update(use_sliding_window=True, sliding_window=window, **({"layer_types": layer_types} if layer_types else {}))
+    (tmp_path / "source" / "config.json").write_text(json.dumps(fields))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "source").config.sliding_window == window
+    code = cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "moe"), "--max-new-tokens", "2",
+                     "--tolerance", "1e-5"])
+    err = capsys.readouterr().err
+    if converts:
+        assert code == 0, err[-2000:]
+        assert json.loads((tmp_path / "moe" / "config.json").read_text()).get("sliding_window") is None
+    else:
+        assert code == 1 and "sliding-window attention in every layer" in err and "sliding_window=8" in err
+        assert not (tmp_path / "moe").exists()

@@ -123,9 +123,19 @@ def check_causal(config: PreTrainedConfig, where: str) -> None:
 
 
 def check_full_attention(source_config: PreTrainedConfig) -> None:
-    """Qwen sliding layers need per-layer masks that DAR does not build; refuse rather than drift."""
-    # `layer_types` is what transformers applies (Qwen2: sliding only from `max_window_layers` on, so the flag alone
-    # may leave every layer full); a config without it is decided by its flag.
+    """Qwen sliding layers need per-layer masks that DAR does not build; refuse rather than drift. Each family is
+    decided by what its model reads: Qwen2, Qwen3 and Qwen2-MoE window the layers `layer_types` marks sliding (Qwen2:
+    only from `max_window_layers` on, so the flag alone may leave every layer full; a config without layer types is
+    decided by its flag), Qwen3-MoE windows every layer when its `sliding_window` is set (its config keeps one only
+    with `use_sliding_window`) and has no layer types: a `layer_types` in its config.json is never read."""
+    if source_config.model_type == "qwen3_moe":
+        window = getattr(source_config, "sliding_window", None)
+        if window is not None:
+            raise UnsupportedArchitectureError(
+                f"The qwen3_moe source uses sliding-window attention in every layer (use_sliding_window=True, "
+                f"sliding_window={window}); DAR converts only full-attention Qwen models."
+            )
+        return
     layer_types = source_config.to_dict().get("layer_types")
     if layer_types is None:
         layer_types = ["sliding_attention"] if getattr(source_config, "use_sliding_window", False) else []
