@@ -203,11 +203,14 @@ def run_convert(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as interrupt:
         interrupt.output_written = True
         raise
-    except BrokenPipeError:  # `dar convert ... | head`: the conversion is done and in place; only its report was cut
+    except OSError as error:  # the conversion is done and in place; only its report was lost
+        # `dar convert ... | head` (a closed pipe), `> log` on a full disk, `> /dev/full`
+        reason = ("standard output was closed" if isinstance(error, BrokenPipeError) else
+                  f"writing standard output failed: {error.strerror or error}")
         stdout_closed()
         with contextlib.suppress(OSError):  # `2>&1 | reader`: standard error is the same closed pipe
-            print(f"dar convert: wrote {result.output}; its report was not printed (standard output was closed).",
-                  file=sys.stderr, flush=True)
+            print(f"dar convert: wrote {result.output}; its report was not printed ({reason}).", file=sys.stderr,
+                  flush=True)
     return 0
 
 
@@ -367,8 +370,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def stdout_closed() -> None:
-    """Standard output was closed by its reader (`| head`): point it at /dev/null, so that Python's flush at exit
-    raises no second error."""
+    """Standard output was closed by its reader (`| head`) or cannot be written (a full disk): point it at
+    /dev/null, so that Python's flush at exit raises no second error."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 

@@ -47,17 +47,23 @@ def test_cli_convert_prints_the_table_and_generate_streams(tmp_path, capsys):
         "dar generate: error: --prompt gives no tokens (an empty prompt, and the tokenizer adds none): pass some text.")
 
 
-def test_a_conversion_whose_report_cannot_be_printed_exits_0_with_its_output_in_place(tmp_path):
+@pytest.mark.parametrize(("redirect", "reason"), [
+    ("| true; exit ${PIPESTATUS[0]}", "standard output was closed"),
+    ("> /dev/full", "writing standard output failed: No space left on device"),
+], ids=["closed_pipe", "full_disk"])
+def test_a_conversion_whose_report_cannot_be_printed_exits_0_with_its_output_in_place(tmp_path, redirect, reason):
     """`dar convert SRC OUT | head -1`, or any reader that goes away: printing the report after the output was in
-    place raised BrokenPipeError, a traceback and exit 1, for a complete conversion (a retry then met "exists")."""
+    place raised BrokenPipeError, a traceback and exit 1, for a complete conversion (a retry then met "exists"); and
+    so did a report redirected to a log on a full disk (`> /dev/full`: OSError ENOSPC), with nothing saying the
+    output (an `--overwrite` replacing the previous one) was in place."""
     source = save_source(tmp_path / "source")
     command = (f"{sys.executable} -m dar_transformers.cli convert {source} {tmp_path / 'out'} --max-new-tokens 1 "
-               "| true; exit ${PIPESTATUS[0]}")
+               f"{redirect}")
     done = subprocess.run(["bash", "-c", command], env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert f"dar convert: wrote {tmp_path / 'out'}; its report was not printed" in done.stderr
+    assert f"dar convert: wrote {tmp_path / 'out'}; its report was not printed ({reason})." in done.stderr
     from dar_transformers.conversion.output import not_a_conversion_output
     assert not_a_conversion_output(tmp_path / "out") is None
 
