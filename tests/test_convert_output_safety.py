@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import run_convert_in_process
+from dar_transformers.cli import Interrupted
 from dar_transformers.conversion import api as api_module
 from dar_transformers.conversion import write as conversion_write
 from dar_transformers.conversion import output as output_module
@@ -351,6 +352,33 @@ def test_signal_after_the_staging_folder_is_written_removes_it(tmp_path, tiny_so
     assert messages(stderr)[-1] == f"dar convert: interrupted by {signal.Signals(signum).name}; nothing was written."
     assert list(tmp_path.iterdir()) == []
     assert handlers_after == handlers  # the CLI's handlers are gone
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupt_a_finalizer_swallows_still_stops_the_conversion(tmp_path, tiny_source, monkeypatch, signum):
+    """In-process: the signal's handler runs while a `__del__` runs (regex's `Group.__del__` once, naturally), whose
+    exceptions Python prints as "Exception ignored" and drops: the conversion went on, put its output in place and
+    exited 0. The interrupt is raised again before the swap: nothing in place, 128 + N."""
+
+    class SignalledWhileFinalized:
+        def __del__(self):
+            os.kill(os.getpid(), signum)
+            sum(range(1000))  # the handler runs here, inside the finalizer
+
+    verify_written = api_module.verify_written
+    monkeypatch.setattr(api_module, "verify_written",
+                        lambda *args: SignalledWhileFinalized() and None or verify_written(*args))
+    swallowed = []  # what Python prints as "Exception ignored in ..."
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: swallowed.append(unraisable.exc_value))
+    inherited_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # as above: Ctrl-C as it is run
+    try:
+        code, stderr = run_convert_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, inherited_sigint)
+    assert [type(error) for error in swallowed] == [KeyboardInterrupt if signum == signal.SIGINT else Interrupted]
+    assert code == 128 + signum, stderr[-2000:]
+    assert messages(stderr)[-1] == f"dar convert: interrupted by {signal.Signals(signum).name}; nothing was written."
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("moment, signum", [("in the clean-up after the swap", signal.SIGINT),

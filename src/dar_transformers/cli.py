@@ -412,6 +412,7 @@ def interrupts_raised():
     def interrupt(signum, frame):
         raise Interrupted(signum)
 
+    interrupt.raises_interrupt = True  # one that a finalizer swallows is raised again (`output.interrupts_kept`)
     previous = {signum: signal.signal(signum, interrupt) for signum in signums}
     try:
         yield

@@ -462,6 +462,49 @@ def signals_held() -> Iterator[None]:
             signal.raise_signal(received[0])
 
 
+class _LostInterrupts:
+    """The signals whose handlers raised an interrupt (Ctrl-C's KeyboardInterrupt, the CLI's SIGTERM and SIGHUP)
+    while `interrupts_kept` was open. An exception raised while a finalizer runs (a `__del__`, a weakref callback) is
+    printed as "Exception ignored in ..." and dropped, and a signal's handler runs wherever the main thread is: such an
+    interrupt was lost, and the conversion went on to put its output in place and exit 0."""
+
+    def __init__(self):
+        self.received: list[tuple[int, Callable]] = []
+
+    def raise_lost(self) -> None:
+        """Raise the first interrupt again by its own handler, if the code that received it has gone on since: every
+        interrupt that propagates leaves the block before this is reached."""
+        if self.received:
+            signum, handler = self.received[0]
+            self.received.clear()
+            handler(signum, None)
+
+
+@contextlib.contextmanager
+def interrupts_kept() -> Iterator[_LostInterrupts]:
+    """Wrap the handlers of `HELD_SIGNALS` that raise an interrupt (`signal.default_int_handler`, or one marked
+    `raises_interrupt`, as the CLI's are) so that each signal is noted before its handler raises; `raise_lost()` then
+    raises one that a finalizer swallowed. Handlers that do not raise are left alone, so is any thread but the main
+    one (where no handler can be set)."""
+    kept = _LostInterrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield kept
+        return
+    previous = {}
+    for signum in HELD_SIGNALS:
+        handler = signal.getsignal(signum)
+        if handler is signal.default_int_handler or getattr(handler, "raises_interrupt", False):
+            def noted(number, frame, handler=handler):
+                kept.received.append((number, handler))
+                handler(number, frame)
+            previous[signum] = signal.signal(signum, noted)
+    try:
+        yield kept
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bool, source: object = None) -> None:
     """Run `write(folder)` on a staging folder next to `output`, add the manifest of what it wrote, then move it into
     place (all or nothing).
@@ -482,14 +525,16 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
             with signals_held():
                 created = _make_parents(output.parent)
                 staging = _marked_folder(output, STAGING_SUFFIX)
-            write(staging)
-            _apply_umask(staging)
-            write_manifest(staging)  # last: what `overwrite` may replace later
-            for path, status in walk_without_symlinks(staging):  # on the disk before the rename makes it the output
-                if stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
-                    _fsync(staging / path)
-            _fsync(staging)
-            check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
+            with interrupts_kept() as interrupts:
+                write(staging)
+                _apply_umask(staging)
+                write_manifest(staging)  # last: what `overwrite` may replace later
+                for path, status in walk_without_symlinks(staging):  # on the disk before the rename makes it the output
+                    if stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
+                        _fsync(staging / path)
+                _fsync(staging)
+                check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
+                interrupts.raise_lost()  # one a finalizer swallowed stops the conversion here, nothing in place
             with signals_held():
                 _move_into_place(staging, output, overwrite)
                 staging, swapped = None, True
