@@ -156,6 +156,9 @@ def is_moe_source(source: str) -> bool:
 
 @gguf_parsed_once()  # the MoE check's reading of a GGUF source is the conversion's too
 def run_convert(args: argparse.Namespace) -> int:
+    # "~/model-dar" quoted, so that the shell left it: the home folder, as `dar generate` reads it (a folder named "~"
+    # in the working directory, which `dar generate ~/model-dar` then did not find, was written instead)
+    args.source, args.output = os.path.expanduser(args.source), os.path.expanduser(args.output)
     if args.max_new_tokens < 0:
         return convert_error(f"--max-new-tokens must be 0 (no greedy continuations) or more, got {args.max_new_tokens}.")
     moe_flags = [flag for flag, value in (("--experts", args.experts), ("--top-k", args.top_k),

@@ -255,3 +255,16 @@ def test_mlp_only_layers_listing_a_layer_twice_is_refused(tmp_path, capsys):
         cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--experts", "2", "--top-k", "1",
                   "--mlp-only-layers", "0,2,0"])
     assert "argument --mlp-only-layers: '0,2,0' lists layer 0 more than once" in capsys.readouterr().err
+
+
+def test_a_quoted_home_folder_is_the_home_folder_as_dar_generate_reads_it(tmp_path, monkeypatch, capsys):
+    """`dar convert SRC "~/model-dar"` (quoted, so the shell left the tilde) wrote `./~/model-dar`, a folder named "~"
+    in the working directory, which `dar generate "~/model-dar"` then did not find."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    save_source(home / "source")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert cli_main(["convert", "~/source", "~/model-dar", "--max-new-tokens", "1"]) == 0
+    assert (home / "model-dar" / "config.json").is_file() and list(work.iterdir()) == []
+    assert cli_main(["generate", "~/model-dar", "--max-new-tokens", "2"]) == 0
