@@ -198,6 +198,12 @@ def run_convert(args: argparse.Namespace) -> int:
         return 2
     except (ValueError, TypeError, OSError) as error:  # OSError: permission, read-only, no space, missing, ...
         return convert_error(named_by_flag(str(error), given_flags(args)))
+    except (MemoryError, RuntimeError) as error:  # the conversion stopped before its output was put in place
+        if not isinstance(error, MemoryError) and not OUT_OF_MEMORY.search(str(error)):
+            raise  # a defect: its traceback is what a report needs
+        return convert_error(f"out of memory ({' '.join(str(error).split())[:300] or type(error).__name__}); nothing "
+                             "was written. Free memory, or pass --full-greedy off (its continuations hold both "
+                             "models in memory; the rest of the conversion holds a tensor and a layer at a time).")
     try:
         print(result.report.table())
         config = result.config
@@ -216,6 +222,9 @@ def run_convert(args: argparse.Namespace) -> int:
                   flush=True)
     return 0
 
+
+# torch's allocators' messages (CPU: "DefaultCPUAllocator: can't allocate memory"; CUDA: torch.OutOfMemoryError's)
+OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)
 
 # The API's name of each value `dar convert` passes -> its flag: an API error about one of them names the flag too.
 OPTION_FLAGS = {

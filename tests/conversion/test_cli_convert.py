@@ -268,3 +268,31 @@ def test_a_quoted_home_folder_is_the_home_folder_as_dar_generate_reads_it(tmp_pa
     assert cli_main(["convert", "~/source", "~/model-dar", "--max-new-tokens", "1"]) == 0
     assert (home / "model-dar" / "config.json").is_file() and list(work.iterdir()) == []
     assert cli_main(["generate", "~/model-dar", "--max-new-tokens", "2"]) == 0
+
+
+@pytest.mark.parametrize("error, refused", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 5000000000 bytes. Error code 12 (Cannot allocate memory)"), True),
+    (MemoryError(), True),
+    (RuntimeError("a defect of the package"), False),
+], ids=["torch_allocator", "python", "other_runtime_error"])
+def test_running_out_of_memory_is_one_line_saying_nothing_was_written(tmp_path, monkeypatch, capsys, error, refused):
+    """Out of memory in the verification (a machine with less than the conversion needs): a torch traceback and exit
+    1, the same code as a user error, with nothing saying whether the output was written. Now one line (the staging
+    folder is removed either way); any other RuntimeError is a defect and keeps its traceback."""
+    from dar_transformers.conversion import api
+
+    source = save_source(tmp_path / "source")
+
+    def exhausted(*args, **keywords):
+        raise error
+
+    monkeypatch.setattr(api, "verify_written", exhausted)
+    if not refused:
+        with pytest.raises(RuntimeError, match="a defect of the package"):
+            cli_main(["convert", str(source), str(tmp_path / "out")])
+    else:
+        assert cli_main(["convert", str(source), str(tmp_path / "out")]) == 1
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message.startswith("dar convert: error: out of memory (") and "nothing was written" in message
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
