@@ -4,6 +4,7 @@ convert exactly (1e-5 in float32, 1e-8 in float64), negative controls drift, Dro
 and the streamed, written conversion equals the in-memory one."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -415,3 +416,26 @@ def test_a_qwen3_moe_source_is_decided_sliding_by_what_its_model_reads(tmp_path,
     else:
         assert code == 1 and "sliding-window attention in every layer" in err and "sliding_window=8" in err
         assert not (tmp_path / "moe").exists()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_experts_per_tok": 6}, r"config\.json: the qwen3_moe source's num_experts_per_tok=6 is not a setting DAR-MoE "
+                                 r"runs: .*\[1, num_experts=4\], got 6"),
+    ({"router_aux_loss_coef": -1.0}, r"config\.json: the qwen3_moe source's router_aux_loss_coef=-1\.0 is not a "
+                                     r"setting DAR-MoE runs"),
+    ({"mlp_only_layers": [0, 1, 2]}, r"config\.json: the qwen3_moe source has no sparse layer \(mlp_only_layers=\[0, "
+                                     r"1, 2\], decoder_sparse_step=1\): it has no experts"),
+], ids=["top_k_above_experts", "negative_aux_loss", "every_layer_dense"])
+def test_an_moe_sources_own_settings_that_dar_moe_refuses_are_named_in_its_file(tmp_path, capsys, fields, message):
+    """Values of an MoE source's config.json that DARMoeConfig refuses were refused as DARMoeConfig's ("DARMoeConfig.
+    num_experts_per_tok must be ..."), never naming the file; and a source whose every layer is dense was sent from
+    "use DARConfig for a dense model" to --kind dar, which sent it back to --kind dar_moe."""
+    source = tiny_moe_source("qwen3_moe")
+    source.save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    config = json.loads((tmp_path / "source" / "config.json").read_text())
+    (tmp_path / "source" / "config.json").write_text(json.dumps({**config, **fields}))
+    assert cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "moe")]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(message, error), error
+    assert str(tmp_path / "source" / "config.json") in error and not (tmp_path / "moe").exists()

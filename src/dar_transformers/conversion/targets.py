@@ -18,6 +18,7 @@ Both kinds take the source's architecture fields from `families.source_architect
 """
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -220,7 +221,31 @@ def dar_moe_config_from_source(
             norm_topk_prob=True,  # the top-k weights of identical experts must sum to 1 (DESIGN.md section 3)
             shared_expert_intermediate_size=0,
         )
-    return validated_config(DARMoeConfig, {**fields, **dar_fields})
+    try:
+        return validated_config(DARMoeConfig, {**fields, **dar_fields})
+    except ValueError as error:
+        raise _blamed_on_the_source(error, source_config, dar_fields) from None
+
+
+def _blamed_on_the_source(error: ValueError, source_config: PreTrainedConfig, dar_fields: Mapping) -> ValueError:
+    """DARMoeConfig's refusal of a value an MoE source's config.json gave (`num_experts_per_tok` above its experts, a
+    negative `router_aux_loss_coef`, `mlp_only_layers` covering every layer), said of the source's file and field:
+    it read as a refusal of the converter's own config. A value passed as an option is left as it is."""
+    model_type = source_config.model_type
+    named = re.match(r"DARMoeConfig\.([a-z_]+)((?: and [a-z_]+)*)", str(error))
+    source_fields = MOE_CONFIG_FIELDS.get(model_type, {})
+    fields = [] if named is None else [named[1], *named[2].split(" and ")[1:]]
+    if not fields or any(field not in source_fields or field in dar_fields for field in fields):
+        return error
+    values = ", ".join(f"{source_fields[field]}={getattr(source_config, source_fields[field], None)!r}"
+                       for field in fields if isinstance(source_fields[field], str))
+    if "mlp_only_layers" in fields:  # every layer dense: no experts to convert, and dense DAR takes no MoE type
+        return ValueError(
+            f"{_config_file(source_config)}: the {model_type} source has no sparse layer ({values}): it has no "
+            f"experts, so it has no DAR-MoE upcycle, and dense DAR converts no mixture-of-experts model type."
+        )
+    return ValueError(f"{_config_file(source_config)}: the {model_type} source's {values} is not a setting DAR-MoE "
+                      f"runs: {error}")
 
 
 # What a run of a model may choose for itself (backend, kernels, history precision): everything else of a dense DAR
