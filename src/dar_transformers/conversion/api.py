@@ -19,7 +19,7 @@ from transformers.utils import logging
 
 from ..modeling_dar_moe import DARMoeForCausalLM
 from .card import chat_answers, render_model_card
-from .families import MOE_SOURCE_FAMILIES, source_family, warn_cache_only_windows
+from .families import MOE_SOURCE_FAMILIES, source_family, warn_not_carried
 from .options import ConversionOptions
 from .output import check_output_folder, scratch_folder, write_repo_folder
 from .checkpoints import StateDictCheckpoint
@@ -116,7 +116,7 @@ def upcycle(
     branch_family = source_family(source_config)
     if in_memory and output is None:
         return _upcycle_in_memory(source, tokenizer, options)  # `upcycle_model` warns
-    warn_cache_only_windows(source_config)
+    warn_not_carried(source_config)
     # Validate the target config before opening any weight.
     target.build_config(source_config, branch_family, options.storage_dtype or torch.float32, options.fields)
 

@@ -18,7 +18,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, require_finite_cast
-from .families import source_family, warn_cache_only_windows
+from .families import source_family, warn_not_carried
 from .keymaps import TensorInfo, TensorPlan, check_keys, is_ignored_source_key
 from .options import resolve_dtype
 from .sources import check_has_layers, check_heads_run, copy_in_dtype, model_dtype_of
@@ -302,7 +302,7 @@ def upcycle_model(
     dtype = dtype or source_model.dtype
     check_has_layers(source_model.config, "The in-memory model's config.num_hidden_layers")
     check_heads_run(source_model, source_model.config, "The in-memory model's config")
-    warn_cache_only_windows(source_model.config)
+    warn_not_carried(source_model.config)
     config = target.build_config(source_model.config, source_family(source_model.config), dtype, fields)
     checkpoint = StateDictCheckpoint(source_model.state_dict())
     check_tied_output_head(checkpoint, source_model.config, "the in-memory model")

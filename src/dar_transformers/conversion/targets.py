@@ -199,8 +199,6 @@ def dar_moe_config_from_source(
                     f"{name}={requested} differs from the {model_type} source's {fields[name]}: an MoE source keeps "
                     "its experts and routing (leave experts/top_k unset)."
                 )
-        if getattr(source_config, "router_jitter_noise", 0.0):
-            logger.warning("The source's router_jitter_noise (training only) is dropped: DAR-MoE routers have none.")
     else:
         if num_experts is None or top_k is None:
             raise ValueError(
