@@ -223,3 +223,31 @@ def test_a_dense_dar_with_mlp_biases_is_refused_without_pointing_back_to_dense_d
     with pytest.raises(ValueError, match="mlp_bias=true: a dense DAR model with MLP biases has no DAR-MoE upcycle"):
         upcycle_to_dar_moe(source, tmp_path / "moe", num_experts=4, top_k=2, **FAST)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["dar"]
+
+
+@pytest.mark.parametrize("damage", ["a_parameter_removed", "block_size_edited", "llama_weights_labelled_dar"])
+def test_a_dense_dar_folder_missing_dar_parameters_is_refused_naming_them(tmp_path, damage):
+    """A DAR source's DAR parameters were taken for new ones when missing (a trained folder with one removed, or a
+    config.json whose dar_block_size was edited after saving, or Llama weights under a `dar` config): the conversion
+    planned them from `_init_weights`, wrote and compared its tensors, then the verification's strict load of the
+    source died in a torch traceback. They are the model's own: refused in one line naming them, nothing written."""
+    folder = saved(trained_dar(dar_block_size=2), tmp_path / "source")
+    weights = load_file(folder / "model.safetensors")
+    if damage == "a_parameter_removed":
+        weights.pop("model.layers.1.attn_residual.depth_attention.pseudo_query")
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        named = "model.layers.1.attn_residual.depth_attention.pseudo_query"
+    elif damage == "block_size_edited":  # 3 layers, 6 branches: one block, no partial to transport
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "dar_block_size": 6}))
+        named = "write_gate.transport_logit"
+    else:
+        save_file({name: tensor for name, tensor in weights.items() if not is_dar_parameter(name)},
+                  folder / "model.safetensors", metadata={"format": "pt"})
+        named = "depth_attention.pseudo_query"
+    code, stderr = run_convert_in_process(folder, tmp_path / "moe", "--experts", "2", "--top-k", "1", cwd=tmp_path)
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("dar convert: error: The weights in") and named in error, error
+    assert "a config.json edited after the weights were saved" in error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]

@@ -134,7 +134,7 @@ def upcycle(
             keep_source_dtypes = options.storage_dtype is None  # "auto": every tensor stored as the source stores it
             plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
                                                loaded.checkpoint.description, loaded.checkpoint.config_name,
-                                               keep_source_dtypes)
+                                               keep_source_dtypes, source_config.model_type)
             kept = kept_source_dtypes(plans, target, storage_dtype)
             kept_description = describe_kept_dtypes(kept, plans, loaded.checkpoint)  # the log's and the card's
             wider = {dtype: names for dtype, names in kept.items() if not holds_exactly(storage_dtype, dtype)}

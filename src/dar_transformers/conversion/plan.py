@@ -18,8 +18,9 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .checkpoints import Checkpoint, StateDictCheckpoint, require_finite, require_finite_cast
-from .families import source_family, warn_not_carried
-from .keymaps import TensorInfo, TensorPlan, check_keys, is_ignored_source_key
+from ..training import is_dar_parameter
+from .families import DAR_SOURCE_TYPE, source_family, warn_not_carried
+from .keymaps import DAR_NEW_PARAMETERS, TensorInfo, TensorPlan, check_keys, is_ignored_source_key
 from .options import resolve_dtype
 from .sources import check_has_layers, check_heads_run, copy_in_dtype, model_dtype_of
 from .targets import TargetKind, target_kind
@@ -77,6 +78,7 @@ def plan_conversion(
     description: str = "the source",
     config_name: str = "its config.json",
     keep_source_dtypes: bool = False,
+    source_model_type: str | None = None,
 ) -> tuple[dict[str, TensorPlan], list[str]]:
     """Every tensor of the target checkpoint: the shared ones planned from the source's (cast to `dtype`, or with
     `keep_source_dtypes` ("auto") each in the floating dtype the source stores it in: a mixed-precision source's
@@ -86,8 +88,9 @@ def plan_conversion(
 
     Raises, naming `description` and `config_name` (what its config was read from), when a source tensor is in no
     planned tensor (other than an ignored key, or a tied head: `check_tied_output_head` compared it with the
-    embedding), when a target parameter is neither planned nor new, when a planned tensor has no place in the
-    target, or when a shape differs from the target config's."""
+    embedding), when a target parameter is neither planned nor new (a dense DAR source, `source_model_type` "dar",
+    supplies every DAR parameter: none of them is new), when a planned tensor has no place in the target, or when a
+    shape differs from the target config's."""
     try:
         shared = target.plan_tensors(source_infos, config)
     except ValueError as error:
@@ -111,10 +114,18 @@ def plan_conversion(
                          f"{HEAD} equal to the embedding are left out); converting without them would drop them.")
     missing = [name for name in expected if name not in shared]
     unexpected = [name for name in shared if name not in expected]
+    new_parameters = target.new_parameters
+    if source_model_type == DAR_SOURCE_TYPE:  # its DAR parameters (trained, perhaps) are the model's, never new
+        new_parameters = tuple(pattern for pattern in new_parameters if pattern not in DAR_NEW_PARAMETERS)
     try:
-        check_keys(missing, unexpected, target.new_parameters)
+        check_keys(missing, unexpected, new_parameters)
     except ValueError as error:
-        raise ValueError(f"The weights in {description} do not match {config_name}: {error}") from error
+        dar_keys = source_model_type == DAR_SOURCE_TYPE and any(
+            is_dar_parameter(name) for name in (*missing, *unexpected))
+        hint = (" A dense DAR checkpoint holds the DAR parameters its dar_block_size, dar_num_streams, dar_routing and "
+                "dar_include_partial shape: a config.json edited after the weights were saved no longer matches them; "
+                "convert the folder as it was saved." if dar_keys else "")
+        raise ValueError(f"The weights in {description} do not match {config_name}: {error}{hint}") from error
     mismatched = {name: (plan.shape, tuple(expected[name].shape)) for name, plan in shared.items()
                   if plan.shape != tuple(expected[name].shape)}
     if mismatched:
@@ -307,7 +318,7 @@ def upcycle_model(
     checkpoint = StateDictCheckpoint(source_model.state_dict())
     check_tied_output_head(checkpoint, source_model.config, "the in-memory model")
     plans, _ = plan_conversion(target, config, checkpoint.infos(), dtype, "the in-memory model", "its config",
-                               keep_source_dtypes)
+                               keep_source_dtypes, source_model.config.model_type)
     # Cloned: the target never shares storage with the source (training one must not change the other).
     state = {name: materialise(plan, checkpoint).clone() for name, plan in plans.items()}
     for name, tensor in state.items():
