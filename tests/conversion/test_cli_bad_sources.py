@@ -11,6 +11,7 @@ tokenizer) never runs and never reaches the output; the model card's snippets ru
 
 import errno
 import json
+import logging
 import os
 import re
 import subprocess
@@ -23,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import (
-    REPO, SHAPE, VOCAB, assert_refused_in_one_line, edit_json, make_tokenizer, run_convert_in_process, save_source,
-    spread_weights, tiny_llama_config, tree_digest,
+    IDS, REPO, SHAPE, VOCAB, assert_refused_in_one_line, edit_json, logits, make_source, make_tokenizer,
+    run_convert_in_process, save_source, spread_weights, tiny_llama_config, tree_digest,
 )
 from dar_transformers.conversion import api, upcycle, upcycle_model
 
@@ -578,3 +579,47 @@ def test_a_folder_of_pytorch_pickles_is_refused_naming_them_and_the_way_out(tmp_
     assert_refused_in_one_line(code, stderr, r"has no safetensors weights", r"It holds pytorch_model\.bin",
                                r"save the model as safetensors first")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+@pytest.mark.parametrize("with_base_config", [False, True])
+def test_an_unmerged_peft_adapter_folder_is_refused_as_one(tmp_path, with_base_config):
+    """A LoRA adapter folder (adapter_config.json, adapter_model.safetensors) as the source: "has no config.json; it
+    is not a Hugging Face model folder", or, with the base model's config.json copied in, "The dense MLP of layer 0 is
+    missing" (its adapter weights read as the model's). Named as an adapter, with the way to merge it."""
+    base = save_source(tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"],
+                                                             "base_model_name_or_path": str(base)}))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, SHAPE["hidden_size"]),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(SHAPE["hidden_size"], 2)},
+              adapter / "adapter_model.safetensors", metadata={"format": "pt"})
+    if with_base_config:
+        (adapter / "config.json").write_bytes((base / "config.json").read_bytes())
+        make_tokenizer().save_pretrained(adapter)
+    code, stderr = run_convert_in_process(adapter, tmp_path / "out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"is a PEFT adapter \(adapter_config\.json\), not a model",
+                               r"merge_and_unload\(\)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]
+
+
+def test_a_stale_index_beside_model_safetensors_is_named_and_the_model_read_as_transformers_reads_it(tmp_path, caplog):
+    """A sharded folder (every conversion output is one) into which a trained model was saved again unsharded:
+    `save_pretrained` removes the shards, not their index. transformers reads model.safetensors; the converter refused
+    the folder as holding "two checkpoints", naming shards that no longer exist."""
+    source = save_source(tmp_path / "source", shard="20KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    index = (source / "model.safetensors.index.json").read_bytes()
+    trained = make_source("llama", True, seed=5)
+    for shard in source.glob("model-*.safetensors"):
+        shard.unlink()
+    trained.save_pretrained(source)  # unsharded: model.safetensors
+    (source / "model.safetensors.index.json").write_bytes(index)  # as an earlier sharded save left it
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(source).eval(), IDS[:1, :12]),
+                       logits(trained.eval(), IDS[:1, :12]))
+    with caplog.at_level(logging.WARNING):
+        code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "2", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert "lists none of the files" in caplog.text and "a stale index" in caplog.text
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), IDS[:1, :12]),
+                               logits(trained, IDS[:1, :12]), atol=1e-5, rtol=0)

@@ -182,6 +182,10 @@ class _DuplicateTensor(Exception):
     """A tensor name found in a second file: (name, the first file)."""
 
 
+# A PEFT adapter's weights file (`save_pretrained` of a PeftModel, beside adapter_config.json).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
 class SafetensorsCheckpoint(Checkpoint):
     """A folder's safetensors files, read through their headers: those of its index, else model.safetensors (as
     transformers reads a folder), else every `*.safetensors`."""
@@ -219,14 +223,21 @@ class SafetensorsCheckpoint(Checkpoint):
                         "Copy or link the shards into the folder and list them by their names."
                     )
                 # Both are one checkpoint when the index lists model.safetensors alone (mlx-lm writes such an index).
-                if single.is_file() and files != [single.name]:
+                stale = single.is_file() and not any((self.folder / file).exists() for file in files)
+                if stale:  # a later unsharded save_pretrained into the folder removed the shards, not their index
+                    others = sorted(path.name for path in self.folder.glob("*.safetensors") if path != single)
+                    logger.warning(f"Reading {single} only, as transformers does: {index.name} lists none of the files "
+                                   f"in {self.folder} (a stale index, left by a later unsharded save_pretrained into "
+                                   "the folder); remove it." + (f" Not read: {', '.join(others)}." if others else ""))
+                    files = [single.name]
+                elif single.is_file() and files != [single.name]:
                     raise ValueError(
                         f"Source folder {self.folder} holds two checkpoints: {single.name} and the shards of "
                         f"{index.name}. transformers' from_pretrained reads {single.name}; move the one you do not "
                         "mean out of the folder, so that the conversion reads the weights you use."
                     )
                 unlisted = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name not in files)
-                if unlisted:  # a stale shard of an earlier save, an adapter: not this model's weights
+                if unlisted and not stale:  # a stale shard of an earlier save, an adapter: not this model's weights
                     logger.warning(f"Reading the {len(files)} file(s) of {index} only, as transformers does; not "
                                    f"read: {', '.join(unlisted)}.")
             elif single.is_file():  # as transformers reads the folder: other *.safetensors (a LoRA adapter, a backup)
@@ -234,8 +245,8 @@ class SafetensorsCheckpoint(Checkpoint):
                 others = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name != single.name)
                 if others:
                     logger.warning(f"Reading {single} only, as transformers does; not read: {', '.join(others)}.")
-            else:
-                files = sorted(path.name for path in self.folder.glob("*.safetensors"))
+            else:  # a PEFT adapter's weights are not a model's (its folder is refused as an adapter)
+                files = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name != ADAPTER_WEIGHTS)
         if not files:
             pickled = sorted(path.name for path in self.folder.glob("*.bin"))
             resave = (f" It holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: PyTorch pickles, "

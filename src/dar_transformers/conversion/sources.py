@@ -29,7 +29,8 @@ from transformers.utils import logging
 
 from ..training import is_dar_parameter
 from .checkpoints import (
-    Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors, source_read_error,
+    INDEX_NAME, Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint, StateDictCheckpoint, placed_gguf_tensors,
+    source_read_error,
 )
 from .families import (
     ALL_SOURCE_FAMILIES,
@@ -207,6 +208,13 @@ def load_source_config(path: str | os.PathLike) -> PreTrainedConfig:
         check_model_builds(config, f"GGUF file {path} (the config transformers reads from its metadata)")
         return config
     config_file = path / "config.json"
+    if (path / "adapter_config.json").is_file() and not any(
+            (path / name).is_file() for name in ("model.safetensors", INDEX_NAME)):
+        raise ValueError(
+            f"Source folder {path} is a PEFT adapter (adapter_config.json), not a model: merge it into the model it "
+            "was trained on and convert that (PeftModel.from_pretrained(base_model, adapter).merge_and_unload()"
+            ".save_pretrained(folder), with the base model's tokenizer)."
+        )
     if not config_file.is_file():
         raise FileNotFoundError(f"Source folder {path} has no config.json; it is not a Hugging Face model folder.")
     try:
