@@ -406,7 +406,9 @@ def test_a_qwen3_moe_source_is_decided_sliding_by_what_its_model_reads(tmp_path,
     source.save_pretrained(tmp_path / "source")
     make_tokenizer().save_pretrained(tmp_path / "source")
     fields = json.loads((tmp_path / "source" / "config.json").read_text())
-    fields.update(use_sliding_window=True, sliding_window=window, **({"layer_types": layer_types} if layer_types else {}))
+    fields.update(use_sliding_window=True, sliding_window=window)
+    if layer_types:
+        fields["layer_types"] = layer_types
     (tmp_path / "source" / "config.json").write_text(json.dumps(fields))
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "source").config.sliding_window == window
     code = cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "moe"), "--max-new-tokens", "2",

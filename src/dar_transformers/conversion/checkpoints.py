@@ -249,9 +249,10 @@ class SafetensorsCheckpoint(Checkpoint):
                 files = sorted(path.name for path in self.folder.glob("*.safetensors") if path.name != ADAPTER_WEIGHTS)
         if not files:
             pickled = sorted(path.name for path in self.folder.glob("*.bin"))
-            resave = (f" It holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: PyTorch pickles, "
-                      "which the converter does not read (it reads safetensors tensor by tensor); save the model as "
-                      "safetensors first (from_pretrained, then save_pretrained, which writes them)." if pickled else "")
+            resave = "" if not pickled else (
+                f" It holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: PyTorch pickles, which the "
+                "converter does not read (it reads safetensors tensor by tensor); save the model as safetensors first "
+                "(from_pretrained, then save_pretrained, which writes them).")
             raise FileNotFoundError(
                 f"Source folder {self.folder} has no safetensors weights (model.safetensors or sharded "
                 f"model-0000x-of-0000y.safetensors with model.safetensors.index.json).{resave}"

@@ -233,7 +233,7 @@ def warn_cache_only_windows(source_config: PreTrainedConfig) -> None:
 
 def warn_not_carried(source_config: PreTrainedConfig) -> None:
     """Say, once per conversion, what of the source the converted config does not carry: window fields its attention
-    ignores (`warn_cache_only_windows`) and a router's training-only jitter (it was said once per config built: twice)."""
+    ignores (`warn_cache_only_windows`) and a router's training-only jitter (it was said per config built: twice)."""
     warn_cache_only_windows(source_config)
     if source_config.model_type in MOE_SOURCE_FAMILIES and getattr(source_config, "router_jitter_noise", 0.0):
         logger.warning("The source's router_jitter_noise (training only) is dropped: DAR-MoE routers have none.")

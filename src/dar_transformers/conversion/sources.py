@@ -507,11 +507,14 @@ def gguf_parsed_once():
         yield
         return
     state = _SharedGGUFReaders
+
+    def shared(_cls, *args, **keywords):  # `__new__` of a subclass, so that gguf.GGUFReader stays a class
+        return state.reader(*args, **keywords)  # an instance of gguf's own class: its __init__ is not run again
+
     with state.lock:
         if state.open == 0:
             state.original = gguf.GGUFReader
-            gguf.GGUFReader = type("GGUFReader", (state.original,), {"__new__": lambda _cls, *args, **keywords:
-                                                                     state.reader(*args, **keywords)})
+            gguf.GGUFReader = type("GGUFReader", (state.original,), {"__new__": shared})
         state.open += 1
     try:
         yield
@@ -875,5 +878,5 @@ def exact_storage_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 
 __all__ = ["Source", "check_gguf_metadata", "check_heads_run", "copy_in_dtype", "custom_code_entries",
-           "display_name", "exact_storage_dtype", "gguf_parsed_once", "load_source", "load_source_config", "open_source", "rounded_tensors",
-           "source_model_type", "source_storage_dtype", "tensors_phrase"]
+           "display_name", "exact_storage_dtype", "gguf_parsed_once", "load_source", "load_source_config",
+           "open_source", "rounded_tensors", "source_model_type", "source_storage_dtype", "tensors_phrase"]

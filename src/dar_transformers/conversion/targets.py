@@ -222,7 +222,10 @@ def dar_moe_config_from_source(
     try:
         return validated_config(DARMoeConfig, {**fields, **dar_fields})
     except ValueError as error:
-        raise _blamed_on_the_source(error, source_config, dar_fields) from None
+        blamed = _blamed_on_the_source(error, source_config, dar_fields)
+        if blamed is error:
+            raise
+        raise blamed from error
 
 
 def _blamed_on_the_source(error: ValueError, source_config: PreTrainedConfig, dar_fields: Mapping) -> ValueError:
