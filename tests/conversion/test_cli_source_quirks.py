@@ -159,7 +159,7 @@ def test_a_base_models_weights_convert_as_transformers_loads_them(tmp_path, fami
     architectures ["LlamaModel"]; untied, `lm_head.weight` beside them), which `AutoModelForCausalLM.from_pretrained`
     loads with nothing missing or unexpected by putting `model.` before each name: refused as "parameters that DAR
     has no place for". Its tensors are read under the names transformers gives them; the output computes the causal
-    LM transformers loads, bit for bit in float32's tolerance."""
+    LM transformers loads, to float32 rounding."""
     causal = make_source(family, tied)
     source = tmp_path / "source"
     causal.model.save_pretrained(source)
