@@ -510,6 +510,39 @@ def test_a_llama_gguf_without_head_count_kv_is_refused(tmp_path, monkeypatch):
                                   r"gives the model as many key/value heads as heads")
 
 
+
+def test_a_llama_gguf_whose_rotary_does_not_span_its_heads_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """A llama GGUF without `attention.key_length` whose `rope.dimension_count` (4) is not embedding_length /
+    head_count (8): llama.cpp refuses it (invalid n_rot), and transformers' reader takes the rotary for the head size.
+    It was refused with a 643-character list of mismatched projection shapes that named no metadata."""
+    add_rotary = gguf_py.GGUFWriter.add_rope_dimension_count
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_rope_dimension_count", lambda self, count: add_rotary(self, count // 2))
+    assert_gguf_refused(tmp_path, r"^GGUF file .*tiny\.gguf: its metadata llama\.rope\.dimension_count = 4 is not its "
+                                  r"head size 8 \(llama\.embedding_length 32 / llama\.attention\.head_count 4; it has "
+                                  r"no llama\.attention\.key_length\): llama\.cpp refuses such a llama file .*nothing is "
+                                  r"converted\.$")
+
+
+def test_a_gguf_special_token_past_its_vocabulary_is_named_in_the_tokenizer_error(tmp_path, monkeypatch):
+    """transformers' GGUF tokenizer reader fails on a special token id past the token list with "list index out of
+    range", which named no key; the refusal names the key, its value and the list's length. Nothing is written."""
+    add_eos = gguf_py.GGUFWriter.add_eos_token_id
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_eos_token_id", lambda self, token: add_eos(self, 100000))
+    assert_gguf_refused(tmp_path, r"Could not load the tokenizer of .*gguf from tiny\.gguf .*: .* \(its metadata "
+                                  r"tokenizer\.ggml\.eos_token_id = 100000: past the 320 tokens of "
+                                  r"tokenizer\.ggml\.tokens\)$")
+
+
+@pytest.mark.parametrize("used", [3, 0])
+def test_a_moe_gguf_routing_to_more_experts_than_it_has_is_refused_naming_both_keys(tmp_path, monkeypatch, used):
+    """An MoE GGUF whose expert_used_count is not 1 to its expert_count (llama.cpp asserts it): the refusal named
+    DARMoeConfig's num_experts_per_tok ("the source's config", 3 or 0 of 2), as if the converter had chosen the
+    value. Named by both metadata keys; nothing is written."""
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_expert_used_count",
+                        lambda self, count, add=gguf_py.GGUFWriter.add_expert_used_count: add(self, used))
+    assert_moe_gguf_refused(tmp_path, rf"^GGUF file .*tiny\.gguf: its metadata qwen3moe\.expert_used_count = {used} is "
+                                      r"not between 1 and qwen3moe\.expert_count = 2 .*nothing is converted\.$")
+
 def test_a_gguf_file_with_an_upper_case_suffix_converts_as_transformers_reads_it(tmp_path):
     """"MODEL.GGUF" (an upper-case suffix, as some downloads are named) was refused as "not a .gguf file", though
     transformers reads it as one. It converts exactly; a file of another suffix is still refused."""

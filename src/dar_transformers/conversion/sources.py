@@ -395,6 +395,8 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
         )
     carried = {key for key, field in GGUF_CONFIG_MAPPING.get(config.model_type, {}).items() if field is not None}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    check_gguf_head_size(path, reader.fields, architecture, carried, config)
+    check_gguf_experts(path, reader.fields, architecture)
     scaling_type = reader.fields.get(f"{architecture}.rope.scaling.type")
     unscaled = scaling_type is not None and scaling_type.contents() == "none"
     for key, field in reader.fields.items():
@@ -426,6 +428,55 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
                 "Convert the model's Hugging Face folder instead (its config.json carries the setting)."
             )
 
+
+
+def check_gguf_head_size(path: Path, fields, architecture: str, carried: set[str], config: PreTrainedConfig) -> None:
+    """Where transformers' GGUF reader takes `rope.dimension_count` for the head dimension (Llama, Mistral) and the
+    file has no `attention.key_length` (compared with that head dimension in `check_gguf_metadata`), the rotary must
+    span llama.cpp's head size, `embedding_length / head_count`: llama.cpp refuses a llama file whose rotary does
+    not, and transformers builds heads of the rotary's width, which the file's tensors do not fit (a list of mismatched
+    shapes that named no metadata)."""
+    rotary, heads = (fields.get(f"{architecture}.{key}") for key in ("rope.dimension_count", "attention.head_count"))
+    if ("rope.dimension_count" not in carried or rotary is None or heads is None or not heads.contents()
+            or f"{architecture}.attention.key_length" in fields):
+        return
+    size = config.hidden_size // heads.contents()
+    if rotary.contents() != size:
+        raise ValueError(
+            f"GGUF file {path}: its metadata {architecture}.rope.dimension_count = {rotary.contents()!r} is not its "
+            f"head size {size!r} ({architecture}.embedding_length {config.hidden_size} / "
+            f"{architecture}.attention.head_count {heads.contents()}; it has no {architecture}.attention.key_length): "
+            + ("llama.cpp refuses such a llama file (invalid n_rot)" if architecture == "llama" else
+               "llama.cpp rotates part of each head (a partial rotary)")
+            + ", and transformers' GGUF reader takes the rotary dimension for the head size, building heads "
+            f"{rotary.contents()!r} wide that the file's tensors do not fit; nothing is converted."
+        )
+
+
+def check_gguf_experts(path: Path, fields, architecture: str) -> None:
+    """An MoE file's experts per token must be 1 to its expert count, as llama.cpp asserts when it loads the file;
+    the refusal names both metadata keys (it named DARMoeConfig's field, as if the converter had chosen the value)."""
+    count, used = fields.get(f"{architecture}.expert_count"), fields.get(f"{architecture}.expert_used_count")
+    if count is None or used is None or not count.contents():
+        return
+    if not 1 <= used.contents() <= count.contents():
+        raise ValueError(
+            f"GGUF file {path}: its metadata {architecture}.expert_used_count = {used.contents()!r} is not between 1 "
+            f"and {architecture}.expert_count = {count.contents()!r} (the experts each token is routed to, of the "
+            "layer's experts): no model runs it, in llama.cpp or transformers; nothing is converted."
+        )
+
+
+def gguf_special_tokens_out_of_range(fields) -> list[str]:
+    """A GGUF file's special token ids (`tokenizer.ggml.*_token_id`) that are no index of its token list, as
+    "key = id": transformers' GGUF tokenizer reader fails on them with an IndexError that names neither."""
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return []
+    count = len(tokens.data)
+    return [f"{key} = {field.contents()!r}" for key, field in fields.items()
+            if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
+            and isinstance(field.contents(), int) and not 0 <= field.contents() < count]
 
 # A GGUF file's license metadata (llama.cpp's converter copies the model card's) and the card field of each.
 GGUF_LICENSE_FIELDS = {"general.license": "license", "general.license.name": "license_name",
@@ -557,9 +608,13 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None, gguf_fields=None
     except Exception as error:  # tokenizer backends raise many types; name the files either way
         files = [gguf_file] if gguf_file else [name for name in (*TOKENIZER_FILES, "tokenizer_config.json")
                                                if (folder / name).is_file()]
+        outside = gguf_special_tokens_out_of_range(gguf_fields) if gguf_fields is not None else []
+        count = len(gguf_fields["tokenizer.ggml.tokens"].data) if outside else 0
         raise ValueError(
             f"Could not load the tokenizer of {folder} from {', '.join(files)} (with transformers' own tokenizer "
             f"classes: the converter never runs code from the source): {one_line(error)}"
+            + (f" (its metadata {', '.join(outside)}: past the {count} tokens of tokenizer.ggml.tokens)" if outside
+               else "")
         ) from error
     if gguf_file is not None:
         named = gguf_named_chat_templates(folder / gguf_file, gguf_fields)
