@@ -187,6 +187,25 @@ def test_sparse_layer_choices_are_refused_for_an_moe_source_and_named_by_flag(tm
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mix", "source"]
 
 
+
+def test_expert_noise_on_an_moe_source_is_refused_before_any_warning_and_named_by_flag(tmp_path, capsys, caplog):
+    """`--expert-noise` on an MoE source warned that the converted model "is NOT function-preserving", then was
+    refused as a fault of the source's files ("safetensors in ...: expert_noise applies to ..."). Refused first, by
+    its flag and the source's config file, with no warning; nothing written."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from conftest import SHAPE, VOCAB, make_tokenizer
+
+    MixtralForCausalLM(MixtralConfig(**SHAPE, vocab_size=VOCAB, num_local_experts=4)).save_pretrained(tmp_path / "mix")
+    make_tokenizer().save_pretrained(tmp_path / "mix")
+    capsys.readouterr()
+    assert cli_main(["convert", str(tmp_path / "mix"), str(tmp_path / "out"), "--expert-noise", "0.5"]) == 1
+    printed = capsys.readouterr().err.strip()
+    assert printed.startswith("dar convert: error: --expert-noise: expert_noise=0.5 re-draws part of the experts ") \
+        and f"the mixtral source ({tmp_path / 'mix' / 'config.json'}) has experts of its own" in printed, printed
+    assert "safetensors in" not in printed and "NOT function-preserving" not in caplog.text
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mix"]
+
 def test_an_moe_sources_own_fields_are_not_blamed_on_flags_and_stray_layer_indices_convert(tmp_path, capsys):
     """A Qwen3-MoE source's own config fields, no flag given: top-k 6 of 4 experts was refused as "--top-k: ...", a flag
     the user never passed; `mlp_only_layers` naming a layer the model does not have (7 of 3: transformers' MoE layers

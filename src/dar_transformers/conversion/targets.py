@@ -403,6 +403,15 @@ def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
     """The DAR-MoE target; `expert_noise > 0` is Drop-Upcycling (not exact: its verification only reports)."""
     check_expert_noise(expert_noise)
 
+    def build_config(source_config, branch_family, dtype, fields):
+        if expert_noise and source_config.model_type in MOE_SOURCE_FAMILIES:  # before the plan warns of the noise
+            raise ValueError(
+                f"expert_noise={expert_noise} re-draws part of the experts that sparse upcycling copies from a dense "
+                f"model's MLP (Drop-Upcycling); the {source_config.model_type} source ({_config_file(source_config)}) "
+                "has experts of its own, which its DAR-MoE conversion keeps as they are: leave expert_noise unset."
+            )
+        return build_dar_moe_config(source_config, branch_family, dtype, fields)
+
     def plan_tensors(source_infos, config):
         if expert_noise:  # said as the conversion plans the noise, not before a refusal of its inputs
             logger.warning(
@@ -413,7 +422,7 @@ def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
 
     return TargetKind(
         model_class=DARMoeForCausalLM,
-        build_config=build_dar_moe_config,
+        build_config=build_config,
         plan_tensors=plan_tensors,
         # The routers are new when upcycling a dense model; an MoE source supplies them, so they are never missing.
         new_parameters=(*DAR_NEW_PARAMETERS, *MOE_ROUTER_PARAMETERS),
