@@ -5,6 +5,7 @@ rescue-gain bookkeeping on a tiny model, and the summary plus PNGs of `analyze`.
 import fnmatch
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -397,6 +398,122 @@ def test_command_line_failures_leave_out_as_it_was_and_say_so_in_one_line(tmp_pa
         "changed")
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
 
+
+
+@pytest.mark.parametrize("failure", ["error", "interrupt"])
+def test_a_failure_or_an_interrupt_while_the_files_move_in_leaves_out_as_it_was(tmp_path, capsys, monkeypatch,
+                                                                                 failure):
+    """The staged files were moved into --out one by one, outside any clean-up: a failure or a Ctrl-C between two
+    moves left the new summary and some new plots among the earlier analysis's, the rest stranded in a hidden staging
+    folder. The earlier files are moved aside first and everything is undone (an interrupt is held meanwhile)."""
+    import signal
+
+    from dar_transformers import analysis
+
+    arguments = saved_checkpoint_arguments(tmp_path)
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", *arguments, "--out", str(out), "--seq-len", "12"]) == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    moves, replace = [], os.replace
+
+    def fails_at_the_tenth(source, target):
+        moves.append(Path(target).name)
+        if len(moves) == 10:  # the earlier seven are aside, three new ones in
+            if failure == "error":
+                raise OSError(5, "Input/output error")
+            signal.raise_signal(signal.SIGINT)
+        replace(source, target)
+
+    monkeypatch.setattr(analysis.os, "replace", fails_at_the_tenth)
+    capsys.readouterr()
+    assert cli_main(["analyze", *arguments, "--out", str(out), "--overwrite"]) == (1 if failure == "error" else 130)
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said == (f"dar analyze: error: --out {out}: could not put the analysis in place (Input/output error); "
+                    "nothing in it was changed" if failure == "error" else "dar analyze: interrupted by SIGINT.")
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # no staging folder either
+
+
+def test_a_folder_of_an_analysis_files_name_is_never_replaced(tmp_path, capsys):
+    """A folder named rescue_gain.png in --out: with --overwrite the analysis ran, then the move into place failed
+    on it with a raw "[Errno 21] Is a directory" naming the hidden staging folder, after the summary and the first
+    plots had replaced the earlier ones. Refused before any work, naming it; nothing changed."""
+    arguments = saved_checkpoint_arguments(tmp_path)
+    out = tmp_path / "analysis"
+    (out / "rescue_gain.png").mkdir(parents=True)
+    (out / "rescue_gain.png" / "mine.txt").write_text("mine")
+    (out / "summary.json").write_text("mine")
+    capsys.readouterr()
+    assert cli_main(["analyze", *arguments, "--out", str(out), "--overwrite"]) == 1
+    assert capsys.readouterr().err == (f"dar analyze: error: --out {out} holds a folder named rescue_gain.png, where "
+                                       "the analysis writes a file; move it away or pass another --out.\n")
+    assert sorted(path.name for path in out.iterdir()) == ["rescue_gain.png", "summary.json"]
+    assert (out / "summary.json").read_text() == "mine"
+
+
+def test_an_empty_out_is_refused_and_a_quoted_tilde_is_the_home_folder(tmp_path, capsys, monkeypatch):
+    """`--out "$OUT"` with OUT unset was the working directory (with --overwrite, the user's summary.json there
+    replaced); `--out '~/x'` (or `--out=~/x`, which the shell leaves) wrote a folder named "~" in the working directory
+    while the message named the home folder, and `--text '~/t.txt'` was "No such file"."""
+    arguments = saved_checkpoint_arguments(tmp_path)
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir(), home.mkdir()
+    (work / "summary.json").write_text("mine")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(home))
+    (home / "t.txt").write_text(Path(arguments[2]).read_text())
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli_main(["analyze", *arguments, "--out", "", "--overwrite"])
+    assert "argument --out: an empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert (work / "summary.json").read_text() == "mine"
+    assert cli_main(["analyze", arguments[0], "--text", "~/t.txt", *arguments[3:], "--out=~/x"]) == 0
+    assert f"wrote {home / 'x'}/summary.json" in capsys.readouterr().out
+    assert (home / "x" / "summary.json").is_file() and sorted(path.name for path in work.iterdir()) == ["summary.json"]
+
+
+def test_a_killed_analysis_staging_folder_is_named_and_left(tmp_path, caplog):
+    """A SIGKILLed analysis (the out-of-memory killer) leaves its hidden staging folder in --out, which no later run
+    mentioned (and `push_to_hub` of a model folder would upload). Named on the log, never removed (another analysis
+    may be writing into it)."""
+    arguments = saved_checkpoint_arguments(tmp_path)
+    out = tmp_path / "analysis"
+    (out / ".dar-analyze.k1ll3d.partial").mkdir(parents=True)
+    (out / ".dar-analyze.k1ll3d.partial" / "summary.json").write_text("{}")
+    assert cli_main(["analyze", *arguments, "--out", str(out)]) == 0
+    assert f"{out / '.dar-analyze.k1ll3d.partial'} is the staging folder of an analysis that did not finish" \
+        in caplog.text
+    assert (out / ".dar-analyze.k1ll3d.partial" / "summary.json").read_text() == "{}"
+
+
+def test_sigterm_under_python_m_cleans_up_as_ctrl_c_does(tmp_path, capsys, monkeypatch):
+    """`python -m dar_transformers.analysis` ended at SIGTERM at once (`dar analyze` raises it as an interrupt),
+    leaving its staging folder, or the folders it made, behind."""
+    import signal
+
+    from dar_transformers import analysis
+
+    arguments = saved_checkpoint_arguments(tmp_path)
+    monkeypatch.setattr(analysis, "analyze", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGTERM))
+    capsys.readouterr()
+    assert main([*arguments, "--out", str(tmp_path / "made" / "out")]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("python -m dar_transformers.analysis: interrupted by "
+                                                                "SIGTERM.")
+    assert not (tmp_path / "made").exists()
+
+
+def test_save_plots_replaces_a_link_instead_of_writing_through_it(tmp_path):
+    """`save_plots(summary, folder)`, the public API, wrote each PNG through a symbolic link of its name: a link to a
+    file outside the folder got the plot's bytes. The link is replaced by the plot, its target untouched."""
+    model = trained_like_dar(dar_block_size=2)
+    summary = analyze(model, token_batch(), rescue_branches=[])
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    (tmp_path / "thesis.txt").write_text("mine")
+    (folder / "depth_entropy.png").symlink_to(tmp_path / "thesis.txt")
+    written = save_plots(summary, folder)
+    assert folder / "depth_entropy.png" in written and not (folder / "depth_entropy.png").is_symlink()
+    assert (folder / "depth_entropy.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "thesis.txt").read_text() == "mine"
 
 def test_a_model_folder_spelled_with_a_tilde_loads(tmp_path, capsys, monkeypatch):
     """`dar analyze '~/m'` (quoted: the shell left the tilde) passed the folder check, which expands it, and then

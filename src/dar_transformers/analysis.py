@@ -20,11 +20,15 @@ Command line: `dar analyze MODEL --text FILE --out DIR` or `python -m dar_transf
 """
 
 import argparse
+import contextlib
+import errno
 import fnmatch
 import json
 import math
 import os
 import shutil
+import signal
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from transformers.utils import logging
 
 from .configuration_dar import DAR_MODEL_TYPES, DARConfig
+from .conversion.output import signals_held
 from .modeling_dar import DARDepthAttention, DARReadGate, DARWriteGate
 
 logger = logging.get_logger(__name__)
@@ -436,12 +441,15 @@ def _analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: l
 
 
 def save_plots(summary: dict, out_dir: Path) -> list[Path]:
-    """Heatmaps and bar charts of a summary from `analyze`; returns the PNG paths."""
+    """Heatmaps and bar charts of a summary from `analyze` in `out_dir` (made if missing); returns the PNG paths. A
+    file of a plot's name is replaced; a symbolic link of that name is replaced by the plot, its target untouched (it
+    was written through: a link to a file outside the folder got the PNG's bytes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = summary["branches"]
     written = []
@@ -449,6 +457,8 @@ def save_plots(summary: dict, out_dir: Path) -> list[Path]:
     def finish(figure, filename: str) -> None:
         figure.tight_layout()
         path = out_dir / filename
+        if path.is_symlink():
+            path.unlink()
         figure.savefig(path, dpi=120)
         plt.close(figure)
         written.append(path)
@@ -578,11 +588,23 @@ def at_least(minimum, kind=int):
     return parse
 
 
+def given_path(text: str) -> Path:
+    """A path named on the command line: "~" expanded (quoted, the shell left it; `--out=~/x` too), where it was
+    written into a folder named "~" in the working directory while the message named the home folder; an empty one
+    (an unset shell variable) refused, where `Path("")` was the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); name the file or folder")
+    return Path(os.path.expanduser(text))
+
+
+given_path.__name__ = "path"  # argparse names the type in its "invalid ... value" message
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `analyze` arguments (shared by `dar analyze` and `python -m dar_transformers.analysis`)."""
     parser.add_argument("model", help="a DAR checkpoint directory (or anything from_pretrained accepts locally)")
-    parser.add_argument("--text", type=Path, required=True, help="a UTF-8 text file to run the model on")
-    parser.add_argument("--out", type=Path, required=True, help="output directory for summary.json and the PNGs")
+    parser.add_argument("--text", type=given_path, required=True, help="a UTF-8 text file to run the model on")
+    parser.add_argument("--out", type=given_path, required=True, help="output directory for summary.json and the PNGs")
     parser.add_argument("--tokenizer", help="tokenizer location if the checkpoint has none")
     parser.add_argument("--seq-len", type=at_least(2), default=256, help="at least 2 (a next-token loss)")
     parser.add_argument("--num-sequences", type=at_least(2), default=8, help="at least 2 (rescue gain compares them)")
@@ -594,6 +616,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="replace the files of an earlier analysis in --out (never anything else there)")
     return parser
 
+
+# The staging folder an analysis writes into inside --out before its files are put in place (`write_analysis`).
+ANALYSIS_STAGING_PREFIX, ANALYSIS_STAGING_SUFFIX = ".dar-analyze.", ".partial"
 
 # What an analysis writes into --out: the summary and the plots of `save_plots`.
 ANALYSIS_FILES = ("summary.json", "depth_weights_stream[0-9].png", "depth_entropy.png", "cross_stream_cka.png",
@@ -622,6 +647,11 @@ def check_analysis_output(out: Path, overwrite: bool) -> list[str]:
         return []
     taken = sorted(name for name in os.listdir(out)
                    if any(fnmatch.fnmatch(name, pattern) for pattern in ANALYSIS_FILES))
+    folders = [name for name in taken if stat.S_ISDIR(os.lstat(out / name).st_mode)]
+    if folders:  # never removed: it is not a file an analysis wrote
+        raise ValueError(f"--out {out} holds {'folders' if len(folders) > 1 else 'a folder'} named "
+                         f"{', '.join(folders)}, where the analysis writes a file; move {'them' if len(folders) > 1 else 'it'} "
+                         "away or pass another --out.")
     if taken and not overwrite:
         raise ValueError(f"--out {out} already holds {', '.join(taken)}, which the analysis would replace; pass "
                          "--overwrite to replace them (nothing else in the folder is touched), or another --out.")
@@ -657,30 +687,64 @@ def remove_empty_folders(made: list[Path]) -> None:
 
 
 def write_analysis(out: Path, summary: dict, replaced: list[str]) -> list[Path]:
-    """Write the summary and the plots into a hidden staging folder inside `out`, then move each into `out`, replacing
-    the earlier analysis's files of those names (a link is replaced, not written through), and remove the earlier
-    analysis's files that this one does not write (`replaced`). A failure while writing (a full disk) leaves `out` as
-    it was; returns the PNGs' paths."""
-    staging = Path(tempfile.mkdtemp(prefix=".dar-analyze.", suffix=".partial", dir=out))
+    """Write the summary and the plots into a hidden staging folder inside `out`, then put them in place: the earlier
+    analysis's files (`replaced`, and any of the new files' names) are moved aside into the staging folder, the new
+    ones moved in (a link is replaced, not written through), and the staging folder with the earlier files is removed.
+    A failure while writing (a full disk) or while moving (an error, or a signal: held meanwhile) leaves `out` as it
+    was; returns the PNGs' paths."""
+    staging = Path(tempfile.mkdtemp(prefix=ANALYSIS_STAGING_PREFIX, suffix=ANALYSIS_STAGING_SUFFIX, dir=out))
     try:
         (staging / "summary.json").write_text(json.dumps(_nan_to_none(summary), indent=1, allow_nan=False))
         staged = [staging / "summary.json", *save_plots(summary, staging)]
+        earlier = staging / "replaced"
+        earlier.mkdir()
     except BaseException as error:
         shutil.rmtree(staging)
         if not isinstance(error, OSError):
             raise
         raise ValueError(f"--out {out}: could not write the analysis ({error.strerror or error}); nothing in it was "
                          "changed") from error
-    for path in staged:
-        os.replace(path, out / path.name)
-    staging.rmdir()
-    written = [out / path.name for path in staged]
-    for name in sorted(set(replaced) - {path.name for path in written}):
-        path = out / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-            logger.info(f"removed {path} (of the analysis this one replaces)")
-    return written[1:]
+    names = [path.name for path in staged]
+    aside = sorted(name for name in {*replaced, *names} if os.path.lexists(out / name))
+    moved_aside, moved_in = [], []
+
+    def undo() -> None:
+        for name in reversed(moved_in):
+            os.replace(out / name, staging / name)
+        for name in reversed(moved_aside):
+            os.replace(earlier / name, out / name)
+        shutil.rmtree(staging)
+
+    with signals_held() as received:  # a few renames: an interrupt waits for them and their undoing
+        try:
+            for name in aside:
+                if stat.S_ISDIR(os.lstat(out / name).st_mode):  # made since it was checked: never removed
+                    raise IsADirectoryError(errno.EISDIR, "a folder where the analysis writes a file", str(out / name))
+                os.replace(out / name, earlier / name)
+                moved_aside.append(name)
+            for name in names:
+                os.replace(staging / name, out / name)
+                moved_in.append(name)
+        except OSError as error:
+            undo()
+            raise ValueError(f"--out {out}: could not put the analysis in place ({error.strerror or error}); nothing "
+                             "in it was changed") from error
+        if received:  # raised as the block ends: an interrupted analysis changes nothing
+            undo()
+            return []
+        shutil.rmtree(staging)  # the earlier analysis's files and links (never a link's target; folders were refused)
+    for name in sorted(set(replaced) - set(names)):
+        logger.info(f"removed {out / name} (of the analysis this one replaces)")
+    return [out / name for name in names[1:]]
+
+
+def stale_staging_folders(out: Path) -> list[Path]:
+    """Staging folders of analyses into `out` that did not finish (killed: SIGKILL, the out-of-memory killer), or
+    that run now; named on the log, never removed (another analysis may be writing into one)."""
+    if not out.is_dir():
+        return []
+    return sorted(entry for entry in out.iterdir() if entry.name.startswith(ANALYSIS_STAGING_PREFIX)
+                  and entry.name.endswith(ANALYSIS_STAGING_SUFFIX) and entry.is_dir() and not entry.is_symlink())
 
 
 def load_analysed_model(args: argparse.Namespace):
@@ -732,6 +796,9 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--text {args.text}: {getattr(error, 'strerror', None) or error}") from error
     replaced = check_analysis_output(args.out, args.overwrite)
+    for folder in stale_staging_folders(args.out):
+        logger.warning(f"{folder} is the staging folder of an analysis that did not finish (killed) or runs now: it "
+                       "holds none of your files; remove it once no analysis writes into this folder.")
     with output_folder(args.out):
         _register_auto_classes()
         model, tokenizer = load_analysed_model(args)
@@ -756,15 +823,34 @@ def run_command(args: argparse.Namespace) -> int:
     except (TypeError, ValueError, OSError) as error:
         print(f"dar analyze: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
-    print(f"loss {summary['loss']:.4f} on {summary['tokens']} tokens; wrote {args.out}/summary.json and "
-          f"{len(plots)} PNGs")
+    try:
+        print(f"loss {summary['loss']:.4f} on {summary['tokens']} tokens; wrote {args.out}/summary.json and "
+              f"{len(plots)} PNGs", flush=True)
+    except OSError as error:  # the analysis is in place; only its line was lost (`| head`, `> /dev/full`)
+        from .cli import stdout_closed
+
+        reason = ("standard output was closed" if isinstance(error, BrokenPipeError) else
+                  f"writing standard output failed: {error.strerror or error}")
+        stdout_closed()
+        with contextlib.suppress(OSError):
+            print(f"dar analyze: wrote {args.out}; its summary line was not printed ({reason}).", file=sys.stderr,
+                  flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import interrupts_raised
+
     parser = add_arguments(argparse.ArgumentParser(prog="python -m dar_transformers.analysis", description=__doc__,
                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
-    return run_command(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        with interrupts_raised():  # SIGTERM and SIGHUP clean up as Ctrl-C does (they left the staging folder)
+            return run_command(args)
+    except KeyboardInterrupt as interrupt:
+        signum = getattr(interrupt, "signum", signal.SIGINT)
+        print(f"{parser.prog}: interrupted by {signal.Signals(signum).name}.", file=sys.stderr)
+        return 128 + signum
 
 
 def _nan_to_none(values):

@@ -378,6 +378,12 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     except BrokenPipeError:  # `dar generate ... | head`: the reader has what it wanted; stop as a filter does
         stdout_closed()
+    except OSError as error:  # the streamer's print: `> /dev/full`, a log on a full disk (it was a traceback)
+        stdout_closed()
+        with contextlib.suppress(OSError):
+            print(f"dar generate: error: writing standard output failed ({error.strerror or error}); the answer was "
+                  "not written in full.", file=sys.stderr)
+        return 1
     return 0
 
 

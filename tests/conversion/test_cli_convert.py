@@ -104,6 +104,18 @@ def test_dar_generate_into_a_reader_that_goes_away_exits_quietly(tmp_path):
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
+
+def test_dar_generate_into_a_full_disk_says_the_answer_was_not_written(tmp_path):
+    """`dar generate MODEL > /dev/full` (a log on a full disk): the streamer's failed write was an OSError traceback.
+    One line saying so, exit 1 (the answer, the command's only product, is lost)."""
+    source = save_source(tmp_path / "source")
+    command = f"{sys.executable} -m dar_transformers.cli generate {source} --no-chat-template --max-new-tokens 8 > /dev/full"
+    done = subprocess.run(["bash", "-c", command], env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == ("dar generate: error: writing standard output failed (No space "
+                                                    "left on device); the answer was not written in full.")
+
 def test_dar_generate_reads_a_missing_folder_inside_a_local_one_as_a_path(tmp_path, capsys, monkeypatch):
     """`dar generate outputs/model-dar` mistyped: "org/name" looks like a Hub id, and it went to the Hub (40 s of
     retries offline, or another model of that name). Where "outputs" is a folder here it is a path: refused at once."""

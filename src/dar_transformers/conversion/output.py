@@ -443,9 +443,10 @@ def signals_held() -> Iterator[None]:
     """Hold SIGINT, SIGTERM and SIGHUP back until the block ends, so that a folder swap or a clean-up runs to its
     end; a signal that arrived meanwhile is raised again afterwards. (A Python handler runs in the main thread whatever
     thread the signal reached, so the handlers are swapped rather than the thread's signal mask.) Only the main thread
-    can do this; elsewhere it holds nothing. SIGKILL cannot be held: the marker lets the next run clean up after it."""
+    can do this; elsewhere it holds nothing. SIGKILL cannot be held: the marker lets the next run clean up after it.
+    Yields the list of the signals held so far, for a block that undoes its work when one arrived."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield []
         return
     received: list[int] = []
     previous = {}
@@ -454,7 +455,7 @@ def signals_held() -> Iterator[None]:
         if handler is not None and handler != signal.SIG_IGN:
             previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
     try:
-        yield
+        yield received
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
