@@ -116,6 +116,27 @@ def test_a_repetition_penalty_in_generation_config_applies_to_both_sides_of_the_
     assert rows and all(row.endswith("| yes (8 tokens) |") for row in rows), rows
 
 
+def test_generation_settings_kept_in_config_json_travel_as_from_pretrained_reads_them(tmp_path, capsys):
+    """A folder without generation_config.json whose config.json holds generation settings (saved before that file
+    existed, or edited by hand): `from_pretrained` builds the generation config from config.json's own fields, but the
+    converter built it from the config object, which drops them. The output decoded without the repetition penalty
+    and n-gram block (other tokens than the source's `generate`), and the greedy check, built the same way on both
+    sides, said "yes". The output now carries them, and both sides of the check decode with them."""
+    source = save_source(tmp_path / "source")
+    (source / "generation_config.json").unlink(missing_ok=True)
+    settings = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "max_length": 60}
+    edit_json(source / "config.json", **settings)
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--max-new-tokens", "8"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    rows = [line for line in captured.out.splitlines() if line.startswith("| ") and "tokens)" in line]
+    assert rows and all(row.endswith("| yes (8 tokens) |") for row in rows), rows
+    written = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert written.items() >= settings.items()
+    loaded = [AutoModelForCausalLM.from_pretrained(folder).generation_config.to_diff_dict()
+              for folder in (source, tmp_path / "out")]
+    assert loaded[0] == loaded[1] and loaded[0].items() >= settings.items()
+
 @pytest.mark.parametrize("fields", [
     {"stop_strings": ["<|im_end|>"]},
     {"num_beams": 2},

@@ -815,18 +815,27 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
             logger.info(f"{path} holds a base model's weights ({source_config.architectures or 'no architectures'}): "
                         f"read with the {meta.base_model_prefix}. prefix, as transformers loads them into the causal "
                         "LM.")
-    if (path / "generation_config.json").is_file():
-        try:
-            generation_config = GenerationConfig.from_pretrained(path)
-        except Exception as error:  # a malformed generation_config.json: name it on one line
-            raise ValueError(f"Invalid {path / 'generation_config.json'}: {one_line(error)}") from error
-    else:
-        generation_config = GenerationConfig.from_model_config(source_config)
+    generation_config = folder_generation_config(path)
     name = folder_name(path)
     return Source(None, loaded_tokenizer, name, folder_location(path), source_config, checkpoint,
                   generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None),
                   custom_code_entries(source_config), stored_as=widened_tensor_types(checkpoint))
 
+
+
+def folder_generation_config(path: Path) -> GenerationConfig:
+    """The generation config `from_pretrained` gives a model of the folder: its generation_config.json, or without
+    one, as transformers builds it then, from config.json's own generation fields (`repetition_penalty`,
+    `no_repeat_ngram_size`, `max_length`, ... in a folder saved before generation_config.json existed), which the
+    model config drops as it is read: built from the config object, they were lost from the output, whose
+    `generate` then gave other tokens, and the greedy check, which used the same config on both sides, saw nothing."""
+    file = path / ("generation_config.json" if (path / "generation_config.json").is_file() else "config.json")
+    try:
+        if file.name == "generation_config.json":
+            return GenerationConfig.from_pretrained(path)
+        return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
+    except Exception as error:  # a malformed file, or values GenerationConfig refuses: name it on one line
+        raise ValueError(f"Invalid {file} (its generation settings): {one_line(error)}") from error
 
 # The dtypes a model computes in, and so the dtypes "auto" keeps a source's tensors in. A float8 tensor (no scales
 # read: a checkpoint of plain float8 values) is widened to bfloat16, which holds every float8 value exactly.
