@@ -917,13 +917,13 @@ def test_a_side_file_that_cannot_be_read_is_named_as_the_source_s(tmp_path, tiny
         monkeypatch.setattr(os, "open", denied)
         reason = "Permission denied"
     else:
-        write_tokenizer = conversion_write.write_tokenizer
+        copy_source_file = conversion_write.copy_source_file
 
-        def then_delete(*args, **kwargs):
-            write_tokenizer(*args, **kwargs)
-            license_file.unlink()
+        def deleted_first(path, copied):
+            license_file.unlink(missing_ok=True)
+            copy_source_file(path, copied)
 
-        monkeypatch.setattr(conversion_write, "write_tokenizer", then_delete)
+        monkeypatch.setattr(conversion_write, "copy_source_file", deleted_first)
         reason = "No such file or directory"
     code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 1

@@ -226,6 +226,53 @@ def test_the_sources_license_and_vocabulary_files_travel_with_the_weights(tmp_pa
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(source)(text).input_ids
 
 
+
+def test_a_folders_tokenizer_travels_as_its_files_and_what_is_not_carried_is_named(tmp_path, caplog):
+    """A Llama-2 / Mistral-v0.1-style tokenizer (SentencePiece-like BPE in tokenizer.json, LlamaTokenizer with
+    `legacy: true`): transformers 5.25's `save_pretrained` drops `legacy` and rewrites tokenizer.json from its own
+    reading, so the re-saved tokenizer split text after a special token otherwise and the conversion was refused ("The
+    tokenizer written for the output ... differs"); with `legacy: false` it converted with a tokenizer.json that the
+    `tokenizers` library reads otherwise than the source's. The tokenizer's files travel byte for byte (mistral-common's
+    tekken.json too), and the folder's other entries, dropped without a word (params.json, original/), are named."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = tmp_path / "source"
+    source.mkdir()
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    words = ["the capital of France is Paris", "two  spaces and a tab", "hello world", "a model of words"]
+    backend.train_from_iterator(words * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    backend.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "legacy": True, "add_bos_token": True, "add_eos_token": False,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 2048,
+        "chat_template": "{% for m in messages %}{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}{% endfor %}"}))
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    (source / "tekken.json").write_text('{"vocab": []}')
+    (source / "params.json").write_text("{}")
+    (source / "original").mkdir()
+    (source / "original" / "params.json").write_text("{}")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4, bos_token_id=1,
+                                 eos_token_id=2)).save_pretrained(source)
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    for name in ("tokenizer.json", "tokenizer_config.json", "tekken.json", "additional_chat_templates/tool_use.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (source / name).read_bytes(), name
+    assert f"Not carried into the output: original/, params.json in {source} " in caplog.text
+    assert not (tmp_path / "out" / "params.json").exists()
+    text = "<s> two  spaces"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(source)(text)["input_ids"]
+
 def test_license_files_of_any_case_and_a_licenses_folder_travel_with_the_weights(tmp_path):
     """license.txt, Notice.md and REUSE's LICENSES/ folder (a file in a subfolder too) were left behind without a word:
     the patterns matched upper-case file names only. Copied byte for byte at the same places; a link to a folder

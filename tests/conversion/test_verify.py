@@ -5,12 +5,13 @@ wrong DAR init, an inexact setting, greedy or top-1 disagreement, rounding beyon
 import json
 import math
 import platform
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from dar_transformers import DARForCausalLM
 from dar_transformers.conversion import (
@@ -363,22 +364,30 @@ def test_a_written_tokenizer_that_loads_back_differently_is_refused_and_nothing_
     """The logits check feeds both models ids that the source's tokenizer made, so a tokenizer that `save_pretrained`
     wrote differently (another normalizer, no chat template, another end-of-sequence token: a user's generations
     would differ) passed it. The written tokenizer is loaded back with AutoTokenizer and compared; a difference is
-    refused naming it, and nothing is written."""
+    refused naming it, and nothing is written. Both ways a tokenizer is written: a folder's copied as its files (the
+    tampering after the copy), an in-memory model's saved by transformers."""
     source = save_source(tmp_path / "source")
-    write_tokenizer = conversion_write.write_tokenizer
+    for writer, in_memory in (("name_tokenizer_class", False), ("write_tokenizer", True)):
+        written = getattr(conversion_write, writer)
 
-    def tampered(folder, tokenizer):
-        write_tokenizer(folder, tokenizer)
-        tamper(folder)
+        def tampered(folder, tokenizer, written=written):
+            written(folder, tokenizer)
+            tamper(folder)
 
-    monkeypatch.setattr(conversion_write, "write_tokenizer", tampered)
-    before = {p.name for p in tmp_path.iterdir()}
-    with pytest.raises(ValueError, match=r"The tokenizer written for the output, loaded back with AutoTokenizer, "
-                                         rf"differs from the source's: {named}.*nothing is written\.$"):
-        upcycle(source, tmp_path / "out", dar_block_size=2, progress=False)
-    assert_nothing_written(tmp_path, before)
-    monkeypatch.setattr(conversion_write, "write_tokenizer", write_tokenizer)  # the control: as written, it converts
-    assert upcycle(source, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False).report.passed
+        monkeypatch.setattr(conversion_write, writer, tampered)
+        given = dict(source=source)
+        if in_memory:
+            given = dict(source=AutoModelForCausalLM.from_pretrained(source),
+                         tokenizer=AutoTokenizer.from_pretrained(source))
+        before = {p.name for p in tmp_path.iterdir()}
+        with pytest.raises(ValueError, match=r"The tokenizer written for the output, loaded back with AutoTokenizer, "
+                                             rf"differs from the source's: {named}.*nothing is written\.$"):
+            upcycle(output=tmp_path / "out", dar_block_size=2, progress=False, **given)
+        assert_nothing_written(tmp_path, before)
+        monkeypatch.setattr(conversion_write, writer, written)  # the control: as written, it converts
+        converted = upcycle(output=tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False, **given)
+        assert converted.report.passed
+        shutil.rmtree(tmp_path / "out")
 
 
 def corrupting_writes(monkeypatch, name: str, row: int, value: float = 5.0) -> None:

@@ -54,6 +54,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # copied whole with its layout).
 LICENSE_FILES = ("license*", "licence*", "notice*", "copying*", "use_policy*")
 TOKENIZER_SIDE_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
+# A tokenizer read from the folder travels as its files (`tokenizer_copied`): transformers' `save_pretrained` rewrites
+# tokenizer.json from its own reading (5.25 puts a class's built-in normaliser and pre-tokeniser in it) and drops
+# settings such as LlamaTokenizer's `legacy`, so that a re-saved tokenizer tokenised otherwise than the source's
+# files in `tokenizers` and other runtimes, or was refused by the converter's check. The files of other tokenizer
+# loaders (mistral-common's tekken.json and tokenizer.model.v3) describe the same vocabulary and travel too.
+TOKENIZER_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                          "chat_template.jinja", "chat_template.json", *TOKENIZER_SIDE_FILES, "tekken.json",
+                          "tokenizer.model.v[0-9]*")
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 # MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
 # (llama.cpp writes a Mixtral as architecture "llama"; transformers reads it as a Llama, and its expert tensors, which
 # a Llama has no parameter for, are refused by `GGUFCheckpoint`.)
@@ -113,6 +122,7 @@ class Source:
     generation_config: GenerationConfig | None = None
     folder: Path | None = None  # an HF folder source: its README.md front matter gives the card's license
     side_files: tuple[Path, ...] = ()  # source files the output carries byte for byte (`copied_side_files`)
+    tokenizer_copied: bool = False  # its tokenizer's files are among them, written in place of transformers' save
     custom_code: tuple[str, ...] = ()  # its config.json's `auto_map` entries, never run (`custom_code_entries`)
     license: dict[str, str] = dataclasses.field(default_factory=dict)  # a GGUF file's, as card fields (`gguf_license`)
     stored_as: str = ""  # how the source stores its tensors where the card's weights dtype would not say it
@@ -694,17 +704,23 @@ def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
 
 def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, ...]:
     """The files of `folder` that the output copies as they are, at the same place relative to it: `LICENSE_FILES`
-    (any case; the files of a folder so named too, its links to folders not followed), and `TOKENIZER_SIDE_FILES`
-    when the tokenizer was read from this folder (not a `tokenizer=` given instead, whose files they are not)."""
+    (any case; the files of a folder so named too, its links to folders not followed), and, when the tokenizer was
+    read from this folder (not a `tokenizer=` given instead, whose files they are not), its files: all of them
+    (`TOKENIZER_COPIED_FILES` and `additional_chat_templates/`) where `tokenizer_copied` says so, else the vocabulary
+    files (`TOKENIZER_SIDE_FILES`) beside the tokenizer that transformers saves."""
     copied = set()
+    whole = tokenizer_from_folder and tokenizer_copied(folder)
     for entry in folder.iterdir():
-        if any(fnmatch.fnmatch(entry.name.lower(), pattern) for pattern in LICENSE_FILES):
+        if any(fnmatch.fnmatch(entry.name.lower(), pattern) for pattern in LICENSE_FILES) or (
+                whole and entry.name == CHAT_TEMPLATES_FOLDER):
             if entry.is_file():
                 copied.add(entry)
             elif entry.is_dir() and not entry.is_symlink():
                 for root, _, names in os.walk(entry):  # does not follow links to folders
                     copied.update(path for path in (Path(root) / name for name in names) if path.is_file())
-        elif tokenizer_from_folder and entry.name in TOKENIZER_SIDE_FILES and entry.is_file():
+        elif entry.is_file() and (
+                (whole and any(fnmatch.fnmatch(entry.name, pattern) for pattern in TOKENIZER_COPIED_FILES))
+                or (tokenizer_from_folder and entry.name in TOKENIZER_SIDE_FILES)):
             copied.add(entry)
     for path in copied:  # one this user may not read: said now, naming it, not after the conversion's work
         try:
@@ -712,6 +728,31 @@ def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, 
         except OSError as error:
             raise source_read_error(path, error) from error
     return tuple(sorted(copied))
+
+
+def tokenizer_copied(folder: Path) -> bool:
+    """Whether the output carries the folder's tokenizer as its files, byte for byte (`TOKENIZER_COPIED_FILES`):
+    unless its tokenizer_config.json maps the tokenizer to code (`auto_map`), which the converter never copies, so
+    that transformers' own class, as the converter loaded it, is saved instead (`write_tokenizer`)."""
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return True
+    try:
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # the tokenizer loaded without it, somehow: saved as transformers has it
+    return isinstance(fields, dict) and not fields.get("auto_map")
+
+
+def not_carried(folder: Path, side_files: tuple[Path, ...], read: set[str]) -> list[str]:
+    """The entries of a source folder that the output does not carry, as names (a folder with "/"): not the
+    weights and config files the conversion reads (`read`), its side files, hidden entries (.git, .cache) or the model
+    card (whose license fields the output's card takes). Said on the log, so that a user who deletes the source knows
+    what the output lacks (params.json, original/, a preprocessor config, ...)."""
+    kept = {path.relative_to(folder).parts[0] for path in side_files}
+    return sorted(entry.name + ("/" if entry.is_dir() else "") for entry in folder.iterdir()
+                  if not entry.name.startswith(".") and entry.name not in kept | read
+                  and entry.name.lower() != "readme.md")
 
 
 def copy_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -817,9 +858,20 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                         "LM.")
     generation_config = folder_generation_config(path)
     name = folder_name(path)
+    side_files = copied_side_files(path, tokenizer_from_folder=tokenizer is None)
+    copied = tokenizer is None and tokenizer_copied(path)
+    read = {"config.json", "generation_config.json", INDEX_NAME, *(file.name for file in path.glob("*.safetensors"))}
+    if tokenizer is None:  # carried as transformers saves it where not byte for byte
+        read |= {entry.name for entry in path.iterdir()
+                 if any(fnmatch.fnmatch(entry.name, pattern) for pattern in TOKENIZER_COPIED_FILES)}
+    dropped = not_carried(path, side_files, read)
+    if dropped:
+        logger.warning(f"Not carried into the output: {', '.join(dropped)} in {path} (the output holds the converted "
+                       "weights, config, generation config, tokenizer, license files and a new model card); copy what "
+                       "you need of them before removing the source.")
     return Source(None, loaded_tokenizer, name, folder_location(path), source_config, checkpoint,
-                  generation_config, path, copied_side_files(path, tokenizer_from_folder=tokenizer is None),
-                  custom_code_entries(source_config), stored_as=widened_tensor_types(checkpoint))
+                  generation_config, path, side_files, copied, custom_code_entries(source_config),
+                  stored_as=widened_tensor_types(checkpoint))
 
 
 

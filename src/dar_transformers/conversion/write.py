@@ -173,12 +173,31 @@ def write_converted_folder(folder, target, config, plans, new_names, source: Sou
     custom_object_save(meta_model(target.model_class, config), folder, config=config)
     config.save_pretrained(folder)
     source.generation_config.save_pretrained(folder)
-    write_tokenizer(folder, source.tokenizer)
-    for path in source.side_files:  # license terms, the tokenizer's vocabulary files: as the source has them
+    if not source.tokenizer_copied:  # else its files are among the side files
+        write_tokenizer(folder, source.tokenizer)
+    for path in source.side_files:  # license terms, the tokenizer's files: as the source has them
         copied = folder / path.relative_to(source.folder)
         if not copied.exists():
             copied.parent.mkdir(parents=True, exist_ok=True)
             copy_source_file(path, copied)
+    if source.tokenizer_copied:
+        name_tokenizer_class(folder, source.tokenizer)
+
+
+def name_tokenizer_class(folder: Path, tokenizer) -> None:
+    """Name the class transformers loaded the source's tokenizer as in the copied tokenizer_config.json, where its
+    files do not: `AutoTokenizer` picks a class by the folder's model_type when the files name none or a generic one
+    (a Qwen2 folder's "TokenizersBackend" loads as Qwen2Tokenizer, which adds its pad token), and the output's
+    model_type is DAR's. The only change to the copied files, made only where the class would otherwise differ."""
+    loaded = type(tokenizer).__name__
+    config_file = folder / "tokenizer_config.json"
+    fields = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    named = fields.get("tokenizer_class")
+    generic = ("TokenizersBackend", "PreTrainedTokenizerFast")
+    if (named or "").removesuffix("Fast") == loaded.removesuffix("Fast") or (named is None and loaded in generic):
+        return
+    fields["tokenizer_class"] = loaded
+    config_file.write_text(json.dumps(fields, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def copy_source_file(path: Path, copied: Path) -> None:
