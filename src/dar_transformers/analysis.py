@@ -649,9 +649,10 @@ def check_analysis_output(out: Path, overwrite: bool) -> list[str]:
                    if any(fnmatch.fnmatch(name, pattern) for pattern in ANALYSIS_FILES))
     folders = [name for name in taken if stat.S_ISDIR(os.lstat(out / name).st_mode)]
     if folders:  # never removed: it is not a file an analysis wrote
+        these = "them" if len(folders) > 1 else "it"
         raise ValueError(f"--out {out} holds {'folders' if len(folders) > 1 else 'a folder'} named "
-                         f"{', '.join(folders)}, where the analysis writes a file; move {'them' if len(folders) > 1 else 'it'} "
-                         "away or pass another --out.")
+                         f"{', '.join(folders)}, where the analysis writes a file; move {these} away or pass another "
+                         "--out.")
     if taken and not overwrite:
         raise ValueError(f"--out {out} already holds {', '.join(taken)}, which the analysis would replace; pass "
                          "--overwrite to replace them (nothing else in the folder is touched), or another --out.")

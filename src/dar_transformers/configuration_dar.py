@@ -257,11 +257,13 @@ class DARConfig(LlamaConfig):
         return result
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
-        """HF's `save_pretrained`, with `auto_map` naming every Auto class whose code is in the folder.
+        """HF's `save_pretrained`, with every Auto class whose code is in the folder added to `auto_map`.
 
         A model's `save_pretrained` (and `dar convert`) first writes the model's flat code files and adds the one Auto
         class that model was registered for (`custom_object_save`); the base model and the other heads live in the same
-        files, so they are added too: vLLM builds `AutoModel`, a fine-tuning user a task head.
+        files, so they are added too: vLLM builds `AutoModel`, a fine-tuning user a task head. Entries are never
+        removed: a config saved alone (its code file only) keeps the model classes of the folder it was loaded from,
+        as transformers keeps them, since `config.push_to_hub` updates a repo whose model code is already there.
         """
         if getattr(self, "auto_map", None):  # not a declared field: transformers adds it when it writes code
             written = {path.stem for path in Path(save_directory).glob("*.py")}

@@ -109,7 +109,8 @@ def test_dar_generate_into_a_full_disk_says_the_answer_was_not_written(tmp_path)
     """`dar generate MODEL > /dev/full` (a log on a full disk): the streamer's failed write was an OSError traceback.
     One line saying so, exit 1 (the answer, the command's only product, is lost)."""
     source = save_source(tmp_path / "source")
-    command = f"{sys.executable} -m dar_transformers.cli generate {source} --no-chat-template --max-new-tokens 8 > /dev/full"
+    command = (f"{sys.executable} -m dar_transformers.cli generate {source} --no-chat-template --max-new-tokens 8 "
+               "> /dev/full")
     done = subprocess.run(["bash", "-c", command], env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -148,13 +149,15 @@ def test_demo_runs_in_its_tiny_mode(tmp_path):
 def test_a_hub_cache_snapshot_is_named_by_its_repo_id_and_commit_in_the_card(tmp_path):
     """The folder `hf download` returns is `.../models--{org}--{name}/snapshots/{commit}`: the card's title and source
     sentence named the commit hash as the model's name, and then (named by its repo id) no revision at all, so the
-    card did not say which of the repo's versions was converted."""
+    card did not say which of the repo's versions was converted; its front matter had no `base_model`, so the Hub did
+    not link the output to its base (a GGUF file's repo is a quantisation's, not the base model's: none there)."""
     commit = "ab12" * 10
     snapshot = save_source(tmp_path / "hub" / "models--SomeOrg--Tiny-Thing" / "snapshots" / commit)
     assert run_convert_in_process(snapshot, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     card = (tmp_path / "out" / "README.md").read_text()
     assert "# SomeOrg/Tiny-Thing + DAR" in card
     assert f"`SomeOrg/Tiny-Thing` (HF folder SomeOrg/Tiny-Thing at commit {commit})" in card
+    assert card.startswith("---\nbase_model: SomeOrg/Tiny-Thing\n")
     # A GGUF file of a snapshot: the file, its repo and commit.
     gguf_snapshot = tmp_path / "hub" / "models--SomeOrg--Tiny-GGUF" / "snapshots" / ("cd34" * 10)
     gguf_snapshot.mkdir(parents=True)
@@ -163,10 +166,12 @@ def test_a_hub_cache_snapshot_is_named_by_its_repo_id_and_commit_in_the_card(tmp
                                   cwd=tmp_path)[0] == 0
     card = (tmp_path / "out-gguf" / "README.md").read_text()
     assert f"`tiny-q` (GGUF file tiny-q.gguf of SomeOrg/Tiny-GGUF at commit {'cd34' * 10}: F32 x" in card, card[:1500]
+    assert "base_model:" not in card
     # Any other folder: its name only.
     source = save_source(tmp_path / "plain-folder")
     assert run_convert_in_process(source, tmp_path / "out-plain", "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
-    assert "`plain-folder` (HF folder plain-folder)" in (tmp_path / "out-plain" / "README.md").read_text()
+    card = (tmp_path / "out-plain" / "README.md").read_text()
+    assert "`plain-folder` (HF folder plain-folder)" in card and "base_model:" not in card
 
 
 @pytest.mark.parametrize("flags, says, not_said", [

@@ -516,11 +516,12 @@ def test_a_llama_gguf_whose_rotary_does_not_span_its_heads_is_refused_naming_the
     head_count (8): llama.cpp refuses it (invalid n_rot), and transformers' reader takes the rotary for the head size.
     It was refused with a 643-character list of mismatched projection shapes that named no metadata."""
     add_rotary = gguf_py.GGUFWriter.add_rope_dimension_count
-    monkeypatch.setattr(gguf_py.GGUFWriter, "add_rope_dimension_count", lambda self, count: add_rotary(self, count // 2))
-    assert_gguf_refused(tmp_path, r"^GGUF file .*tiny\.gguf: its metadata llama\.rope\.dimension_count = 4 is not its "
-                                  r"head size 8 \(llama\.embedding_length 32 / llama\.attention\.head_count 4; it has "
-                                  r"no llama\.attention\.key_length\): llama\.cpp refuses such a llama file .*nothing is "
-                                  r"converted\.$")
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_rope_dimension_count",
+                        lambda self, count: add_rotary(self, count // 2))
+    assert_gguf_refused(tmp_path, r"^GGUF file .*tiny\.gguf: its metadata llama\.rope\.dimension_count = 4 is not "
+                                  r"its head size 8 \(llama\.embedding_length 32 / llama\.attention\.head_count 4; it "
+                                  r"has no llama\.attention\.key_length\): llama\.cpp refuses such a llama file "
+                                  r".*nothing is converted\.$")
 
 
 def test_a_gguf_special_token_past_its_vocabulary_is_named_in_the_tokenizer_error(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
@@ -185,7 +186,8 @@ def upcycle(
                                     (rounded_rotary_hint(source) if in_memory else ""),
                                     IN_MEMORY_SOURCE_NOTE if in_memory else "", changed)
                 answers = chat_answers(report, loaded.tokenizer, loaded.generation_config.eos_token_id)
-                card = render_model_card(config, report, loaded, base_model=options.base_model,
+                card = render_model_card(config, report, loaded,
+                                         base_model=options.base_model or snapshot_repo_id(source),
                                          kind=target.description, answers=answers, exact=target.exact,
                                          kept_dtypes=kept_description, rounded=rounded,
                                          rounded_on_load=rounded_on_load, load_dtype=load_dtype)
@@ -342,6 +344,22 @@ def convert(
     if result.model is not None:
         return result.model
     return _load_written(result.output)
+
+
+def snapshot_repo_id(source) -> str | None:
+    """The Hub id of a source folder that is a Hub cache snapshot (`hub_snapshot`): the card's `base_model` when
+    `base_model` is not given, as its title already names it (the front matter had none, so the Hub did not link the
+    converted model to its base). Not a GGUF file's repo: it holds a quantisation, not the base model."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir():
+        return None
+    snapshot = hub_snapshot(Path(source))
+    if snapshot is None:
+        return None
+    try:
+        validate_repo_id(snapshot[0])
+    except ValueError:  # HFValidationError: a cache folder name that is no Hub id
+        return None
+    return snapshot[0]
 
 
 def _load_written(folder: Path, **keywords) -> PreTrainedModel:
