@@ -85,6 +85,18 @@ def test_a_trained_dense_dar_folder_upcycles_to_dar_moe_keeping_its_dar_paramete
     assert "README.md" in manifest["files"]
 
 
+
+def test_a_dar_folders_own_code_is_not_named_as_left_behind(tmp_path, caplog):
+    """A DAR folder carries the package's code for `trust_remote_code`; its DAR-MoE upcycle writes this version's
+    code, so those files are not among what the output does not carry (they were named in the warning), while a file
+    of the user's is."""
+    source = saved(trained_dar(), tmp_path / "dar")
+    (source / "notes.txt").write_text("mine")
+    assert (source / "modeling_dar.py").is_file()
+    upcycle_to_dar_moe(source, tmp_path / "moe", num_experts=4, top_k=2, **FAST)
+    (warning,) = [record.getMessage() for record in caplog.records if "Not carried" in record.getMessage()]
+    assert warning.startswith(f"Not carried into the output: notes.txt in {source} ")
+
 def test_a_bf16_dense_dar_upcycle_keeps_its_dar_parameters_float32(tmp_path, caplog):
     """`--dtype bfloat16` rounds the shared weights, never DAR's parameters, which a dense DAR source stores float32
     (DESIGN.md section 4) and its DAR-MoE upcycle keeps float32: the rounding warning counted them, and of a bf16

@@ -864,6 +864,9 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     if tokenizer is None:  # carried as transformers saves it where not byte for byte
         read |= {entry.name for entry in path.iterdir()
                  if any(fnmatch.fnmatch(entry.name, pattern) for pattern in TOKENIZER_COPIED_FILES)}
+    if source_config.model_type == DAR_SOURCE_TYPE:  # its copy of the package's code: the output gets this version's
+        package = Path(__file__).resolve().parent.parent
+        read |= {code.name for code in path.glob("*.py") if (package / code.name).is_file()}
     dropped = not_carried(path, side_files, read)
     if dropped:
         logger.warning(f"Not carried into the output: {', '.join(dropped)} in {path} (the output holds the converted "
