@@ -273,6 +273,48 @@ def test_a_folders_tokenizer_travels_as_its_files_and_what_is_not_carried_is_nam
     assert AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"] == \
         AutoTokenizer.from_pretrained(source)(text)["input_ids"]
 
+
+def test_a_generic_tokenizer_class_and_a_linked_templates_folder_travel_as_they_are(tmp_path, caplog):
+    """A helper's audit of the copied tokenizer: tokenizer_config.json naming `PreTrainedTokenizerFast` (Llama 3's
+    layout), which transformers 5 loads as `TokenizersBackend`, the same class, was rewritten to name the latter; an
+    `additional_chat_templates/` that is a link to a shared folder was not copied (links to folders are not followed
+    for license folders), so the written tokenizer lacked its named templates and the conversion was refused."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
+    shared = tmp_path / "shared-templates"
+    shared.mkdir()
+    (shared / "tool_use.jinja").write_text("{{ 'TOOL' }}")
+    (source / "additional_chat_templates").symlink_to(shared, target_is_directory=True)
+    assert "tool_use" in AutoTokenizer.from_pretrained(source).chat_template
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    out = tmp_path / "out"
+    assert (out / "tokenizer_config.json").read_bytes() == (source / "tokenizer_config.json").read_bytes()
+    templates = out / "additional_chat_templates"
+    assert not templates.is_symlink() and (templates / "tool_use.jinja").read_text() == "{{ 'TOOL' }}"
+    assert "Not carried" not in caplog.text
+
+
+def test_a_tokenizer_with_code_is_saved_by_transformers_and_only_its_code_is_named_as_left_behind(tmp_path, caplog):
+    """A tokenizer_config.json with an `auto_map` to tokenizer code: saved by transformers' own class (the code is
+    never copied). The "not carried" warning named its `additional_chat_templates/`, which the saved tokenizer
+    writes, and not mistral-common's tekken.json, which was dropped. Other loaders' files travel byte for byte, and
+    only the code is named."""
+    source = save_source(tmp_path / "source")
+    edit_json(source / "tokenizer_config.json", auto_map={"AutoTokenizer": ["tokenization_foo.FooTokenizer", None]})
+    (source / "tokenization_foo.py").write_text("raise RuntimeError('never run')\n")
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'TOOL' }}")
+    (source / "tekken.json").write_text('{"vocab": []}')
+    code, stderr = run_convert_in_process(source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    out = tmp_path / "out"
+    assert (out / "tekken.json").read_bytes() == (source / "tekken.json").read_bytes()
+    assert (out / "additional_chat_templates" / "tool_use.jinja").is_file()
+    assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
+    (warning,) = [record.getMessage() for record in caplog.records if "Not carried" in record.getMessage()]
+    assert warning.startswith(f"Not carried into the output: tokenization_foo.py in {source} "), warning
+
 def test_license_files_of_any_case_and_a_licenses_folder_travel_with_the_weights(tmp_path):
     """license.txt, Notice.md and REUSE's LICENSES/ folder (a file in a subfolder too) were left behind without a word:
     the patterns matched upper-case file names only. Copied byte for byte at the same places; a link to a folder

@@ -53,15 +53,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # License patterns match names in any case (LICENSE, license.txt, Notice.md), files and folders (REUSE's LICENSES/,
 # copied whole with its layout).
 LICENSE_FILES = ("license*", "licence*", "notice*", "copying*", "use_policy*")
-TOKENIZER_SIDE_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
+# The files of other tokenizer loaders (mistral-common's tekken.json and tokenizer.model.v3) describe the same
+# vocabulary and travel too.
+TOKENIZER_SIDE_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "tekken.json", "tokenizer.model.v[0-9]*")
 # A tokenizer read from the folder travels as its files (`tokenizer_copied`): transformers' `save_pretrained` rewrites
 # tokenizer.json from its own reading (5.25 puts a class's built-in normaliser and pre-tokeniser in it) and drops
 # settings such as LlamaTokenizer's `legacy`, so that a re-saved tokenizer tokenised otherwise than the source's
-# files in `tokenizers` and other runtimes, or was refused by the converter's check. The files of other tokenizer
-# loaders (mistral-common's tekken.json and tokenizer.model.v3) describe the same vocabulary and travel too.
+# files in `tokenizers` and other runtimes, or was refused by the converter's check. Where it is saved by transformers
+# instead, these are what its `save_pretrained` writes anew (with `additional_chat_templates/`).
 TOKENIZER_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                          "chat_template.jinja", "chat_template.json", *TOKENIZER_SIDE_FILES, "tekken.json",
-                          "tokenizer.model.v[0-9]*")
+                          "chat_template.jinja", "chat_template.json")
 CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 # MoE GGUF files go through transformers' whole-file loader: its tensor processors merge experts across tensors.
 # (llama.cpp writes a Mixtral as architecture "llama"; transformers reads it as a Llama, and its expert tensors, which
@@ -705,22 +706,23 @@ def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
 def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, ...]:
     """The files of `folder` that the output copies as they are, at the same place relative to it: `LICENSE_FILES`
     (any case; the files of a folder so named too, its links to folders not followed), and, when the tokenizer was
-    read from this folder (not a `tokenizer=` given instead, whose files they are not), its files: all of them
-    (`TOKENIZER_COPIED_FILES` and `additional_chat_templates/`) where `tokenizer_copied` says so, else the vocabulary
-    files (`TOKENIZER_SIDE_FILES`) beside the tokenizer that transformers saves."""
+    read from this folder (not a `tokenizer=` given instead, whose files they are not), its files: the vocabulary
+    files and other loaders' (`TOKENIZER_SIDE_FILES`), and where `tokenizer_copied` says so the rest of them
+    (`TOKENIZER_COPIED_FILES`, `additional_chat_templates/` even as a link), else saved by transformers."""
     copied = set()
     whole = tokenizer_from_folder and tokenizer_copied(folder)
     for entry in folder.iterdir():
-        if any(fnmatch.fnmatch(entry.name.lower(), pattern) for pattern in LICENSE_FILES) or (
-                whole and entry.name == CHAT_TEMPLATES_FOLDER):
+        templates = whole and entry.name == CHAT_TEMPLATES_FOLDER  # a link to a shared folder of them too
+        if any(fnmatch.fnmatch(entry.name.lower(), pattern) for pattern in LICENSE_FILES) or templates:
             if entry.is_file():
                 copied.add(entry)
-            elif entry.is_dir() and not entry.is_symlink():
-                for root, _, names in os.walk(entry):  # does not follow links to folders
+            elif entry.is_dir() and (templates or not entry.is_symlink()):
+                for root, _, names in os.walk(entry):  # does not follow links to folders below it
                     copied.update(path for path in (Path(root) / name for name in names) if path.is_file())
         elif entry.is_file() and (
                 (whole and any(fnmatch.fnmatch(entry.name, pattern) for pattern in TOKENIZER_COPIED_FILES))
-                or (tokenizer_from_folder and entry.name in TOKENIZER_SIDE_FILES)):
+                or (tokenizer_from_folder and any(fnmatch.fnmatch(entry.name, pattern)
+                                                  for pattern in TOKENIZER_SIDE_FILES))):
             copied.add(entry)
     for path in copied:  # one this user may not read: said now, naming it, not after the conversion's work
         try:
@@ -861,9 +863,9 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     side_files = copied_side_files(path, tokenizer_from_folder=tokenizer is None)
     copied = tokenizer is None and tokenizer_copied(path)
     read = {"config.json", "generation_config.json", INDEX_NAME, *(file.name for file in path.glob("*.safetensors"))}
-    if tokenizer is None:  # carried as transformers saves it where not byte for byte
-        read |= {entry.name for entry in path.iterdir()
-                 if any(fnmatch.fnmatch(entry.name, pattern) for pattern in TOKENIZER_COPIED_FILES)}
+    if tokenizer is None and not copied:  # written anew by transformers' save_pretrained
+        read |= {entry.name for entry in path.iterdir() if entry.name == CHAT_TEMPLATES_FOLDER
+                 or any(fnmatch.fnmatch(entry.name, pattern) for pattern in TOKENIZER_COPIED_FILES)}
     if source_config.model_type == DAR_SOURCE_TYPE:  # its copy of the package's code: the output gets this version's
         package = Path(__file__).resolve().parent.parent
         read |= {code.name for code in path.glob("*.py") if (package / code.name).is_file()}

@@ -193,8 +193,9 @@ def name_tokenizer_class(folder: Path, tokenizer) -> None:
     config_file = folder / "tokenizer_config.json"
     fields = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     named = fields.get("tokenizer_class")
-    generic = ("TokenizersBackend", "PreTrainedTokenizerFast")
-    if (named or "").removesuffix("Fast") == loaded.removesuffix("Fast") or (named is None and loaded in generic):
+    generic = ("TokenizersBackend", "PreTrainedTokenizerFast", "PreTrainedTokenizer")  # one class in transformers 5
+    if (named or "").removesuffix("Fast") == loaded.removesuffix("Fast") or (
+            loaded in generic and (named is None or named in generic)):
         return
     fields["tokenizer_class"] = loaded
     config_file.write_text(json.dumps(fields, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
