@@ -319,3 +319,41 @@ def test_the_check_leaves_an_in_memory_source_with_a_dynamic_rope_as_it_was():
     model = convert(source, tokenizer=make_tokenizer(), **FAST)  # prompts of more than 16 tokens
     assert rotary.max_seq_len_cached == before[0] and torch.equal(rotary.inv_freq, before[1])
     assert model.model.rotary_emb.max_seq_len_cached == 16
+
+
+def test_a_conversion_from_a_folder_leaves_the_callers_random_generator_as_it_was(tmp_path):
+    """The full-greedy check builds the source model from its config, whose random initialisation (overwritten by the
+    weights) advanced torch's generator: a script that seeds torch, converts and then trains drew another stream after
+    a folder or GGUF conversion than after an in-memory one."""
+    source = save_source(tmp_path / "source")
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=True, **FAST)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("seed", ["x", 1.5, None, True, -1, 2**60])
+def test_a_drop_upcycling_seed_that_is_no_generator_seed_is_refused_by_name(seed):
+    """`seed` was never checked: 'x' built a million-character string and failed on a concatenation, 1.5 and 2**60
+    in torch's manual_seed, None in a multiplication, none of them naming the argument."""
+    with pytest.raises(ValueError, match=r"^seed must be an integer in \[0, \d+\) \(Drop-Upcycling's"):
+        convert_to_dar_moe(make_source("llama"), num_experts=2, top_k=1, expert_noise=0.5, seed=seed)
+
+
+def test_expert_noise_given_as_a_bool_is_refused():
+    with pytest.raises(ValueError, match=r"expert_noise must be a fraction in \[0, 1\]"):
+        convert_to_dar_moe(make_source("llama"), num_experts=2, top_k=1, expert_noise=True)
+
+
+def test_options_that_are_no_conversion_options_and_a_field_given_twice_are_refused(tmp_path):
+    """`convert(path, options={...})` failed with "'dict' object has no attribute 'verify'" before `upcycle`'s own
+    refusal could name the argument; `fields={'dar_block_size': 2}` beside `dar_block_size=3` used 3 silently."""
+    source = save_source(tmp_path / "source")
+    with pytest.raises(TypeError, match=r"^options must be a ConversionOptions \(or None\), got dict"):
+        convert(source, options={"verify": False})
+    with pytest.raises(ValueError, match=r"^dar_block_size given twice, in fields= and as a keyword, with other "
+                                         r"values \(dar_block_size=2 and 3\): give each once\.$"):
+        upcycle(make_source("llama"), tokenizer=make_tokenizer(), fields={"dar_block_size": 2}, dar_block_size=3)
+    assert upcycle(make_source("llama"), tokenizer=make_tokenizer(), fields={"dar_block_size": 3}, dar_block_size=3,
+                   **FAST).config.dar_block_size == 3

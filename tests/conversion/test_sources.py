@@ -233,6 +233,13 @@ def test_readers_of_a_gguf_file_are_shared_only_while_it_is_unchanged(tmp_path):
         with pytest.raises(FileNotFoundError):
             gguf_py.GGUFReader(tmp_path / "missing.gguf")
     assert gguf_py.GGUFReader is original and gguf_py.GGUFReader(first) is not rewritten
+    # The swapped class, kept past the block (`from gguf import GGUFReader` in a module first imported meanwhile, or
+    # another thread): it raised "'NoneType' object is not callable" at every use; it reads as gguf's own class now.
+    with gguf_parsed_once():
+        kept = gguf_py.GGUFReader
+    assert kept is not original
+    fresh = kept(first)
+    assert type(fresh) is original and fresh is not kept(first) and len(fresh.tensors) == len(rewritten.tensors)
 
 
 def test_a_gguf_tensor_the_model_has_no_parameter_for_is_refused_not_dropped(tmp_path):

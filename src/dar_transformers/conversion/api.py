@@ -73,6 +73,11 @@ def conversion_options(options: ConversionOptions | None, keywords: Mapping[str,
     if named is not None and not isinstance(named, Mapping):
         raise ValueError(f"fields must be a mapping of config field names to values (such as "
                          f"{{'dar_block_size': 8}}), got {named!r}.")
+    twice = sorted(name for name in set(named or {}) & set(fields) if named[name] != fields[name])
+    if twice:  # the keyword won, silently
+        raise ValueError(f"{', '.join(twice)} given twice, in fields= and as a keyword, with other values "
+                         f"({', '.join(f'{name}={named[name]!r} and {fields[name]!r}' for name in twice)}): give each "
+                         "once.")
     fields = {**(named or {}), **fields}
     if options is None:
         return ConversionOptions(**option_keywords, fields=fields)
@@ -326,7 +331,7 @@ def convert(
     """
     if output is None and isinstance(source, (str, os.PathLike)):  # a model, compiled or not, is converted in memory
         options = keywords.get("options")
-        if keywords.get("verify") is False or (options is not None and not options.verify):
+        if keywords.get("verify") is False or (isinstance(options, ConversionOptions) and not options.verify):
             raise ValueError(
                 "convert(path, verify=False): a model converted from a folder or GGUF file is written to a temporary "
                 "folder, verified and loaded back from it, and only verified conversions are written; verify=False "

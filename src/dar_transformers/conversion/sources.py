@@ -440,7 +440,6 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
             )
 
 
-
 def check_gguf_head_size(path: Path, fields, architecture: str, carried: set[str], config: PreTrainedConfig) -> None:
     """Where transformers' GGUF reader takes `rope.dimension_count` for the head dimension (Llama, Mistral) and the
     file has no `attention.key_length` (compared with that head dimension in `check_gguf_metadata`), the rotary must
@@ -488,6 +487,7 @@ def gguf_special_tokens_out_of_range(fields) -> list[str]:
     return [f"{key} = {field.contents()!r}" for key, field in fields.items()
             if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
             and isinstance(field.contents(), int) and not 0 <= field.contents() < count]
+
 
 # A GGUF file's license metadata (llama.cpp's converter copies the model card's) and the card field of each.
 GGUF_LICENSE_FIELDS = {"general.license": "license", "general.license.name": "license_name",
@@ -538,17 +538,22 @@ class _SharedGGUFReaders:
 
     @classmethod
     def reader(cls, path, mode="r"):
+        original = cls.original
+        if original is None:  # the swapped class, kept by a caller past the block (`from gguf import GGUFReader`)
+            import gguf  # restored: gguf's own class, as if never swapped
+
+            return gguf.GGUFReader(path, mode)
         if mode != "r":  # a writable map is the caller's own
-            return cls.original(path, mode)
+            return original(path, mode)
         try:
             stat = os.stat(path)
         except OSError:  # gguf's own error, as without sharing
-            return cls.original(path, mode)
+            return original(path, mode)
         key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
         with cls.lock:
             reader = cls.readers.get(key)
         if reader is None:
-            reader = cls.original(path, mode)
+            reader = original(path, mode)
             with cls.lock:
                 reader = cls.readers.setdefault(key, reader)
         return reader
@@ -879,7 +884,6 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                   stored_as=widened_tensor_types(checkpoint))
 
 
-
 def folder_generation_config(path: Path) -> GenerationConfig:
     """The generation config `from_pretrained` gives a model of the folder: its generation_config.json, or without
     one, as transformers builds it then, from config.json's own generation fields (`repetition_penalty`,
@@ -893,6 +897,7 @@ def folder_generation_config(path: Path) -> GenerationConfig:
         return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
     except Exception as error:  # a malformed file, or values GenerationConfig refuses: name it on one line
         raise ValueError(f"Invalid {file} (its generation settings): {one_line(error)}") from error
+
 
 # The dtypes a model computes in, and so the dtypes "auto" keeps a source's tensors in. A float8 tensor (no scales
 # read: a checkpoint of plain float8 values) is widened to bfloat16, which holds every float8 value exactly.

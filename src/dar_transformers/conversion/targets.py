@@ -335,7 +335,7 @@ def drop_upcycled_experts(
 
 
 def check_expert_noise(expert_noise: float) -> None:
-    if not (isinstance(expert_noise, (int, float)) and 0.0 <= expert_noise <= 1.0):
+    if isinstance(expert_noise, bool) or not (isinstance(expert_noise, (int, float)) and 0.0 <= expert_noise <= 1.0):
         raise ValueError(
             f"expert_noise must be a fraction in [0, 1] (share of each expert's hidden units re-initialised, "
             f"Drop-Upcycling), got {expert_noise!r}."
@@ -402,6 +402,9 @@ def plan_dar_moe_tensors(
 def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
     """The DAR-MoE target; `expert_noise > 0` is Drop-Upcycling (not exact: its verification only reports)."""
     check_expert_noise(expert_noise)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 // 1_000_003 - 1_000_003:
+        raise ValueError(f"seed must be an integer in [0, {2**63 // 1_000_003 - 1_000_003}) (Drop-Upcycling's "
+                         f"re-drawn hidden units, a generator seed per layer), got {seed!r}.")
 
     def build_config(source_config, branch_family, dtype, fields):
         if expert_noise and source_config.model_type in MOE_SOURCE_FAMILIES:  # before the plan warns of the noise

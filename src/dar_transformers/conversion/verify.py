@@ -438,7 +438,9 @@ def first_nonfinite_module(model: PreTrainedModel, input_ids: torch.Tensor) -> s
 def _load_full_source(source: Source, dtype: torch.dtype) -> PreTrainedModel:
     if source.model is not None:
         return cast_model(source.model, dtype)
-    with logging_level_error():
+    # The random initialisation, overwritten below, must not advance the caller's generator: a script that seeds torch,
+    # converts and then trains drew another stream after a folder or GGUF conversion than after an in-memory one.
+    with logging_level_error(), torch.random.fork_rng(devices=[]):
         model = AutoModelForCausalLM.from_config(plain_config(source.config), dtype=dtype, attn_implementation="sdpa")
     # As `from_pretrained(source)` would: its generation_config.json (repetition_penalty, no_repeat_ngram_size, ...
     # apply to greedy decoding too), the same file the written folder carries and `from_pretrained(folder)` loads.
