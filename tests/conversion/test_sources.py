@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+)
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
 from transformers.modeling_gguf_pytorch_utils import Qwen2MoeTensorProcessor, get_gguf_hf_weights_map
 
@@ -530,6 +532,19 @@ def test_a_llama_gguf_whose_rotary_does_not_span_its_heads_is_refused_naming_the
                                   r"has no llama\.attention\.key_length\): llama\.cpp refuses such a llama file "
                                   r".*nothing is converted\.$")
 
+
+
+def test_a_llama_gguf_whose_heads_are_as_wide_as_its_rotary_converts(tmp_path):
+    """The control of the refusal above, from a review: a Mistral-Nemo-shaped file (head_dim 16, not hidden 32 / 4
+    heads) written without key_length, whose rotary (16) spans its heads as transformers reads them and whose
+    tensors fit them. It converted exactly before the check existed; the check refused it, saying the tensors did not
+    fit. It converts."""
+    (tmp_path / "gguf").mkdir()
+    torch.manual_seed(0)
+    model = spread_weights(LlamaForCausalLM(LlamaConfig(**SHAPE, head_dim=16, vocab_size=VOCAB,
+                                                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)))
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "nemo.gguf", model, make_tokenizer())
+    assert upcycle(gguf_path, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False).report.passed
 
 def test_a_gguf_special_token_past_its_vocabulary_is_named_in_the_tokenizer_error(tmp_path, monkeypatch):
     """transformers' GGUF tokenizer reader fails on a special token id past the token list with "list index out of

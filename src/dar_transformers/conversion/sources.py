@@ -406,7 +406,7 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
         )
     carried = {key for key, field in GGUF_CONFIG_MAPPING.get(config.model_type, {}).items() if field is not None}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    check_gguf_head_size(path, reader.fields, architecture, carried, config)
+    check_gguf_head_size(path, reader, architecture, carried, config)
     check_gguf_experts(path, reader.fields, architecture)
     scaling_type = reader.fields.get(f"{architecture}.rope.scaling.type")
     unscaled = scaling_type is not None and scaling_type.contents() == "none"
@@ -440,18 +440,23 @@ def check_gguf_metadata(path: Path, config: PreTrainedConfig) -> None:
             )
 
 
-def check_gguf_head_size(path: Path, fields, architecture: str, carried: set[str], config: PreTrainedConfig) -> None:
+def check_gguf_head_size(path: Path, reader, architecture: str, carried: set[str], config: PreTrainedConfig) -> None:
     """Where transformers' GGUF reader takes `rope.dimension_count` for the head dimension (Llama, Mistral) and the
-    file has no `attention.key_length` (compared with that head dimension in `check_gguf_metadata`), the rotary must
-    span llama.cpp's head size, `embedding_length / head_count`: llama.cpp refuses a llama file whose rotary does
-    not, and transformers builds heads of the rotary's width, which the file's tensors do not fit (a list of mismatched
-    shapes that named no metadata)."""
+    file has no `attention.key_length` (compared with that head dimension in `check_gguf_metadata`), a rotary that
+    does not span llama.cpp's head size, `embedding_length / head_count`, and builds query heads the file's tensors
+    do not fit (a partial rotary: llama.cpp refuses such a llama file) is refused naming the key; it was a list of
+    mismatched shapes that named no metadata. `reader`: the file's `gguf.GGUFReader`."""
+    fields = reader.fields
     rotary, heads = (fields.get(f"{architecture}.{key}") for key in ("rope.dimension_count", "attention.head_count"))
     if ("rope.dimension_count" not in carried or rotary is None or heads is None or not heads.contents()
             or f"{architecture}.attention.key_length" in fields):
         return
     size = config.hidden_size // heads.contents()
-    if rotary.contents() != size:
+    queries = next((tensor for tensor in reader.tensors if tensor.name == "blk.0.attn_q.weight"), None)
+    rows = None if queries is None else int(queries.n_elements) // config.hidden_size
+    # Heads as wide as the rotary that fit the tensors (a head size other than hidden / heads, as Mistral-Nemo's,
+    # written without key_length) are the model transformers reads, which the conversion reproduces.
+    if rotary.contents() != size and rows != rotary.contents() * heads.contents():
         raise ValueError(
             f"GGUF file {path}: its metadata {architecture}.rope.dimension_count = {rotary.contents()!r} is not its "
             f"head size {size!r} ({architecture}.embedding_length {config.hidden_size} / "
