@@ -429,8 +429,35 @@ def test_a_failure_or_an_interrupt_while_the_files_move_in_leaves_out_as_it_was(
     assert cli_main(["analyze", *arguments, "--out", str(out), "--overwrite"]) == (1 if failure == "error" else 130)
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert said == (f"dar analyze: error: --out {out}: could not put the analysis in place (Input/output error); "
-                    "nothing in it was changed" if failure == "error" else "dar analyze: interrupted by SIGINT.")
+                    "nothing in it was changed" if failure == "error" else
+                    "dar analyze: interrupted by SIGINT; nothing was written.")
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # no staging folder either
+
+
+def test_an_interrupt_once_the_analysis_is_in_place_says_so(tmp_path, capsys, monkeypatch):
+    """From a review: Ctrl-C while the staging folder (the earlier analysis's files) was removed was held and raised
+    after it, and `dar analyze` said "interrupted" as if nothing had been written, with the new analysis in place."""
+    import signal
+    import shutil
+
+    from dar_transformers import analysis
+
+    arguments = saved_checkpoint_arguments(tmp_path)
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", *arguments, "--out", str(out), "--seq-len", "12"]) == 0
+    rmtree = shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(analysis.shutil, "rmtree", interrupted)
+    capsys.readouterr()
+    assert cli_main(["analyze", *arguments, "--out", str(out), "--overwrite"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"dar analyze: interrupted by SIGINT after {out} was " \
+                                                                "written."
+    assert json.loads((out / "summary.json").read_text())["batch"] == [3, 16]
+    assert not any(path.name.startswith(".") for path in out.iterdir())
 
 
 def test_a_folder_of_an_analysis_files_name_is_never_replaced(tmp_path, capsys):
@@ -474,14 +501,20 @@ def test_an_empty_out_is_refused_and_a_quoted_tilde_is_the_home_folder(tmp_path,
 def test_a_killed_analysis_staging_folder_is_named_and_left(tmp_path, caplog):
     """A SIGKILLed analysis (the out-of-memory killer) leaves its hidden staging folder in --out, which no later run
     mentioned (and `push_to_hub` of a model folder would upload). Named on the log, never removed (another analysis
-    may be writing into it)."""
+    may be writing into it). One killed between its moves holds the earlier analysis's files, their only copy: named
+    as such (a review found the warning saying it held none of the user's files, to remove it)."""
     arguments = saved_checkpoint_arguments(tmp_path)
     out = tmp_path / "analysis"
     (out / ".dar-analyze.k1ll3d.partial").mkdir(parents=True)
     (out / ".dar-analyze.k1ll3d.partial" / "summary.json").write_text("{}")
+    (out / ".dar-analyze.m0v1ng.partial" / "replaced").mkdir(parents=True)
+    (out / ".dar-analyze.m0v1ng.partial" / "replaced" / "depth_entropy.png").write_bytes(b"earlier")
     assert cli_main(["analyze", *arguments, "--out", str(out)]) == 0
     assert f"{out / '.dar-analyze.k1ll3d.partial'} is the staging folder of an analysis that did not finish" \
         in caplog.text
+    assert (f"{out / '.dar-analyze.m0v1ng.partial'} is the staging folder of an analysis killed while it replaced "
+            f"another: {out / '.dar-analyze.m0v1ng.partial' / 'replaced'} holds the earlier analysis's "
+            "depth_entropy.png, its only copy") in caplog.text
     assert (out / ".dar-analyze.k1ll3d.partial" / "summary.json").read_text() == "{}"
 
 

@@ -706,34 +706,47 @@ def write_analysis(out: Path, summary: dict, replaced: list[str]) -> list[Path]:
         raise ValueError(f"--out {out}: could not write the analysis ({error.strerror or error}); nothing in it was "
                          "changed") from error
     names = [path.name for path in staged]
-    aside = sorted(name for name in {*replaced, *names} if os.path.lexists(out / name))
     moved_aside, moved_in = [], []
 
-    def undo() -> None:
-        for name in reversed(moved_in):
-            os.replace(out / name, staging / name)
-        for name in reversed(moved_aside):
-            os.replace(earlier / name, out / name)
+    def undo() -> None:  # every move back, as far as each goes; the earlier files stay in `earlier` if one fails
+        failed = []
+        for source, target in [*((out / name, staging / name) for name in reversed(moved_in)),
+                               *((earlier / name, out / name) for name in reversed(moved_aside))]:
+            try:
+                os.replace(source, target)
+            except OSError as error:
+                failed.append(f"{target.name} ({error.strerror or error})")
+        if failed:
+            raise ValueError(f"--out {out}: could not put the analysis in place, nor move back {', '.join(failed)}: "
+                             f"the earlier analysis's files are in {earlier}; move them back into --out.")
         shutil.rmtree(staging)
 
-    with signals_held() as received:  # a few renames: an interrupt waits for them and their undoing
-        try:
-            for name in aside:
-                if stat.S_ISDIR(os.lstat(out / name).st_mode):  # made since it was checked: never removed
-                    raise IsADirectoryError(errno.EISDIR, "a folder where the analysis writes a file", str(out / name))
-                os.replace(out / name, earlier / name)
-                moved_aside.append(name)
-            for name in names:
-                os.replace(staging / name, out / name)
-                moved_in.append(name)
-        except OSError as error:
-            undo()
-            raise ValueError(f"--out {out}: could not put the analysis in place ({error.strerror or error}); nothing "
-                             "in it was changed") from error
-        if received:  # raised as the block ends: an interrupted analysis changes nothing
-            undo()
-            return []
-        shutil.rmtree(staging)  # the earlier analysis's files and links (never a link's target; folders were refused)
+    written = False
+    try:
+        with signals_held() as received:  # a few renames: an interrupt waits for them and their undoing
+            aside = sorted(name for name in {*replaced, *names} if os.path.lexists(out / name))
+            try:
+                for name in aside:
+                    if stat.S_ISDIR(os.lstat(out / name).st_mode):  # made since it was checked: never removed
+                        raise IsADirectoryError(errno.EISDIR, "a folder where the analysis writes a file",
+                                                str(out / name))
+                    os.replace(out / name, earlier / name)
+                    moved_aside.append(name)
+                for name in names:
+                    os.replace(staging / name, out / name)
+                    moved_in.append(name)
+            except OSError as error:
+                undo()
+                raise ValueError(f"--out {out}: could not put the analysis in place ({error.strerror or error}); "
+                                 "nothing in it was changed") from error
+            if received:  # raised as the block ends: an analysis interrupted before it was in place changes nothing
+                undo()
+                return []
+            written = True
+            shutil.rmtree(staging)  # the earlier analysis's files and links (never a link's target; folders refused)
+    except KeyboardInterrupt as interrupt:  # one that came while the staging folder was removed: the analysis is in
+        interrupt.output_written = written  # place, as `dar analyze` then says
+        raise
     for name in sorted(set(replaced) - set(names)):
         logger.info(f"removed {out / name} (of the analysis this one replaces)")
     return [out / name for name in names[1:]]
@@ -798,8 +811,14 @@ def run_from_arguments(args: argparse.Namespace) -> tuple[dict, list[Path]]:
         raise ValueError(f"--text {args.text}: {getattr(error, 'strerror', None) or error}") from error
     replaced = check_analysis_output(args.out, args.overwrite)
     for folder in stale_staging_folders(args.out):
-        logger.warning(f"{folder} is the staging folder of an analysis that did not finish (killed) or runs now: it "
-                       "holds none of your files; remove it once no analysis writes into this folder.")
+        earlier = sorted(path.name for path in (folder / "replaced").glob("*"))
+        if earlier:  # killed between its moves: the only copy of the analysis it was replacing
+            logger.warning(f"{folder} is the staging folder of an analysis killed while it replaced another: "
+                           f"{folder / 'replaced'} holds the earlier analysis's {', '.join(earlier)}, its only copy; "
+                           f"move them back into {args.out} (or keep them elsewhere) before removing the folder.")
+        else:
+            logger.warning(f"{folder} is the staging folder of an analysis that did not finish (killed) or runs now: "
+                           "it holds none of your files; remove it once no analysis writes into this folder.")
     with output_folder(args.out):
         _register_auto_classes()
         model, tokenizer = load_analysed_model(args)
@@ -850,7 +869,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_command(args)
     except KeyboardInterrupt as interrupt:
         signum = getattr(interrupt, "signum", signal.SIGINT)
-        print(f"{parser.prog}: interrupted by {signal.Signals(signum).name}.", file=sys.stderr)
+        written = getattr(interrupt, "output_written", None)  # set by `write_analysis`
+        done = "" if written is None else f" after {args.out} was written" if written else "; nothing was written"
+        print(f"{parser.prog}: interrupted by {signal.Signals(signum).name}{done}.", file=sys.stderr)
         return 128 + signum
 
 

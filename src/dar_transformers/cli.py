@@ -446,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
             return args.run(args)
     except KeyboardInterrupt as interrupt:
         signum = getattr(interrupt, "signum", signal.SIGINT)
-        written = getattr(interrupt, "output_written", None)  # set by run_convert
-        done = "" if written is None else f" after {args.output} was written" if written else "; nothing was written"
+        written = getattr(interrupt, "output_written", None)  # set by run_convert and `dar analyze`'s writer
+        output = getattr(args, "output", None) or getattr(args, "out", None)
+        done = "" if written is None else f" after {output} was written" if written else "; nothing was written"
         close_progress_bars()
         print(f"dar {args.command}: interrupted by {signal.Signals(signum).name}{done}.", file=sys.stderr)
         return 128 + signum

@@ -315,6 +315,42 @@ def test_a_tokenizer_with_code_is_saved_by_transformers_and_only_its_code_is_nam
     (warning,) = [record.getMessage() for record in caplog.records if "Not carried" in record.getMessage()]
     assert warning.startswith(f"Not carried into the output: tokenization_foo.py in {source} "), warning
 
+
+def test_a_tokenizer_without_tokenizer_json_gets_one_beside_its_vocabulary_files(tmp_path):
+    """From a review: a source whose tokenizer is vocab.json and merges.txt (no tokenizer.json) had its files copied
+    as they were, so the output, which transformers' save gave a tokenizer.json before, lost it (the `tokenizers`
+    library, TGI and transformers.js read that file alone). Saved by transformers again, its vocabulary files
+    copied beside."""
+    source = tmp_path / "source"
+    make_source("qwen2").save_pretrained(source)
+    make_tokenizer().save_pretrained(tmp_path / "full")
+    spec = json.loads((tmp_path / "full" / "tokenizer.json").read_text())["model"]
+    (source / "vocab.json").write_text(json.dumps(spec["vocab"]))
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["merges"]]
+    (source / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    fields = json.loads((tmp_path / "full" / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**fields, "tokenizer_class": "Qwen2Tokenizer"}))
+    assert upcycle(source, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False).report.passed
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").is_file()
+    assert (out / "vocab.json").read_bytes() == (source / "vocab.json").read_bytes()
+    text = "The capital of France"
+    ids = [AutoTokenizer.from_pretrained(folder)(text)["input_ids"] for folder in (out, source)]
+    assert ids[0] == ids[1]
+
+
+def test_what_is_not_carried_is_said_only_where_a_folder_is_written_for_the_user(tmp_path, caplog):
+    """From a review: `convert(path)` returns a model and writes no folder for the user, yet warned "Not carried into
+    the output: ... copy what you need of them before removing the source"."""
+    from dar_transformers.conversion import convert
+
+    source = save_source(tmp_path / "source")
+    (source / "params.json").write_text("{}")
+    convert(source, dar_block_size=2, max_new_tokens=0, progress=False)
+    assert "Not carried" not in caplog.text
+    upcycle(source, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False)
+    assert f"Not carried into the output: params.json in {source} " in caplog.text
+
 def test_license_files_of_any_case_and_a_licenses_folder_travel_with_the_weights(tmp_path):
     """license.txt, Notice.md and REUSE's LICENSES/ folder (a file in a subfolder too) were left behind without a word:
     the patterns matched upper-case file names only. Copied byte for byte at the same places; a link to a folder

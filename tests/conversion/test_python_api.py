@@ -341,6 +341,14 @@ def test_a_drop_upcycling_seed_that_is_no_generator_seed_is_refused_by_name(seed
         convert_to_dar_moe(make_source("llama"), num_experts=2, top_k=1, expert_noise=0.5, seed=seed)
 
 
+def test_a_numpy_integer_seed_is_a_seed():
+    import numpy
+
+    noisy = convert_to_dar_moe(make_source("llama"), num_experts=2, top_k=1, expert_noise=0.5, seed=numpy.int64(3))
+    again = convert_to_dar_moe(make_source("llama"), num_experts=2, top_k=1, expert_noise=0.5, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(noisy.state_dict().values(), again.state_dict().values()))
+
+
 def test_expert_noise_given_as_a_bool_is_refused():
     with pytest.raises(ValueError, match=r"expert_noise must be a fraction in \[0, 1\]"):
         convert_to_dar_moe(make_source("llama"), num_experts=2, top_k=1, expert_noise=True)

@@ -7,6 +7,7 @@ downwards: read the source's config and check its family (`sources`, `families`)
 """
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 import os
@@ -62,6 +63,20 @@ class ConversionResult:
     config: PreTrainedConfig | None = None
 
 
+def _same_value(first, second) -> bool:
+    """Whether a field given twice has one value (an array or tensor compared whole; NaN is NaN)."""
+    if first is second:
+        return True
+    try:
+        return bool(first == second)
+    except (TypeError, ValueError, RuntimeError):  # arrays and tensors of more than one element
+        return type(first) is type(second) and repr(first) == repr(second)
+
+
+# Set while `convert(path)` converts through a temporary folder into a model it returns: no folder is the user's.
+_CONVERTED_IN_MEMORY = contextvars.ContextVar("dar_converted_in_memory", default=False)
+
+
 def conversion_options(options: ConversionOptions | None, keywords: Mapping[str, object]) -> ConversionOptions:
     """`options` updated by `upcycle`'s keyword arguments: option names set options, the others are config fields."""
     if options is not None and not isinstance(options, ConversionOptions):
@@ -73,7 +88,7 @@ def conversion_options(options: ConversionOptions | None, keywords: Mapping[str,
     if named is not None and not isinstance(named, Mapping):
         raise ValueError(f"fields must be a mapping of config field names to values (such as "
                          f"{{'dar_block_size': 8}}), got {named!r}.")
-    twice = sorted(name for name in set(named or {}) & set(fields) if named[name] != fields[name])
+    twice = sorted(name for name in set(named or {}) & set(fields) if not _same_value(named[name], fields[name]))
     if twice:  # the keyword won, silently
         raise ValueError(f"{', '.join(twice)} given twice, in fields= and as a keyword, with other values "
                          f"({', '.join(f'{name}={named[name]!r} and {fields[name]!r}' for name in twice)}): give each "
@@ -129,6 +144,10 @@ def upcycle(
     loaded = open_source(source, source_config, tokenizer)
     if in_memory:
         loaded.model = source
+    if loaded.not_carried and not _CONVERTED_IN_MEMORY.get():  # `convert(path)` writes no folder for the user
+        logger.warning(f"Not carried into the output: {', '.join(loaded.not_carried)} in {source} (the output holds "
+                       "the converted weights, config, generation config, tokenizer, license files and a new model "
+                       "card); copy what you need of them before removing the source.")
     written = False  # True once the output is in place: an interrupt after that says so (`dar convert` does)
     try:
         with contextlib.closing(loaded.checkpoint):
@@ -337,8 +356,12 @@ def convert(
                 "folder, verified and loaded back from it, and only verified conversions are written; verify=False "
                 "converts an in-memory model (convert(model, verify=False))."
             )
-        with scratch_folder() as scratch:  # read into memory, not mapped: the folder goes before the model
-            model = _load_written(upcycle(source, scratch / "dar", **keywords).output, disable_mmap=True)
+        in_memory = _CONVERTED_IN_MEMORY.set(True)
+        try:
+            with scratch_folder() as scratch:  # read into memory, not mapped: the folder goes before the model
+                model = _load_written(upcycle(source, scratch / "dar", **keywords).output, disable_mmap=True)
+        finally:
+            _CONVERTED_IN_MEMORY.reset(in_memory)
         # Not the removed temporary folder (a Trainer's card named it), nor any local path (a card would name it once
         # the folder is gone): the Hub id of a Hub cache snapshot, else none
         source = Path(source)

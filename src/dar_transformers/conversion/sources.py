@@ -124,6 +124,7 @@ class Source:
     folder: Path | None = None  # an HF folder source: its README.md front matter gives the card's license
     side_files: tuple[Path, ...] = ()  # source files the output carries byte for byte (`copied_side_files`)
     tokenizer_copied: bool = False  # its tokenizer's files are among them, written in place of transformers' save
+    not_carried: tuple[str, ...] = ()  # a folder's entries the output does not carry (`not_carried`), for a warning
     custom_code: tuple[str, ...] = ()  # its config.json's `auto_map` entries, never run (`custom_code_entries`)
     license: dict[str, str] = dataclasses.field(default_factory=dict)  # a GGUF file's, as card fields (`gguf_license`)
     stored_as: str = ""  # how the source stores its tensors where the card's weights dtype would not say it
@@ -713,14 +714,14 @@ def _load_gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     return plain.to(dtype)
 
 
-def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, ...]:
+def copied_side_files(folder: Path, tokenizer_from_folder: bool, whole: bool = False) -> tuple[Path, ...]:
     """The files of `folder` that the output copies as they are, at the same place relative to it: `LICENSE_FILES`
     (any case; the files of a folder so named too, its links to folders not followed), and, when the tokenizer was
     read from this folder (not a `tokenizer=` given instead, whose files they are not), its files: the vocabulary
-    files and other loaders' (`TOKENIZER_SIDE_FILES`), and where `tokenizer_copied` says so the rest of them
+    files and other loaders' (`TOKENIZER_SIDE_FILES`), and with `whole` (`tokenizer_copied`) the rest of them
     (`TOKENIZER_COPIED_FILES`, `additional_chat_templates/` even as a link), else saved by transformers."""
     copied = set()
-    whole = tokenizer_from_folder and tokenizer_copied(folder)
+    whole = tokenizer_from_folder and whole
     for entry in folder.iterdir():
         templates = whole and entry.name == CHAT_TEMPLATES_FOLDER  # a link to a shared folder of them too
         if any(fnmatch.fnmatch(entry.name.lower(), pattern) for pattern in LICENSE_FILES) or templates:
@@ -744,8 +745,12 @@ def copied_side_files(folder: Path, tokenizer_from_folder: bool) -> tuple[Path, 
 
 def tokenizer_copied(folder: Path) -> bool:
     """Whether the output carries the folder's tokenizer as its files, byte for byte (`TOKENIZER_COPIED_FILES`):
-    unless its tokenizer_config.json maps the tokenizer to code (`auto_map`), which the converter never copies, so
-    that transformers' own class, as the converter loaded it, is saved instead (`write_tokenizer`)."""
+    unless its tokenizer_config.json maps the tokenizer to code (`auto_map`), which the converter never copies, or it
+    has no tokenizer.json (only vocab.json and merges.txt, or tokenizer.model), which tools that read tokenizer.json
+    alone (the `tokenizers` library, TGI, transformers.js) need and transformers' save writes beside them; then
+    transformers' own class, as the converter loaded it, is saved (`write_tokenizer`), the vocabulary files copied."""
+    if not (folder / "tokenizer.json").is_file():
+        return False
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():
         return True
@@ -870,8 +875,8 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
                         "LM.")
     generation_config = folder_generation_config(path)
     name = folder_name(path)
-    side_files = copied_side_files(path, tokenizer_from_folder=tokenizer is None)
-    copied = tokenizer is None and tokenizer_copied(path)
+    copied = tokenizer is None and tokenizer_copied(path)  # decided once, as the side files are listed
+    side_files = copied_side_files(path, tokenizer_from_folder=tokenizer is None, whole=copied)
     read = {"config.json", "generation_config.json", INDEX_NAME, *(file.name for file in path.glob("*.safetensors"))}
     if tokenizer is None and not copied:  # written anew by transformers' save_pretrained
         read |= {entry.name for entry in path.iterdir() if entry.name == CHAT_TEMPLATES_FOLDER
@@ -879,14 +884,9 @@ def open_source(source: PreTrainedModel | str | os.PathLike, source_config: PreT
     if source_config.model_type == DAR_SOURCE_TYPE:  # its copy of the package's code: the output gets this version's
         package = Path(__file__).resolve().parent.parent
         read |= {code.name for code in path.glob("*.py") if (package / code.name).is_file()}
-    dropped = not_carried(path, side_files, read)
-    if dropped:
-        logger.warning(f"Not carried into the output: {', '.join(dropped)} in {path} (the output holds the converted "
-                       "weights, config, generation config, tokenizer, license files and a new model card); copy what "
-                       "you need of them before removing the source.")
     return Source(None, loaded_tokenizer, name, folder_location(path), source_config, checkpoint,
-                  generation_config, path, side_files, copied, custom_code_entries(source_config),
-                  stored_as=widened_tensor_types(checkpoint))
+                  generation_config, path, side_files, copied, tuple(not_carried(path, side_files, read)),
+                  custom_code_entries(source_config), stored_as=widened_tensor_types(checkpoint))
 
 
 def folder_generation_config(path: Path) -> GenerationConfig:

@@ -18,6 +18,7 @@ Both kinds take the source's architecture fields from `families.source_architect
 """
 
 import dataclasses
+import operator
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -334,6 +335,20 @@ def drop_upcycled_experts(
     return gate_up_proj, down_proj
 
 
+def _generator_seed(seed) -> int:
+    """Drop-Upcycling's `seed` as an int (numpy's integers too), refused by name unless it seeds every layer's
+    generator (`seed * 1_000_003 + layer`, below 2**63)."""
+    bound = 2**63 // 1_000_003 - 1_000_003
+    try:
+        value = None if isinstance(seed, bool) else operator.index(seed)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < bound:
+        raise ValueError(f"seed must be an integer in [0, {bound}) (Drop-Upcycling's re-drawn hidden units, a "
+                         f"generator seed per layer), got {seed!r}.")
+    return value
+
+
 def check_expert_noise(expert_noise: float) -> None:
     if isinstance(expert_noise, bool) or not (isinstance(expert_noise, (int, float)) and 0.0 <= expert_noise <= 1.0):
         raise ValueError(
@@ -402,9 +417,7 @@ def plan_dar_moe_tensors(
 def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
     """The DAR-MoE target; `expert_noise > 0` is Drop-Upcycling (not exact: its verification only reports)."""
     check_expert_noise(expert_noise)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 // 1_000_003 - 1_000_003:
-        raise ValueError(f"seed must be an integer in [0, {2**63 // 1_000_003 - 1_000_003}) (Drop-Upcycling's "
-                         f"re-drawn hidden units, a generator seed per layer), got {seed!r}.")
+    seed = _generator_seed(seed)
 
     def build_config(source_config, branch_family, dtype, fields):
         if expert_noise and source_config.model_type in MOE_SOURCE_FAMILIES:  # before the plan warns of the noise
