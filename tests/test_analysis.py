@@ -460,6 +460,34 @@ def test_an_interrupt_once_the_analysis_is_in_place_says_so(tmp_path, capsys, mo
     assert not any(path.name.startswith(".") for path in out.iterdir())
 
 
+
+def test_an_interrupt_whose_undoing_fails_says_where_the_earlier_files_are(tmp_path, capsys, caplog, monkeypatch):
+    """Ctrl-C during the moves, then a move back that fails (a filesystem gone read-only): the message that names
+    where the earlier analysis's files are was replaced by the interrupt, which said "nothing was written". The
+    message is logged, and the interrupt claims neither outcome."""
+    import signal
+
+    from dar_transformers import analysis
+
+    arguments = saved_checkpoint_arguments(tmp_path)
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", *arguments, "--out", str(out), "--seq-len", "12"]) == 0
+    moves, replace = [], os.replace
+
+    def interrupted_then_stuck(source, target):
+        moves.append(Path(target).name)
+        if len(moves) == 3:
+            signal.raise_signal(signal.SIGINT)
+        if len(moves) > 10 and Path(target).parent == out:  # moving an earlier file back
+            raise OSError(30, "Read-only file system")
+        replace(source, target)
+
+    monkeypatch.setattr(analysis.os, "replace", interrupted_then_stuck)
+    capsys.readouterr()
+    assert cli_main(["analyze", *arguments, "--out", str(out), "--overwrite"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dar analyze: interrupted by SIGINT."
+    assert "nor move back" in caplog.text and "the earlier analysis's files are in " in caplog.text
+
 def test_a_folder_of_an_analysis_files_name_is_never_replaced(tmp_path, capsys):
     """A folder named rescue_gain.png in --out: with --overwrite the analysis ran, then the move into place failed
     on it with a raw "[Errno 21] Is a directory" naming the hidden staging folder, after the summary and the first

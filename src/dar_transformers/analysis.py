@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import stat
 import sys
 import tempfile
@@ -708,7 +707,7 @@ def write_analysis(out: Path, summary: dict, replaced: list[str]) -> list[Path]:
     names = [path.name for path in staged]
     moved_aside, moved_in = [], []
 
-    def undo() -> None:  # every move back, as far as each goes; the earlier files stay in `earlier` if one fails
+    def undo() -> str | None:  # every move back, as far as each goes; what failed, the earlier files kept in `earlier`
         failed = []
         for source, target in [*((out / name, staging / name) for name in reversed(moved_in)),
                                *((earlier / name, out / name) for name in reversed(moved_aside))]:
@@ -717,11 +716,12 @@ def write_analysis(out: Path, summary: dict, replaced: list[str]) -> list[Path]:
             except OSError as error:
                 failed.append(f"{target.name} ({error.strerror or error})")
         if failed:
-            raise ValueError(f"--out {out}: could not put the analysis in place, nor move back {', '.join(failed)}: "
-                             f"the earlier analysis's files are in {earlier}; move them back into --out.")
+            return (f"--out {out}: could not put the analysis in place, nor move back {', '.join(failed)}: the "
+                    f"earlier analysis's files are in {earlier}; move them back into --out.")
         shutil.rmtree(staging)
+        return None
 
-    written = False
+    written = False  # for an interrupt: False (out as it was), True (the analysis in place), None (neither)
     try:
         with signals_held() as received:  # a few renames: an interrupt waits for them and their undoing
             aside = sorted(name for name in {*replaced, *names} if os.path.lexists(out / name))
@@ -736,16 +736,23 @@ def write_analysis(out: Path, summary: dict, replaced: list[str]) -> list[Path]:
                     os.replace(staging / name, out / name)
                     moved_in.append(name)
             except OSError as error:
-                undo()
-                raise ValueError(f"--out {out}: could not put the analysis in place ({error.strerror or error}); "
-                                 "nothing in it was changed") from error
+                failure = undo()
+                if failure and received:  # the interrupt, raised as the block ends, replaces the error: said now
+                    logger.error(failure)
+                    written = None
+                raise ValueError(failure or f"--out {out}: could not put the analysis in place "
+                                 f"({error.strerror or error}); nothing in it was changed") from error
             if received:  # raised as the block ends: an analysis interrupted before it was in place changes nothing
-                undo()
+                failure = undo()
+                if failure:
+                    logger.error(failure)
+                    written = None
                 return []
             written = True
             shutil.rmtree(staging)  # the earlier analysis's files and links (never a link's target; folders refused)
     except KeyboardInterrupt as interrupt:  # one that came while the staging folder was removed: the analysis is in
-        interrupt.output_written = written  # place, as `dar analyze` then says
+        if written is not None:  # place, as `dar analyze` then says
+            interrupt.output_written = written
         raise
     for name in sorted(set(replaced) - set(names)):
         logger.info(f"removed {out / name} (of the analysis this one replaces)")
@@ -859,7 +866,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import interrupts_raised
+    from .cli import interrupted, interrupts_raised
 
     parser = add_arguments(argparse.ArgumentParser(prog="python -m dar_transformers.analysis", description=__doc__,
                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -868,11 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         with interrupts_raised():  # SIGTERM and SIGHUP clean up as Ctrl-C does (they left the staging folder)
             return run_command(args)
     except KeyboardInterrupt as interrupt:
-        signum = getattr(interrupt, "signum", signal.SIGINT)
-        written = getattr(interrupt, "output_written", None)  # set by `write_analysis`
-        done = "" if written is None else f" after {args.out} was written" if written else "; nothing was written"
-        print(f"{parser.prog}: interrupted by {signal.Signals(signum).name}{done}.", file=sys.stderr)
-        return 128 + signum
+        return interrupted(parser.prog, interrupt, args.out)
 
 
 def _nan_to_none(values):

@@ -445,13 +445,19 @@ def main(argv: list[str] | None = None) -> int:
         with interrupts_raised():
             return args.run(args)
     except KeyboardInterrupt as interrupt:
-        signum = getattr(interrupt, "signum", signal.SIGINT)
-        written = getattr(interrupt, "output_written", None)  # set by run_convert and `dar analyze`'s writer
-        output = getattr(args, "output", None) or getattr(args, "out", None)
-        done = "" if written is None else f" after {output} was written" if written else "; nothing was written"
-        close_progress_bars()
-        print(f"dar {args.command}: interrupted by {signal.Signals(signum).name}{done}.", file=sys.stderr)
-        return 128 + signum
+        output = getattr(args, "output", None) or getattr(args, "out", None)  # convert's, analyze's
+        return interrupted(f"dar {args.command}", interrupt, output)
+
+
+def interrupted(command: str, interrupt: KeyboardInterrupt, output) -> int:
+    """Say that `command` was interrupted, and whether its `output` was written (`output_written`, set by
+    `run_convert` and `dar analyze`'s writer where they know); the exit status of a process ended by the signal."""
+    signum = getattr(interrupt, "signum", signal.SIGINT)
+    written = getattr(interrupt, "output_written", None)
+    done = "" if written is None else f" after {output} was written" if written else "; nothing was written"
+    close_progress_bars()
+    print(f"{command}: interrupted by {signal.Signals(signum).name}{done}.", file=sys.stderr)
+    return 128 + signum
 
 
 if __name__ == "__main__":
