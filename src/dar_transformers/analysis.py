@@ -750,8 +750,8 @@ def write_analysis(out: Path, summary: dict, replaced: list[str]) -> list[Path]:
                 return []
             written = True
             shutil.rmtree(staging)  # the earlier analysis's files and links (never a link's target; folders refused)
-    except KeyboardInterrupt as interrupt:  # one that came while the staging folder was removed: the analysis is in
-        if written is not None:  # place, as `dar analyze` then says
+    except KeyboardInterrupt as interrupt:  # the held one, raised as the block ends: `dar analyze` says where --out
+        if written is not None:  # stands (the analysis in place, or out as it was)
             interrupt.output_written = written
         raise
     for name in sorted(set(replaced) - set(names)):
