@@ -20,7 +20,6 @@ Command line: `dar analyze MODEL --text FILE --out DIR` or `python -m dar_transf
 """
 
 import argparse
-import contextlib
 import errno
 import fnmatch
 import json
@@ -854,14 +853,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"loss {summary['loss']:.4f} on {summary['tokens']} tokens; wrote {args.out}/summary.json and "
               f"{len(plots)} PNGs", flush=True)
     except OSError as error:  # the analysis is in place; only its line was lost (`| head`, `> /dev/full`)
-        from .cli import stdout_closed
+        from .cli import report_not_printed
 
-        reason = ("standard output was closed" if isinstance(error, BrokenPipeError) else
-                  f"writing standard output failed: {error.strerror or error}")
-        stdout_closed()
-        with contextlib.suppress(OSError):
-            print(f"dar analyze: wrote {args.out}; its summary line was not printed ({reason}).", file=sys.stderr,
-                  flush=True)
+        report_not_printed("dar analyze", args.out, "its summary line", error)
     return 0
 
 

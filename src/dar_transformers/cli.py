@@ -213,14 +213,19 @@ def run_convert(args: argparse.Namespace) -> int:
         interrupt.output_written = True
         raise
     except OSError as error:  # the conversion is done and in place; only its report was lost
-        # `dar convert ... | head` (a closed pipe), `> log` on a full disk, `> /dev/full`
-        reason = ("standard output was closed" if isinstance(error, BrokenPipeError) else
-                  f"writing standard output failed: {error.strerror or error}")
-        stdout_closed()
-        with contextlib.suppress(OSError):  # `2>&1 | reader`: standard error is the same closed pipe
-            print(f"dar convert: wrote {result.output}; its report was not printed ({reason}).", file=sys.stderr,
-                  flush=True)
+        report_not_printed("dar convert", result.output, "its report", error)
     return 0
+
+
+def report_not_printed(command: str, output, what: str, error: OSError) -> None:
+    """A command whose `output` is written could not print its report (`what`) to standard output: `| head` (a
+    closed pipe), `> log` on a full disk, `> /dev/full`. Standard output goes to /dev/null and one line on standard
+    error says what was written and why the report is missing; the command still succeeded."""
+    reason = ("standard output was closed" if isinstance(error, BrokenPipeError) else
+              f"writing standard output failed: {error.strerror or error}")
+    stdout_closed()
+    with contextlib.suppress(OSError):  # `2>&1 | reader`: standard error is the same closed pipe
+        print(f"{command}: wrote {output}; {what} was not printed ({reason}).", file=sys.stderr, flush=True)
 
 
 # torch's allocators' messages (CPU: "DefaultCPUAllocator: can't allocate memory"; CUDA: torch.OutOfMemoryError's)

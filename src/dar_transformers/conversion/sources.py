@@ -483,16 +483,18 @@ def check_gguf_experts(path: Path, fields, architecture: str) -> None:
         )
 
 
-def gguf_special_tokens_out_of_range(fields) -> list[str]:
-    """A GGUF file's special token ids (`tokenizer.ggml.*_token_id`) that are no index of its token list, as
-    "key = id": transformers' GGUF tokenizer reader fails on them with an IndexError that names neither."""
+def gguf_special_tokens_note(fields) -> str:
+    """A GGUF file's special token ids (`tokenizer.ggml.*_token_id`) that are no index of its token list, said as
+    " (its metadata KEY = ID: past the N tokens of tokenizer.ggml.tokens)", or "" if none: transformers' GGUF tokenizer
+    reader fails on them with an IndexError that names neither."""
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is None:
-        return []
+        return ""
     count = len(tokens.data)
-    return [f"{key} = {field.contents()!r}" for key, field in fields.items()
-            if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
-            and isinstance(field.contents(), int) and not 0 <= field.contents() < count]
+    outside = [f"{key} = {field.contents()!r}" for key, field in fields.items()
+               if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
+               and isinstance(field.contents(), int) and not 0 <= field.contents() < count]
+    return f" (its metadata {', '.join(outside)}: past the {count} tokens of tokenizer.ggml.tokens)" if outside else ""
 
 
 # A GGUF file's license metadata (llama.cpp's converter copies the model card's) and the card field of each.
@@ -630,13 +632,10 @@ def _load_tokenizer(folder: Path, gguf_file: str | None = None, gguf_fields=None
     except Exception as error:  # tokenizer backends raise many types; name the files either way
         files = [gguf_file] if gguf_file else [name for name in (*TOKENIZER_FILES, "tokenizer_config.json")
                                                if (folder / name).is_file()]
-        outside = gguf_special_tokens_out_of_range(gguf_fields) if gguf_fields is not None else []
-        count = len(gguf_fields["tokenizer.ggml.tokens"].data) if outside else 0
         raise ValueError(
             f"Could not load the tokenizer of {folder} from {', '.join(files)} (with transformers' own tokenizer "
             f"classes: the converter never runs code from the source): {one_line(error)}"
-            + (f" (its metadata {', '.join(outside)}: past the {count} tokens of tokenizer.ggml.tokens)" if outside
-               else "")
+            + (gguf_special_tokens_note(gguf_fields) if gguf_fields is not None else "")
         ) from error
     if gguf_file is not None:
         named = gguf_named_chat_templates(folder / gguf_file, gguf_fields)
