@@ -157,6 +157,39 @@ def test_trainer_builds_dar_groups_through_optimizer_factory(tmp_path):
     assert len(changed) == len(dar_before) - 3  # all but branch 0's inert read (see the next test)
 
 
+@pytest.mark.parametrize("helper", ["optimizers", "optimizer_cls_and_kwargs"])
+def test_trainer_resumed_from_a_checkpoint_ends_where_an_uninterrupted_run_ends(tmp_path, helper):
+    """`trainer.train(resume_from_checkpoint=...)` over DAR's optimiser groups: Trainer reloads the optimiser state
+    by group and position, so the resumed run's groups must be rebuilt in the saved order and membership; then 3 + 3
+    steps end bit for bit where 6 straight steps end (weight decay, a warm-up schedule, clipping: every piece of
+    saved state used). Negative control: the same resume with the optimiser state deleted (fresh AdamW moments, what
+    a reordered group would amount to) ends elsewhere."""
+    args = dict(learning_rate=1e-2, weight_decay=0.1, max_steps=6, warmup_steps=2, lr_scheduler_type="linear",
+                max_grad_norm=0.5, per_device_train_batch_size=2, save_strategy="steps", save_steps=3)
+
+    def run(name, resume_from=None):
+        model = upcycled_dar(tiny_llama(), dar_block_size=2)
+        perturb_dar_parameters(model)
+        training = training_arguments(tmp_path / name, **args)
+        optimizer = ({"optimizers": create_dar_optimizer(model, training, dar_learning_rate=3e-3)}
+                     if helper == "optimizers" else
+                     {"optimizer_cls_and_kwargs": dar_optimizer_cls_and_kwargs(training, dar_learning_rate=3e-3)})
+        trainer = Trainer(model=model, args=training, train_dataset=labelled_dataset(),
+                          data_collator=default_data_collator, **optimizer)
+        trainer.train(resume_from_checkpoint=resume_from)
+        assert [group["name"] for group in trainer.optimizer.param_groups] == ["decay", "no_decay", "dar"]
+        return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+    straight = run("straight")
+    checkpoint = tmp_path / "straight" / "trainer" / "checkpoint-3"
+    resumed = run("resumed", resume_from=str(checkpoint))
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+    (checkpoint / "optimizer.pt").unlink()
+    fresh_moments = run("fresh moments", resume_from=str(checkpoint))
+    assert max((straight[name] - fresh_moments[name]).abs().max().item() for name in straight) > 1e-4
+
+
 @pytest.mark.parametrize("optim,optim_args,expected", [
     ("sgd", "momentum=0.9", (torch.optim.SGD, {"momentum": 0.9})),
     ("adamw_torch", None, (torch.optim.AdamW, {"betas": (0.8, 0.9), "fused": None})),
