@@ -244,6 +244,102 @@ def test_the_matched_depth_mean_leaves_out_the_read_of_the_embedding_alone():
     assert summary["matched_depth_mean"] == pytest.approx(sum(matched[1:]) / len(matched[1:]), abs=1e-12)
 
 
+def test_pairs_of_reads_of_the_embedding_alone_are_left_out_of_the_off_diagonal_means():
+    """Without the partial, every read of block 0 reads the embedding alone: any two of them have CKA 1 by
+    construction, in stream 0 and across streams. Those pairs entered the off-diagonal ("diversity") mean and its
+    within-stream yardstick; now a pair counts where at least one of its reads mixes two or more sources."""
+    summary = analyze(trained_like_dar(dar_block_size=3, dar_include_partial=False), token_batch())["cross_stream_cka"]
+    matrix = torch.tensor(summary["matrix"], dtype=torch.float64)  # [5, 5]: L0.attn, L0.mlp, L1.attn read e0 alone
+    single = torch.tensor([True, True, True, False, False])
+    both_single = single[:, None] & single[None, :]
+    assert torch.allclose(matrix[both_single], torch.ones(9, dtype=torch.float64), atol=1e-9)
+    off = ~torch.eye(5, dtype=torch.bool)
+    assert summary["off_diagonal_mean"] == pytest.approx(matrix[off & ~both_single].mean().item(), abs=1e-12)
+    assert abs(matrix[off].mean().item() - summary["off_diagonal_mean"]) > 1e-3  # the pairs left out matter here
+
+
+def test_a_model_run_on_fewer_layers_is_analysed_over_the_layers_it_runs():
+    """`num_hidden_layers` lowered (an early exit): the forward runs the first layers only; the analysis listed
+    every layer's reads and failed with a bare KeyError on the first one not run."""
+    model = trained_like_dar(dar_block_size=1)
+    model.config.num_hidden_layers = 1
+    summary = analyze(model, token_batch())
+    assert summary["branches"] == ["L0.attn", "L0.mlp", "readout"]
+    assert len(summary["stream_balance"]["alpha"]) == 3 and len(summary["rescue_gain"]["branches"]) == 3
+
+
+def test_analyze_refuses_sequences_without_a_next_token_and_a_mask_of_another_shape():
+    model = trained_like_dar()
+    with pytest.raises(ValueError, match=r"at least 2 tokens per sequence.*\[3, 1\]"):
+        analyze(model, token_batch(length=1))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \[3, 11\]; input_ids has \[3, 12\]"):
+        analyze(model, token_batch(), attention_mask=torch.ones(3, 11, dtype=torch.long))
+    with pytest.raises(ValueError, match="no sequence two real tokens in a row"):
+        analyze(model, token_batch(), attention_mask=torch.tensor([[1, 0] * 6] * 3))
+
+
+def padded(sequences: list[torch.Tensor], side: str, pad_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of the sequences padded to the longest on `side` with `pad_ids` [B, T], and its attention mask."""
+    length = max(len(sequence) for sequence in sequences)
+    input_ids, mask = pad_ids.clone(), torch.zeros(len(sequences), length, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        where = slice(0, len(sequence)) if side == "right" else slice(length - len(sequence), length)
+        input_ids[row, where], mask[row, where] = sequence, 1
+    return input_ids, mask
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_padded_batch_is_analysed_over_its_real_tokens(side):
+    """`analyze` took no attention mask: a tokenizer's padded batch entered every mean with its pad tokens (their
+    reads, extractions, losses; left-padded sequences also at shifted positions). With the mask, the maps, the
+    entropy, the loss, CKA and the stream statistics equal those of the sequences run one by one, pooled over their
+    tokens, and nothing depends on what the padding holds. Negative control: the same batch without its mask."""
+    model = trained_like_dar(dar_block_size=2).double()
+    sequences = [token_batch(batch=1, length=length, seed=length)[0] for length in (12, 7, 9)]
+    pad_zero, mask = padded(sequences, side, torch.zeros(3, 12, dtype=torch.long))
+    pad_random, _ = padded(sequences, side, token_batch(seed=5))
+    summary = analyze(model, pad_zero, attention_mask=mask)
+    other_padding = analyze(model, pad_random, attention_mask=mask)
+
+    def numbers(value) -> list[float]:  # every number of a summary, in order (None: nan)
+        if isinstance(value, dict):
+            return [x for key in sorted(value) for x in numbers(value[key])]
+        if isinstance(value, list):
+            return [x for item in value for x in numbers(item)]
+        return [math.nan if value is None else float(value)] if isinstance(value, (int, float)) or value is None else []
+
+    assert numbers(summary) == pytest.approx(numbers(other_padding), abs=1e-10, nan_ok=True)
+
+    alone = []  # per sequence: its reads and logits, computed without padding
+    for sequence in sequences:
+        with record_depth_reads(model) as reads:
+            alone.append((reads, model(input_ids=sequence[None]).logits))
+    branches = [branch.name for branch in dar_branches(model)]
+    losses = torch.cat([torch.nn.functional.cross_entropy(logits[0, :-1], sequence[1:], reduction="none")
+                        for (_, logits), sequence in zip(alone, sequences)])
+    assert summary["loss"] == pytest.approx(losses.mean().item(), abs=1e-10)
+    assert (summary["tokens"], summary["predicted_tokens"]) == (28, 25)
+    for row, name in enumerate(branches):
+        weights = torch.cat([reads[name].weights[:, 0] for reads, _ in alone], dim=1)  # [S, N, J]
+        for stream in (0, 1):
+            mapped = [w for w in summary["depth_weights"]["mean_weight"][stream][row] if w is not None]
+            assert mapped == pytest.approx(weights[:, :, stream].mean(1).tolist(), abs=1e-7)  # the maps are float32
+    extractions = [torch.cat([reads[name].extracted[0] for reads, _ in alone]) for name in branches]  # [N, J, D]
+    expected_cka = cka_matrix([x[:, 0] for x in extractions], [x[:, 1] for x in extractions])
+    torch.testing.assert_close(torch.tensor(summary["cross_stream_cka"]["matrix"], dtype=torch.float64), expected_cka,
+                               atol=1e-9, rtol=0)
+    assert summary["cross_stream_cka"]["tokens"] == 28
+    readout_rms = torch.stack([reads["readout"].entry_rms * len(sequence) for (reads, _), sequence
+                               in zip(alone, sequences)]).sum(0) / 28  # [S, J]: the per-sequence means, pooled
+    torch.testing.assert_close(torch.tensor(summary["stream_balance"]["entry_rms"], dtype=torch.float64), readout_rms,
+                               atol=1e-10, rtol=0)
+
+    unmasked = analyze(model, pad_zero)  # the pads' reads in the means
+    unmasked_map = [w for w in unmasked["depth_weights"]["mean_weight"][0][-1] if w is not None]
+    masked_map = [w for w in summary["depth_weights"]["mean_weight"][0][-1] if w is not None]
+    assert max(abs(a - b) for a, b in zip(unmasked_map, masked_map)) > 1e-3
+
+
 def test_one_stream_model_skips_the_two_stream_analyses(tmp_path):
     model = trained_like_dar(dar_num_streams=1, dar_block_size=2)
     summary = analyze(model, token_batch())

@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy
@@ -134,8 +135,8 @@ def dar_branches(model: torch.nn.Module) -> list[DARBranchModules]:
     if not is_dar_config(getattr(base, "config", None)):
         raise TypeError(f"Expected a DAR model (model_type 'dar' or 'dar_moe'), got {type(model).__name__} of "
                         f"model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r}.")
-    branches = []
-    for layer_index, layer in enumerate(base.layers):
+    branches = []  # the layers the forward runs (`num_hidden_layers` may be lowered to run fewer, as an early exit)
+    for layer_index, layer in enumerate(islice(base.layers, base.config.num_hidden_layers)):
         for kind, residual in (("attn", layer.attn_residual), ("mlp", layer.mlp_residual)):
             branches.append(
                 DARBranchModules(
@@ -148,13 +149,14 @@ def dar_branches(model: torch.nn.Module) -> list[DARBranchModules]:
     return branches
 
 
-def _source_statistics(sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """sources [S, B, T, J, D] -> mean RMS of every source and stream [S, J], and the mean cross-stream cosine of
-    every source [S] (None for one stream)."""
-    entry_rms = sources.pow(2).mean(-1).sqrt().mean((1, 2))  # [S, J]
+def _source_statistics(sources: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sources [S, B, T, J, D], tokens [B, T] (bool: the real ones) -> mean RMS of every source and stream over the
+    real tokens [S, J], and the mean cross-stream cosine of every source [S] (None for one stream)."""
+    sources = sources[:, tokens]  # [S, N, J, D]
+    entry_rms = sources.pow(2).mean(-1).sqrt().mean(1)  # [S, J]
     if sources.shape[-2] < 2:
         return entry_rms, None
-    cosine = F.cosine_similarity(sources[..., 0, :], sources[..., 1, :], dim=-1).mean((1, 2))  # [S]
+    cosine = F.cosine_similarity(sources[..., 0, :], sources[..., 1, :], dim=-1).mean(1)  # [S]
     return entry_rms, cosine
 
 
@@ -162,12 +164,14 @@ def _source_statistics(sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def record_depth_reads(
     model: torch.nn.Module,
     interventions: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    tokens: torch.Tensor | None = None,
 ) -> Iterator[dict[str, DepthRead]]:
     """Run `model` through its reference backend and record every depth read (keyed by branch name).
 
     interventions: branch name -> function of the read's extraction [B, T, J, D] returning the extraction the branch
     should use instead (the recorded `extracted` stays the original). Without interventions the outputs are the
     model's own (the reference backend agrees with the fast path to fp32 rounding; DESIGN.md section 4).
+    tokens: [B, T] bool, the real tokens (not padding) the readout's entry statistics average over; None: all.
     """
     interventions = interventions or {}
     reads: dict[str, DepthRead] = {}
@@ -187,7 +191,8 @@ def record_depth_reads(
             sources, (extracted, weights) = args[0], output  # [S, B, T, J, D]; [B, T, J, D], [S, B, T, J]
             read = DepthRead(branch.name, weights.detach(), extracted.detach())
             if branch.name == READOUT:
-                read.entry_rms, read.entry_cosine = _source_statistics(sources.detach())
+                real = torch.ones(sources.shape[1:3], dtype=torch.bool) if tokens is None else tokens  # [B, T]
+                read.entry_rms, read.entry_cosine = _source_statistics(sources.detach(), real.to(sources.device))
             reads[branch.name] = read
             intervention = interventions.get(branch.name)
             return None if intervention is None else (intervention(extracted), weights)
@@ -216,8 +221,33 @@ def token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(_upcast(logits[:, :-1].transpose(1, 2)), input_ids[:, 1:], reduction="none")
 
 
-def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModules], config: DARConfig) -> dict:
-    """Mean depth weight per (branch, stream, source) and mean per-token entropy.
+def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: the tokens every analysis averages over, the attention mask's ones (every token without one).
+    Padding would otherwise enter every mean: a pad token's reads, its extractions in CKA, its loss."""
+    if attention_mask is None:
+        return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    return attention_mask.bool()
+
+
+def predicted_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T] real tokens -> [B, T - 1] bool: the positions whose input and next token are both real, those that
+    `token_losses` and the rescue distances average over."""
+    return tokens[:, :-1] & tokens[:, 1:]
+
+
+def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+    """The forward's inputs: with a mask, the positions count real tokens only (as `generate` counts them), so a
+    left-padded sequence is computed at the positions it has alone."""
+    if attention_mask is None:
+        return {"input_ids": input_ids}
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # [B, T]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModules], config: DARConfig,
+                      tokens: torch.Tensor | None = None) -> dict:
+    """Mean depth weight per (branch, stream, source) and mean per-token entropy, over the real tokens ([B, T]
+    bool; None: every token).
 
     Sources are laid out on a common axis: committed entries 0..E-1 (0 = embedding, e = block e's sum, or branch
     e's output for Full DAR), then one column for the current partial block (empty where a read has none).
@@ -229,6 +259,7 @@ def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModul
     normalised_entropy = torch.zeros(streams, len(branches))  # [J, M + 1]
     for row, branch in enumerate(branches):
         weights = reads[branch.name].weights.float()  # [S, B, T, J]
+        weights = weights.flatten(1, 2) if tokens is None else weights[:, tokens.to(weights.device)]  # [S, N, J]
         num_sources = weights.shape[0]
         if branch.branch_index is None:
             committed, has_partial = num_sources, False
@@ -237,12 +268,12 @@ def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModul
             has_partial = config.dar_include_partial and branch.branch_index % config.dar_block_size != 0
         if committed + int(has_partial) != num_sources:
             raise RuntimeError(f"{branch.name}: {num_sources} sources, expected {committed} + partial {has_partial}.")
-        mean = weights.mean((1, 2)).T  # [J, S]
+        mean = weights.mean(1).T  # [J, S]
         maps[:, row, :committed] = mean[:, :committed]
         if has_partial:
             maps[:, row, -1] = mean[:, -1]
-        token_entropy = -(weights * weights.clamp_min(1e-30).log()).sum(0)  # [B, T, J]
-        entropy[:, row] = token_entropy.mean((0, 1))
+        token_entropy = -(weights * weights.clamp_min(1e-30).log()).sum(0)  # [N, J]
+        entropy[:, row] = token_entropy.mean(0)
         normalised_entropy[:, row] = entropy[:, row] / math.log(num_sources) if num_sources > 1 else 0.0
     return {
         "source_labels": [f"e{index}" for index in range(num_committed)] + ["partial"],
@@ -252,12 +283,18 @@ def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModul
     }
 
 
-def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModules], max_tokens: int = 1024) -> dict:
-    """CKA[m][n] = CKA(x^0_m, x^1_n) over tokens, for every pair of depth reads (rows stream 0, columns stream 1).
+def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModules], max_tokens: int = 1024,
+                     tokens: torch.Tensor | None = None) -> dict:
+    """CKA[m][n] = CKA(x^0_m, x^1_n) over the real tokens ([B, T] bool; None: every token), for every pair of depth
+    reads (rows stream 0, columns stream 1).
 
     Uses at most `max_tokens` tokens (the same random subset at every depth) to bound the cost on large models.
     """
-    flat = [reads[branch.name].extracted.flatten(0, 1) for branch in branches]  # each [B*T, J, D]
+    flat = [
+        reads[branch.name].extracted.flatten(0, 1) if tokens is None
+        else reads[branch.name].extracted[tokens.to(reads[branch.name].extracted.device)]
+        for branch in branches
+    ]  # each [N, J, D]
     _require_two_streams(flat[0].shape[1], "cross_stream_cka")
     tokens = flat[0].shape[0]
     if tokens > max_tokens:
@@ -266,10 +303,11 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
     matrix = cka_matrix([x[:, 0] for x in flat], [x[:, 1] for x in flat])  # [M + 1, M + 1]
     # The same comparison inside stream 0, the reference for "how similar are different depths anyway".
     within = cka_matrix([x[:, 0] for x in flat], [x[:, 0] for x in flat])  # [M + 1, M + 1]
-    off = ~torch.eye(len(flat), dtype=torch.bool)
-    # A read of one source (the first branch's: the embedding alone) gives both streams the same entry, scaled: its
-    # CKA is 1 by construction, says nothing about the streams, and is left out of the mean.
+    # A read of one source (the first branch's: the embedding alone; every read before the first commit without
+    # `dar_include_partial`) gives both streams the same entry, scaled: the CKA of two such reads is 1 by
+    # construction, says nothing about the streams or the depths, and is left out of the means.
     mixed = torch.tensor([reads[branch.name].weights.shape[0] > 1 for branch in branches])
+    off = ~torch.eye(len(flat), dtype=torch.bool) & (mixed[:, None] | mixed[None, :])  # [M + 1, M + 1]
     matched = matrix.diagonal()
     return {
         "tokens": int(flat[0].shape[0]),
@@ -294,6 +332,7 @@ def rescue_gain(
     branch_names: list[str] | None = None,
     clean_logits: torch.Tensor | None = None,
     clean_reads: dict[str, DepthRead] | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict:
     """The rescue-gain intervention at each named depth read (default: every read).
 
@@ -305,62 +344,75 @@ def rescue_gain(
       rescue_gain_j      = 1 - d(restore j) / d(corrupted)          (logit distance; 1 = stream j alone restores all)
       rescue_gain_loss_j = (L(corrupted) - L(restore j)) / (L(corrupted) - L(clean))
 
-    Nothing else changes: every other read and branch runs unmodified on the clean input.
+    Only read m's extraction is replaced; the model runs as it is otherwise, so the reads after m see what the
+    changed branch m made. With `attention_mask`, a position is corrupted where its own token and its donor's are
+    real (not padding), and d and L average over the predicted positions of real tokens.
     """
     if input_ids.shape[0] < 2:
         raise ValueError("rescue_gain needs a batch of at least 2 sequences (the donor is another sequence).")
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     _require_two_streams(config.dar_num_streams, "rescue_gain")
+    tokens = real_tokens(input_ids, attention_mask)  # [B, T]
+    predicted = predicted_tokens(tokens)  # [B, T - 1]
+    swapped = tokens & tokens.roll(1, dims=0)  # [B, T]: own token and donor's real
+
+    def run(interventions=None) -> tuple[torch.Tensor, dict[str, DepthRead]]:
+        with record_depth_reads(model, interventions, tokens) as reads:
+            return _upcast(model(**model_inputs(input_ids, attention_mask)).logits), reads
+
+    def distance(logits: torch.Tensor) -> float:  # mean over predicted real tokens of ||z' - z||^2
+        return (logits - clean_logits)[:, :-1].pow(2).sum(-1)[predicted].mean().item()
+
     if clean_logits is None or clean_reads is None:
-        with record_depth_reads(model) as clean_reads:
-            clean_logits = _upcast(model(input_ids=input_ids).logits)
-    clean_loss = token_losses(clean_logits, input_ids).mean().item()
-    clean_scale = clean_logits[:, :-1].pow(2).sum(-1).mean().item()  # d's scale: the clean logits' own squared norm
+        clean_logits, clean_reads = run()
+    clean_loss = token_losses(clean_logits, input_ids)[predicted].mean().item()
+    clean_scale = clean_logits[:, :-1].pow(2).sum(-1)[predicted].mean().item()  # d's scale: the clean logits' own
     names = branch_names or [branch.name for branch in dar_branches(model)]
-    results = {}
+    results, moved = {}, []  # moved: the reads whose corruption changed the output
     for name in names:
         donor = clean_reads[name].extracted.roll(1, dims=0)  # [B, T, J, D]: sequence b - 1's extraction
 
         def corrupt(streams: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
             def intervention(extracted: torch.Tensor) -> torch.Tensor:
                 changed = extracted.clone()  # [B, T, J, D]
-                changed[..., list(streams), :] = donor[..., list(streams), :].to(changed.dtype)
+                where = swapped.to(extracted.device)[..., None, None]  # [B, T, 1, 1]
+                changed[..., list(streams), :] = torch.where(
+                    where, donor[..., list(streams), :].to(changed.dtype), extracted[..., list(streams), :])
                 return changed
 
             return intervention
 
         outcome = {}
         for label, streams in (("corrupted", (0, 1)), ("restore0", (1,)), ("restore1", (0,))):
-            with record_depth_reads(model, {name: corrupt(streams)}):
-                logits = _upcast(model(input_ids=input_ids).logits)
-            outcome[label] = (
-                (logits - clean_logits)[:, :-1].pow(2).sum(-1).mean().item(),
-                token_losses(logits, input_ids).mean().item(),
-            )
+            logits, _ = run({name: corrupt(streams)})
+            outcome[label] = (distance(logits), token_losses(logits, input_ids)[predicted].mean().item())
         corrupted_distance, corrupted_loss = outcome["corrupted"]
-        if corrupted_distance <= DEGENERATE_CORRUPTION * clean_scale:  # the donor's state changed nothing (identical
-            corrupted_distance = 0.0  # sequences): each ratio would be rounding noise over rounding noise
+        # The donor's state changed nothing but rounding (identical sequences): each ratio would be rounding noise
+        # over rounding noise, so the gains are NaN and the pooled sums leave the read out (its distances are kept
+        # as measured).
+        changed = corrupted_distance > DEGENERATE_CORRUPTION * clean_scale
+        if changed:
+            moved.append(name)
         entry = {
             "logit_distance_corrupted": corrupted_distance, "loss_clean": clean_loss, "loss_corrupted": corrupted_loss
         }
         for stream in (0, 1):
-            distance, loss = outcome[f"restore{stream}"]
-            entry[f"logit_distance_restore{stream}"] = distance
+            restored_distance, loss = outcome[f"restore{stream}"]
+            entry[f"logit_distance_restore{stream}"] = restored_distance
             entry[f"loss_restore{stream}"] = loss
-            gain = 1.0 - distance / corrupted_distance if corrupted_distance > 0 else float("nan")
-            entry[f"rescue_gain{stream}"] = gain
+            entry[f"rescue_gain{stream}"] = 1.0 - restored_distance / corrupted_distance if changed else float("nan")
             damage = corrupted_loss - clean_loss
             entry[f"rescue_gain_loss{stream}"] = (
-                (corrupted_loss - loss) / damage if damage != 0 and corrupted_distance > 0 else float("nan")
+                (corrupted_loss - loss) / damage if damage != 0 and changed else float("nan")
             )
         results[name] = entry
     exact = dict(dtype=torch.float64)  # the per-read figures are Python floats: no float32 rounding of them here
     gains = torch.tensor([[results[n]["rescue_gain0"], results[n]["rescue_gain1"]] for n in names], **exact)  # [M', 2]
-    corrupted = torch.tensor([results[n]["logit_distance_corrupted"] for n in names], **exact)  # [M']
-    restored = torch.tensor([[results[n][f"logit_distance_restore{j}"] for j in (0, 1)] for n in names], **exact)
+    corrupted = torch.tensor([results[n]["logit_distance_corrupted"] for n in moved], **exact)  # [M'']
+    restored = torch.tensor([[results[n][f"logit_distance_restore{j}"] for j in (0, 1)] for n in moved], **exact)
     # Pooled over reads: 1 - sum_m d_m(restore j) / sum_m d_m(corrupted). Reads whose corruption barely moves the
     # output (where the per-read ratio is noise) weigh little; this is the headline number.
-    pooled = 1.0 - restored.sum(0) / corrupted.sum() if corrupted.sum() > 0 else torch.full((2,), math.nan)  # [2]
+    pooled = 1.0 - restored.sum(0) / corrupted.sum() if moved else torch.full((2,), math.nan)  # [2]
     return {
         "definition": "rescue_gain_j = 1 - d(restore j)/d(corrupted), d = mean squared logit distance to the clean run",
         "branches": results,
@@ -373,13 +425,21 @@ def rescue_gain(
     }
 
 
-def stream_balance(reads: dict[str, DepthRead], branches: list[DARBranchModules], config: DARConfig) -> dict:
-    """Norms of the streams' entries, their cross-stream cosine, read-gate alpha, write-gate spread and rho."""
+def stream_balance(reads: dict[str, DepthRead], branches: list[DARBranchModules], config: DARConfig,
+                   tokens: torch.Tensor | None = None) -> dict:
+    """Norms of the streams' entries, their cross-stream cosine, read-gate alpha, write-gate spread and rho; token
+    averages over the real tokens ([B, T] bool; None: every token)."""
     readout = reads[READOUT]
+
+    def extraction_rms(extracted: torch.Tensor) -> list[float]:  # [B, T, J, D] -> [J]
+        extracted = extracted.flatten(0, 1) if tokens is None else extracted[tokens.to(extracted.device)]  # [N, J, D]
+        return extracted.pow(2).mean(-1).sqrt().mean(0).tolist()
+
     balance = {
         "entry_rms": readout.entry_rms.tolist(),  # [S][J]
         "entry_cross_stream_cosine": readout.entry_cosine.tolist() if readout.entry_cosine is not None else None,
-        "extraction_rms": [reads[b.name].extracted.pow(2).mean(-1).sqrt().mean((0, 1)).tolist() for b in branches],
+        # as the branch receives it: count-scaled, N x the weighted mean of the read's N sources
+        "extraction_rms": [extraction_rms(reads[b.name].extracted) for b in branches],
     }
     if config.dar_num_streams == 2:
         balance["alpha"] = [torch.sigmoid(b.read_gate.logit.detach().float()).item() for b in branches]
@@ -397,38 +457,55 @@ def stream_balance(reads: dict[str, DepthRead], branches: list[DARBranchModules]
 
 
 @torch.no_grad()
-def analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: list[str] | None = None) -> dict:
+def analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: list[str] | None = None,
+            attention_mask: torch.Tensor | None = None) -> dict:
     """Every analysis on one batch of token ids [B, T] (in eval mode; the model's mode is restored after);
-    returns a JSON-serialisable summary."""
+    returns a JSON-serialisable summary. A padded batch needs its `attention_mask` (a tokenizer's, [B, T], 1 for
+    real tokens): every average is then over the real tokens only, and the positions count real tokens."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"analyze takes input_ids [batch, tokens] with at least 2 tokens per sequence (the loss and "
+                         f"the rescue gain compare next-token predictions); got shape {list(input_ids.shape)}.")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}; input_ids has "
+                             f"{list(input_ids.shape)}: they must match (a [batch, tokens] mask, 1 for real tokens).")
+        if not ((attention_mask == 0) | (attention_mask == 1)).all():
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (real tokens) only, as a tokenizer's does.")
+        if not predicted_tokens(attention_mask.bool()).any():
+            raise ValueError("attention_mask leaves no sequence two real tokens in a row: nothing to predict.")
     training = model.training
     model.eval()
     try:
-        return _analyze(model, input_ids, rescue_branches)
+        return _analyze(model, input_ids, rescue_branches, attention_mask)
     finally:
         model.train(training)
 
 
-def _analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: list[str] | None) -> dict:
+def _analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: list[str] | None,
+             attention_mask: torch.Tensor | None) -> dict:
     config = model.config
     branches = dar_branches(model)
-    with record_depth_reads(model) as reads:
-        logits = _upcast(model(input_ids=input_ids).logits)
+    tokens = real_tokens(input_ids, attention_mask)  # [B, T]
+    predicted = predicted_tokens(tokens)  # [B, T - 1]
+    with record_depth_reads(model, tokens=tokens) as reads:
+        logits = _upcast(model(**model_inputs(input_ids, attention_mask)).logits)
     summary = {
         "model_type": config.model_type,
         "num_streams": config.dar_num_streams,
         "block_size": config.dar_block_size,
         "routing": config.dar_routing,
         "num_hidden_layers": config.num_hidden_layers,
-        "tokens": int(input_ids.numel()),
+        "tokens": int(tokens.sum()),  # real tokens (padding left out)
+        "predicted_tokens": int(predicted.sum()),  # positions the loss averages over
         "batch": list(input_ids.shape),
-        "loss": token_losses(logits, input_ids).mean().item(),
+        "loss": token_losses(logits, input_ids)[predicted].mean().item(),
         "branches": [branch.name for branch in branches],
-        "depth_weights": depth_weight_maps(reads, branches, config),
-        "stream_balance": stream_balance(reads, branches, config),
+        "depth_weights": depth_weight_maps(reads, branches, config, tokens),
+        "stream_balance": stream_balance(reads, branches, config, tokens),
     }
     if config.dar_num_streams == 2:
-        summary["cross_stream_cka"] = cross_stream_cka(reads, branches)
-        summary["rescue_gain"] = rescue_gain(model, input_ids, rescue_branches, logits, reads)
+        summary["cross_stream_cka"] = cross_stream_cka(reads, branches, tokens=tokens)
+        summary["rescue_gain"] = rescue_gain(model, input_ids, rescue_branches, logits, reads, attention_mask)
     else:
         logger.info("One-stream model: cross-stream CKA and rescue gain need two streams and are skipped.")
     return summary
@@ -850,8 +927,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"dar analyze: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     try:
-        print(f"loss {summary['loss']:.4f} on {summary['tokens']} tokens; wrote {args.out}/summary.json and "
-              f"{len(plots)} PNGs", flush=True)
+        print(f"loss {summary['loss']:.4f} over {summary['predicted_tokens']} predicted tokens; wrote "
+              f"{args.out}/summary.json and {len(plots)} PNGs", flush=True)
     except OSError as error:  # the analysis is in place; only its line was lost (`| head`, `> /dev/full`)
         from .cli import report_not_printed
 
