@@ -610,6 +610,30 @@ def test_a_symlink_in_the_source_protects_its_target(tmp_path, tiny_source):
     assert tree_state(tmp_path) == before
 
 
+def test_a_symlink_below_the_source_top_level_protects_its_target(tmp_path, tiny_source):
+    """A DAR source whose index lists its shards in a subfolder of links into a previous conversion output: the
+    output check looked at the source's top-level links only, so converting it onto that output with --overwrite
+    (to DAR-MoE) replaced the files the source's weights are, and exited 0."""
+    previous = tmp_path / "previous"
+    assert run_convert_in_process(tiny_source, previous, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    source = tmp_path / "source"
+    (source / "w").mkdir(parents=True)
+    for path in previous.iterdir():
+        if path.suffix == ".safetensors":
+            (source / "w" / path.name).symlink_to(path)
+        elif path.is_file():
+            shutil.copy(path, source / path.name)
+    index = json.loads((previous / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: f"w/{file}" for name, file in index["weight_map"].items()}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = tree_state(tmp_path)
+    code, stderr = run_convert_in_process(source, previous, "--overwrite", "--experts", "2", "--top-k", "1",
+                                          cwd=tmp_path)
+    assert code == 1, stderr
+    assert "contains the target of the source's symlink w/model-0000" in stderr
+    assert tree_state(tmp_path) == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The property: over source/output relations, either exit 1 with one line and nothing written, or a complete
 # output; the source's bytes never change.

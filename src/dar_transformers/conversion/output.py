@@ -372,14 +372,21 @@ def _refuse_source_overlap(output: Path, shown: str, source: str | os.PathLike, 
 
 def _protected_paths(given: Path, source: Path) -> Iterator[tuple[Path, bool, str]]:
     """(path, is a folder, description) of what the output must keep clear of: the source, the targets of the
-    symlinks it reads (the top level of a source folder), and the symlink itself for a symlinked source file."""
+    symlinks anywhere in a source folder (an index may list shards in a subfolder, and a Hub cache's snapshot links
+    every file), and the symlink itself for a symlinked source file."""
     if source.is_dir():
         yield source, True, "the source folder"
-        with os.scandir(source) as entries:
-            for entry in entries:
-                if entry.is_symlink() and os.path.exists(entry.path):
-                    target = resolve_path(entry.path)
-                    yield target, target.is_dir(), f"the target of the source's symlink {entry.name},"
+        folders = [source]
+        while folders:  # the whole tree, not following links into other folders (their targets are protected whole)
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    if entry.is_symlink():
+                        if os.path.exists(entry.path):
+                            target = resolve_path(entry.path)
+                            name = Path(entry.path).relative_to(source)
+                            yield target, target.is_dir(), f"the target of the source's symlink {name},"
+                    elif entry.is_dir():
+                        folders.append(Path(entry.path))
     else:
         yield source, False, "the source file"
     if given.is_symlink():  # the source was named through a symlink: keep that too
