@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -235,9 +236,69 @@ def test_a_weights_file_that_is_a_broken_symlink_is_named_as_one(tmp_path, shard
     code, stderr = run_convert_in_process(source, tmp_path / "out", cwd=tmp_path)
     listed = r" \(listed in .*model\.safetensors\.index\.json\)" if sharded else ""
     assert_refused_in_one_line(code, stderr,
-                               rf"source/{weights.name}{listed} does not exist: a symlink to a missing file")
+                               rf"source/{weights.name}{listed} is a symlink to a missing file \(an incomplete download")
     assert "index" in stderr.splitlines()[-1] if sharded else "index" not in stderr.splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+@pytest.mark.parametrize("broken", ["symlink to nothing", "folder"])
+def test_an_index_that_is_no_file_is_named_not_passed_over(tmp_path, caplog, broken):
+    """A Hub snapshot whose index blob is missing (or an index that is a folder): the converter took the folder for
+    one without an index and read every *.safetensors in it, where transformers' from_pretrained refuses the folder.
+    Refused in one line naming the index; beside model.safetensors, which transformers reads, it converts that and
+    says why the index is passed over."""
+    source = save_source(tmp_path / "source", shard="20KB")
+    index = source / "model.safetensors.index.json"
+    index.unlink()
+    if broken == "folder":
+        index.mkdir()
+        pattern = r"source/model\.safetensors\.index\.json is a folder, not a file"
+    else:
+        index.symlink_to(tmp_path / "blobs" / "0123abcd")
+        pattern = r"source/model\.safetensors\.index\.json is a symlink to a missing file \(an incomplete download"
+    assert_index_refused(tmp_path, source, pattern)
+
+    single = save_source(tmp_path / "single")
+    (single / "model.safetensors.index.json").symlink_to(tmp_path / "blobs" / "0123abcd")
+    code, stderr = run_convert_in_process(single, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 0, stderr[-2000:]
+    assert "model.safetensors.index.json is a symlink to a missing file (an incomplete download?); reading " \
+           "model.safetensors, as transformers does." in caplog.text
+
+
+def test_a_shard_that_is_a_folder_or_lacks_its_header_fields_is_named_as_such(tmp_path):
+    """A listed shard that is a folder was "does not exist"; a header entry without its dtype was a bare KeyError
+    ("not a valid safetensors file ('dtype')")."""
+    source = save_source(tmp_path / "source", shard="20KB")
+    shard = sorted(source.glob("model-00002-of-*.safetensors"))[0]
+    content = shard.read_bytes()
+    shard.unlink()
+    shard.mkdir()
+    assert_index_refused(tmp_path, source, rf"source/{shard.name} \(listed in .*\) is a folder, not a file")
+    shard.rmdir()
+    (header_size,) = struct.unpack("<Q", content[:8])
+    header = json.loads(content[8:8 + header_size])
+    name = next(key for key in header if key != "__metadata__")
+    del header[name]["dtype"]
+    header_bytes = json.dumps(header, separators=(",", ":")).encode().ljust(header_size)  # same data offsets
+    shard.write_bytes(content[:8] + header_bytes + content[8 + header_size:])
+    assert_index_refused(tmp_path, source, rf"{shard.name} is not a valid safetensors file \(tensor '{name}''s header "
+                         r"entry is .*, not an object with dtype, shape and data_offsets\)")
+
+
+def test_a_tensor_the_index_places_in_a_shard_that_lacks_it_is_named_with_the_shard(tmp_path):
+    """A shard replaced by one without a tensor the index lists in it: refused (the model needs it) with a message
+    that blamed config.json alone; it names the index's entry and the shard too."""
+    source = save_source(tmp_path / "source", shard="20KB")
+    weight_map = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = source / weight_map[name]
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert_index_refused(tmp_path, source, rf"missing \['{re.escape(name)}'\].* model\.safetensors\.index\.json lists 1 "
+                         rf"tensor\(s\) that the file named for each does not hold \({re.escape(name)} in "
+                         rf"{weight_map[name]}\): a damaged or replaced shard\?")
 
 
 def test_an_index_of_model_safetensors_itself_is_one_checkpoint_not_two(tmp_path):

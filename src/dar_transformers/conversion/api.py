@@ -157,9 +157,15 @@ def upcycle(
                 warn_if_declared_dtype_differs(source_config, loaded.checkpoint, storage_dtype)
             config = target.build_config(source_config, branch_family, storage_dtype, options.fields)
             keep_source_dtypes = options.storage_dtype is None  # "auto": every tensor stored as the source stores it
-            plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
-                                               loaded.checkpoint.description, loaded.checkpoint.config_name,
-                                               keep_source_dtypes, source_config.model_type)
+            try:
+                plans, new_names = plan_conversion(target, config, loaded.checkpoint.infos(), storage_dtype,
+                                                   loaded.checkpoint.description, loaded.checkpoint.config_name,
+                                                   keep_source_dtypes, source_config.model_type)
+            except ValueError as error:  # a tensor the model needs may be one its index places in the wrong file
+                absent = getattr(loaded.checkpoint, "listed_but_absent", lambda: "")()
+                if not absent:
+                    raise
+                raise ValueError(f"{error}{absent}") from error
             kept = kept_source_dtypes(plans, target, storage_dtype)
             kept_description = describe_kept_dtypes(kept, plans, loaded.checkpoint)  # the log's and the card's
             wider = {dtype: names for dtype, names in kept.items() if not holds_exactly(storage_dtype, dtype)}

@@ -186,6 +186,15 @@ class _DuplicateTensor(Exception):
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def _not_a_file(path: Path) -> str:
+    """Why a path the converter must read as a file is not one, for a message: "does not exist", "is a folder", ..."""
+    if path.is_symlink() and not path.exists():
+        return "is a symlink to a missing file (an incomplete download?)"
+    if not path.exists():
+        return "does not exist"
+    return "is a folder, not a file" if path.is_dir() else "is not a regular file (a pipe, socket or device)"
+
+
 class SafetensorsCheckpoint(Checkpoint):
     """A folder's safetensors files, read through their headers: those of its index, else model.safetensors (as
     transformers reads a folder), else every `*.safetensors`."""
@@ -197,9 +206,15 @@ class SafetensorsCheckpoint(Checkpoint):
         self.folder = Path(folder)
         self.written = written
         self.description = f"safetensors in {self.folder}"
+        self.weight_map: dict[str, str] = {}  # the index's, where one was read
         if files is None:
             index = self.folder / INDEX_NAME
             single = self.folder / "model.safetensors"
+            if os.path.lexists(index) and not index.is_file():  # transformers reads model.safetensors, or fails
+                if not single.is_file():
+                    raise FileNotFoundError(f"{index} {_not_a_file(index)}; the folder's shards cannot be told apart "
+                                            "from other safetensors files without it.")
+                logger.warning(f"{index} {_not_a_file(index)}; reading {single.name}, as transformers does.")
             if index.is_file():
                 try:
                     weight_map = json.loads(index.read_text())["weight_map"]
@@ -211,6 +226,7 @@ class SafetensorsCheckpoint(Checkpoint):
                         f"{index} is not a safetensors index: its weight_map must map each tensor name to the "
                         f"safetensors file that holds it (a non-empty object of file names), got {weight_map!r:.200}."
                     )
+                self.weight_map = weight_map
                 # One file however the index spells it ("./model-00001-of-00005.safetensors", as some tools write
                 # it, is the shard beside it): else read twice, and named "not read" or "in both" itself.
                 files = sorted({os.path.normpath(file) for file in weight_map.values()})
@@ -271,8 +287,7 @@ class SafetensorsCheckpoint(Checkpoint):
         if not path.is_file():
             index = self.folder / INDEX_NAME
             listed = f" (listed in {index})" if index.is_file() else ""
-            broken = ": a symlink to a missing file (an incomplete download?)" if path.is_symlink() else ""
-            raise FileNotFoundError(f"{path}{listed} does not exist{broken}.")
+            raise FileNotFoundError(f"{path}{listed} {_not_a_file(path)}.")
         fd = os.open(path, os.O_RDONLY)
         self._fds.append(fd)
         self._files[fd] = path
@@ -287,6 +302,9 @@ class SafetensorsCheckpoint(Checkpoint):
             for name, entry in header.items():
                 if name == "__metadata__":
                     continue
+                if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+                    raise ValueError(f"tensor {name!r}'s header entry is {json.dumps(entry)[:120]}, not an object "
+                                     "with dtype, shape and data_offsets")
                 if entry["dtype"] not in SAFETENSORS_DTYPES:
                     raise ValueError(f"tensor {name!r} has dtype {entry['dtype']!r}")
                 info = TensorInfo(tuple(int(n) for n in entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
@@ -312,6 +330,15 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def infos(self) -> dict[str, TensorInfo]:
         return {name: info for name, (_, _, info) in self._entries.items()}
+
+    def listed_but_absent(self) -> str:
+        """A sentence naming the tensors the index lists that no file read holds (transformers ignores them, and so
+        does the converter unless the model needs them: then they explain the missing ones), or ""."""
+        absent = [f"{name} in {file}" for name, file in self.weight_map.items() if name not in self._entries]
+        if not absent:
+            return ""
+        return (f" {INDEX_NAME} lists {len(absent)} tensor(s) that the file named for each does not hold "
+                f"({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''}): a damaged or replaced shard?")
 
     def with_base_model_prefix(self, prefix: str, expected: Collection[str]) -> list[str]:
         """Read a base model's weights (`LlamaModel.save_pretrained`: `layers.0. ...`, `embed_tokens.weight`) as
