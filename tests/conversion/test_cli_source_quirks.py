@@ -351,6 +351,21 @@ def test_what_is_not_carried_is_said_only_where_a_folder_is_written_for_the_user
     upcycle(source, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False)
     assert f"Not carried into the output: params.json in {source} " in caplog.text
 
+
+def test_the_source_files_safetensors_metadata_is_named_as_not_carried(tmp_path, caplog):
+    """Keys of a weights file's `__metadata__` beside "format" (a license, an author, a training step, as some tools
+    write them) were dropped without a word: the output's files hold {"format": "pt"}, as save_pretrained writes."""
+    source = save_source(tmp_path / "source")
+    save_file(load_file(source / "model.safetensors"), source / "model.safetensors",
+              metadata={"format": "pt", "license": "cc-by-nc-4.0", "training_step": "1200"})
+    upcycle(source, tmp_path / "out", dar_block_size=2, max_new_tokens=0, progress=False)
+    assert (f"Not carried into the output: the safetensors metadata of its weights files (license, training_step) "
+            f"in {source} ") in caplog.text
+    caplog.clear()
+    upcycle(save_source(tmp_path / "plain"), tmp_path / "out2", dar_block_size=2, max_new_tokens=0, progress=False)
+    assert "Not carried" not in caplog.text  # {"format": "pt"} alone, as transformers writes it: nothing to say
+
+
 def test_license_files_of_any_case_and_a_licenses_folder_travel_with_the_weights(tmp_path):
     """license.txt, Notice.md and REUSE's LICENSES/ folder (a file in a subfolder too) were left behind without a word:
     the patterns matched upper-case file names only. Copied byte for byte at the same places; a link to a folder

@@ -144,8 +144,12 @@ def upcycle(
     loaded = open_source(source, source_config, tokenizer)
     if in_memory:
         loaded.model = source
-    if loaded.not_carried and not _CONVERTED_IN_MEMORY.get():  # `convert(path)` writes no folder for the user
-        logger.warning(f"Not carried into the output: {', '.join(loaded.not_carried)} in {source} (the output holds "
+    not_carried = list(loaded.not_carried)
+    metadata_keys = sorted(getattr(loaded.checkpoint, "metadata_keys", ()))
+    if metadata_keys:  # the writer's files hold {"format": "pt"}, as transformers' save_pretrained writes them
+        not_carried.append(f"the safetensors metadata of its weights files ({', '.join(metadata_keys)})")
+    if not_carried and not _CONVERTED_IN_MEMORY.get():  # `convert(path)` writes no folder for the user
+        logger.warning(f"Not carried into the output: {', '.join(not_carried)} in {source} (the output holds "
                        "the converted weights, config, generation config, tokenizer, license files and a new model "
                        "card); copy what you need of them before removing the source.")
     written = False  # True once the output is in place: an interrupt after that says so (`dar convert` does)

@@ -207,6 +207,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self.written = written
         self.description = f"safetensors in {self.folder}"
         self.weight_map: dict[str, str] = {}  # the index's, where one was read
+        self.metadata_keys: set[str] = set()  # the files' `__metadata__` keys beside "format" (not carried)
         if files is None:
             index = self.folder / INDEX_NAME
             single = self.folder / "model.safetensors"
@@ -301,6 +302,7 @@ class SafetensorsCheckpoint(Checkpoint):
             spans = []  # (begin, end, name) of every tensor, checked to tile the data buffer below
             for name, entry in header.items():
                 if name == "__metadata__":
+                    self.metadata_keys |= set(entry) - {"format"} if isinstance(entry, dict) else set()
                     continue
                 if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
                     raise ValueError(f"tensor {name!r}'s header entry is {json.dumps(entry)[:120]}, not an object "
