@@ -179,6 +179,28 @@ def test_an_f16_gguf_is_not_said_to_be_rounded_where_float16_holds_it(tmp_path, 
     assert torch.equal(written["model.embed_tokens.weight"], embedding)  # F16 values, written as they are
 
 
+def test_the_report_says_which_weights_the_storage_dtype_rounded_and_whether_the_check_saw_it(tmp_path):
+    """A float64 source stored in float32: both models are computed in float32 from the same rounded weights, so the
+    check PASSED with the difference of an unrounded conversion, and only a warning said the values "may" be rounded.
+    The report (printed, and in the card) says they were, and that the check does not see it; a float64 check does."""
+    source, model = tmp_path / "source", make_source("llama").double()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1 + 1e-10)  # values float32 does not hold
+    model.save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    report = upcycle(source, tmp_path / "out", dtype="float32", **FAST).report
+    assert report.passed
+    blind = "the check computes both models in float32 from those rounded weights, so the difference above does " \
+            "not include that rounding (--verify-dtype float64 measures it)."
+    assert report.rounding.startswith("The output stores the weights in float32, which rounds ")
+    assert report.rounding.endswith(blind) and blind in report.table()
+    assert blind in (tmp_path / "out" / "README.md").read_text()
+    seen = upcycle(source, tmp_path / "seen", dtype="float32", verify_dtype="float64", tolerance=1.0, **FAST).report
+    assert seen.rounding.endswith("; the difference above includes that rounding.")
+    assert not upcycle(save_source(tmp_path / "f32"), tmp_path / "exact", dtype="float32", **FAST).report.rounding
+
+
 def test_a_gguf_files_end_of_turn_token_ends_generation_in_the_written_folder(tmp_path):
     """llama.cpp stops at `tokenizer.ggml.eot_token_id` / `eom_token_id` as at the end-of-sequence token; transformers'
     GGUF reader keeps only the last, so a converted chat model decoded past the end of its turn."""

@@ -214,6 +214,8 @@ def upcycle(
                 if kept:
                     report.storage_dtype = " and ".join(str(dtype).removeprefix("torch.")
                                                         for dtype in (storage_dtype, *kept))
+                if rounded:
+                    report.rounding = rounding_sentence(rounded, storage_dtype, check_dtype)
                 outcome["report"] = report
                 raise_unless_passed(report, storage_dtype, None if keep_source_dtypes else loaded.checkpoint,
                                     moe_routing_hint(source_config, config, check_dtype) or
@@ -246,6 +248,17 @@ def describe_rounding(rounded: list, storage_dtype: torch.dtype) -> str:
     """The source tensors a conversion to `storage_dtype` rounds (`rounded_tensors`), in a phrase: "23 source
     tensor(s) stored in float32 (model.embed_tokens.weight, ...)"; empty when none."""
     return tensors_phrase(rounded, "source") if rounded else ""
+
+
+def rounding_sentence(rounded: str, storage_dtype: torch.dtype, check_dtype: torch.dtype) -> str:
+    """What the report says of the source values that storing in `storage_dtype` rounded (`rounded`, a
+    `describe_rounding` phrase): where the check computes in a dtype no finer, both models compute from the same
+    rounded weights, so its difference does not measure the rounding."""
+    sentence = f"The output stores the weights in {_short(storage_dtype)}, which rounds {rounded}"
+    if torch.finfo(check_dtype).bits <= torch.finfo(storage_dtype).bits:
+        return (f"{sentence}; the check computes both models in {_short(check_dtype)} from those rounded weights, so "
+                "the difference above does not include that rounding (--verify-dtype float64 measures it).")
+    return f"{sentence}; the difference above includes that rounding."
 
 
 def moe_routing_hint(source_config: PreTrainedConfig, config: PreTrainedConfig, check_dtype: torch.dtype) -> str:

@@ -90,6 +90,7 @@ class VerificationReport:
     first_nonfinite: str | None = None  # the first module whose output was NaN or infinite
     greedy_skipped: str = "none asked for"  # why full greedy continuations did not run
     unreached: str = ""  # a sentence on the settings no checked sequence reaches (`verify.unreached_settings`)
+    rounding: str = ""  # a sentence on the source values the storage dtype rounded, where the output rounds any
 
     @property
     def relaxed(self) -> bool:
@@ -204,6 +205,8 @@ class VerificationReport:
             lines.append(f"FAILED: nothing was compared ({self.nothing_compared}).")
         else:
             lines.append(f"{verdict}: max abs logit difference {self.max_abs_logit_difference:.3e}, {bar}.")
+        if self.rounding:
+            lines.append(self.rounding)
         lines.append(self.checks_run())
         return "\n".join(lines)
 
