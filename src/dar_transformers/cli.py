@@ -108,6 +108,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "symmetry; the result is NOT exact, so the check only reports differences unless --tolerance is given",
     )
     parser.add_argument(
+        "--expert-seed", type=int, default=None, metavar="N",
+        help="DAR-MoE with --expert-noise: the seed of the re-drawn hidden units (default 0; the model card records "
+        "it, so that the same command redraws the same experts)",
+    )
+    parser.add_argument(
         "--tolerance", type=float, default=None,
         help="max abs logit difference allowed (default 2e-4 in float32, 1e-8 in float64); a larger value relaxes "
         "the check, e.g. for a conversion that rounds float32 weights to bfloat16, and the model card says so",
@@ -165,6 +170,10 @@ def run_convert(args: argparse.Namespace) -> int:
                                           ("--expert-noise", args.expert_noise or None),
                                           ("--mlp-only-layers", args.mlp_only_layers),
                                           ("--decoder-sparse-step", args.decoder_sparse_step)) if value is not None]
+    if args.expert_seed is not None and not args.expert_noise:
+        return convert_error("--expert-seed seeds the hidden units that --expert-noise re-draws; without "
+                             "--expert-noise nothing is random (sparse upcycling copies the MLP exactly). Pass "
+                             "--expert-noise too, or leave --expert-seed out.")
     if moe_flags and args.kind not in (None, "dar_moe"):
         return convert_error(f"{', '.join(moe_flags)} {'make' if len(moe_flags) > 1 else 'makes'} a DAR-MoE model, which "
                              f"contradicts --kind {args.kind}; pass --kind dar_moe or leave --kind out.")
@@ -172,7 +181,8 @@ def run_convert(args: argparse.Namespace) -> int:
     convert_function, kind_options = upcycle, {"kind": kind}
     if kind == "dar_moe":
         convert_function = upcycle_to_dar_moe
-        kind_options = {"num_experts": args.experts, "top_k": args.top_k, "expert_noise": args.expert_noise}
+        kind_options = {"num_experts": args.experts, "top_k": args.top_k, "expert_noise": args.expert_noise,
+                        "seed": args.expert_seed or 0}
         kind_options.update({field: getattr(args, field) for field in ("mlp_only_layers", "decoder_sparse_step")
                              if getattr(args, field) is not None})
     try:
@@ -234,7 +244,8 @@ OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE
 # The API's name of each value `dar convert` passes -> its flag: an API error about one of them names the flag too.
 OPTION_FLAGS = {
     "tolerance": "--tolerance", "max_shard_size": "--max-shard-size", "base_model": "--base-model",
-    "expert_noise": "--expert-noise", "num_experts_per_tok": "--top-k", "num_experts": "--experts",
+    "expert_noise": "--expert-noise", "seed": "--expert-seed", "num_experts_per_tok": "--top-k",
+    "num_experts": "--experts",
     "dar_block_size": "--block-size", "dar_routing": "--routing", "dar_num_streams": "--streams",
     "dar_write_mode": "--write-mode", "mlp_only_layers": "--mlp-only-layers",
     "decoder_sparse_step": "--decoder-sparse-step",

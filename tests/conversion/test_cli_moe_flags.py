@@ -104,6 +104,31 @@ def test_an_expert_noise_that_reinitialises_no_hidden_unit_is_refused(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_the_expert_seed_is_a_flag_and_the_card_records_it(tmp_path, capsys):
+    """Drop-Upcycling's re-drawn hidden units come from a seed that `dar convert` could not set (always 0) and that
+    no file of the output recorded, so a checkpoint's experts could not be redrawn or told apart. --expert-seed sets
+    it, the card's title names it, and it is refused without --expert-noise (nothing is random then)."""
+    from safetensors.torch import load_file
+
+    source = save_source(tmp_path / "source")
+    noise = ["--experts", "2", "--top-k", "1", "--expert-noise", "0.5", "--max-new-tokens", "0"]
+    for name, seed in (("default", []), ("seven", ["--expert-seed", "7"]), ("seven-again", ["--expert-seed", "7"])):
+        assert cli_main(["convert", str(source), str(tmp_path / name), *noise, *seed]) == 0
+    experts = {name: {key: value for file in (tmp_path / name).glob("*.safetensors")
+                      for key, value in load_file(file).items()} for name in ("default", "seven", "seven-again")}
+    key = next(key for key in experts["seven"] if key.endswith("experts.gate_up_proj"))
+    assert torch.equal(experts["seven"][key], experts["seven-again"][key])
+    assert not torch.equal(experts["seven"][key], experts["default"][key])
+    assert "Drop-Upcycling expert_noise=0.5, seed 7 (not exact)" in (tmp_path / "seven" / "README.md").read_text()
+    assert "Drop-Upcycling expert_noise=0.5, seed 0 (not exact)" in (tmp_path / "default" / "README.md").read_text()
+    capsys.readouterr()
+    code = cli_main(["convert", str(source), str(tmp_path / "out"), "--experts", "2", "--top-k", "1",
+                     "--expert-seed", "7"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and "--expert-seed seeds the hidden units that --expert-noise re-draws" in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_sparse_upcycling_a_model_with_mlp_biases_is_refused_naming_its_config_file(tmp_path, capsys):
     """The refusal said only "Sparse upcycling needs a bias-free MLP (mlp_bias=False)", naming no file."""
     source = save_source(tmp_path / "source")

@@ -443,7 +443,7 @@ def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
         # The routers are new when upcycling a dense model; an MoE source supplies them, so they are never missing.
         new_parameters=(*DAR_NEW_PARAMETERS, *MOE_ROUTER_PARAMETERS),
         description="DAR-MoE (Dual Attention Residuals, sparse mixture of experts)"
-        + (f", Drop-Upcycling expert_noise={expert_noise} (not exact)" if expert_noise else ""),
+        + (f", Drop-Upcycling expert_noise={expert_noise}, seed {seed} (not exact)" if expert_noise else ""),
         exact=not expert_noise,
     )
 
