@@ -285,8 +285,15 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="What is the capital of France?", help="the user message / text")
     parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
     parser.add_argument("--no-chat-template", action="store_true", help="use the prompt as plain text")
-    parser.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0 = greedy")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--chat-template", default=None, metavar="NAME",
+                        help="one of the folder's named chat templates (additional_chat_templates/NAME.jinja) "
+                        "instead of its default one")
+    parser.add_argument("--temperature", type=at_least(0.0, float), default=0.0,
+                        help="0 = greedy; above 0 samples, with the folder's generation settings (top_k, top_p)")
+    parser.add_argument("--seed", type=at_least(0), default=None,
+                        help="seed of the sampling (--temperature above 0), so that a run can be repeated")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="the dtype the model computes in (default float32, whatever the folder stores)")
 
 
 def _cached_on_the_hub(name: str) -> bool:
@@ -344,12 +351,14 @@ def model_location(name: str) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
 
     from .conversion.verify import has_default_chat_template
     from .convert import chat_input_ids, resolve_dtype
 
     problem = missing_model_folder(args.model, needs_tokenizer=True)
+    if args.chat_template is not None and args.no_chat_template:
+        problem = "--chat-template and --no-chat-template contradict each other; pass one of them"
     if problem is None:
         try:  # the shell hands over bytes that are not UTF-8 as lone surrogates, which no tokenizer encodes
             args.prompt.encode("utf-8")
@@ -360,15 +369,34 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"dar generate: error: {problem}", file=sys.stderr)
         return 1
     location = model_location(args.model)
-    try:  # any failure of a broken folder (a truncated safetensors file, a config its class refuses): one line
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(args.dtype)).eval()
-    except Exception as error:
+
+    def cannot_load(error: Exception) -> int:
+        """Any failure of a broken folder (a truncated safetensors file, a config its class refuses): one line."""
         print(f"dar generate: error: cannot load {args.model}: {load_error(error)}", file=sys.stderr)
         return 1
-    if has_default_chat_template(tokenizer) and not args.no_chat_template:
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+    except Exception as error:
+        return cannot_load(error)
+    templates = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
+    if args.chat_template is not None and args.chat_template not in templates:
+        named = f"its named ones: {', '.join(sorted(templates))}" if templates else "it has no named chat template"
+        print(f"dar generate: error: {args.model} has no chat template named {args.chat_template!r} ({named}).",
+              file=sys.stderr)
+        return 1
+    if templates and not has_default_chat_template(tokenizer) and not args.no_chat_template and not args.chat_template:
+        print(f"dar generate: error: {args.model} has named chat templates only ({', '.join(sorted(templates))}), "
+              "none of them the default one: pass --chat-template NAME, or --no-chat-template to continue the prompt "
+              "as text.", file=sys.stderr)
+        return 1
+    try:  # the weights only once the prompt's template is settled: a large model takes a while to load
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=resolve_dtype(args.dtype)).eval()
+    except Exception as error:
+        return cannot_load(error)
+    if (args.chat_template or has_default_chat_template(tokenizer)) and not args.no_chat_template:
         try:
-            input_ids = chat_input_ids(tokenizer, args.prompt)
+            input_ids = chat_input_ids(tokenizer, args.prompt, args.chat_template)
         except Exception as error:  # the folder's own template fails (jinja2's errors, raise_exception, Python's)
             print(f"dar generate: error: the chat template of {args.model} fails on the prompt "
                   f"({type(error).__name__}: {' '.join(str(error).split())}); pass --no-chat-template to continue the "
@@ -386,6 +414,12 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"dar generate: error: {error}", file=sys.stderr)
         return 1
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    if args.seed is not None:
+        set_seed(args.seed)
+    # A terminal or file whose encoding lacks a character of the answer (an accent under PYTHONIOENCODING=ascii, an
+    # emoji in a cp1252 console) shows it as "?" instead of ending in a UnicodeEncodeError traceback.
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(errors="replace")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
         model.generate(

@@ -114,6 +114,54 @@ def test_dar_generate_whose_answer_cannot_be_printed_says_so_without_a_traceback
         assert done.stderr.strip().splitlines()[-1] == last_line
 
 
+def test_dar_generate_prints_an_answer_its_output_encoding_lacks_and_repeats_a_seeded_sample(tmp_path):
+    """An answer with a character standard output cannot encode (PYTHONIOENCODING=ascii, a cp1252 console) ended in
+    a UnicodeEncodeError traceback; it is printed with "?" for it. `--seed` repeats a sampled answer (sampling took
+    torch's random state as it came: no two runs alike)."""
+    source = save_source(tmp_path / "source")
+
+    def generate(*flags, encoding="utf-8"):
+        command = [sys.executable, "-m", "dar_transformers.cli", "generate", str(source), "--no-chat-template",
+                   "--max-new-tokens", "12", *flags]
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": encoding}
+        return subprocess.run(command, env=environment, stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
+
+    greedy = generate()
+    answer = greedy.stdout.decode()
+    assert greedy.returncode == 0 and any(ord(character) > 127 for character in answer), answer  # byte-level BPE
+    ascii_run = generate(encoding="ascii")
+    assert ascii_run.returncode == 0 and b"Traceback" not in ascii_run.stderr, ascii_run.stderr[-2000:]
+    assert ascii_run.stdout.decode("ascii") == "".join(c if ord(c) < 128 else "?" for c in answer)
+    seeded = [generate("--temperature", "2", "--seed", "5").stdout for _ in range(2)]
+    assert seeded[0] == seeded[1] != generate("--temperature", "2", "--seed", "6").stdout
+
+
+def test_dar_generate_takes_a_named_chat_template_and_refuses_to_guess_one(tmp_path, capsys):
+    """A folder with named chat templates only (additional_chat_templates/NAME.jinja, no default one) was run as
+    plain text without a word; it is refused naming them, `--chat-template NAME` picks one, and a name it lacks is
+    refused naming those it has."""
+    source = save_source(tmp_path / "source")
+    (source / "chat_template.jinja").unlink()  # no default template
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "shout.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
+    assert cli_main(["generate", str(source), "--max-new-tokens", "4"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dar generate: error: {source} has named chat templates only (shout), none of them the default one: pass "
+        "--chat-template NAME, or --no-chat-template to continue the prompt as text.")
+    assert cli_main(["generate", str(source), "--max-new-tokens", "4", "--chat-template", "whisper"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dar generate: error: {source} has no chat template named 'whisper' (its named ones: shout).")
+    assert cli_main(["generate", str(source), "--max-new-tokens", "4", "--chat-template", "shout", "--prompt",
+                     "hello"]) == 0
+    tokenizer = make_tokenizer()
+    ids = tokenizer("HELLO:", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    expected = tokenizer.decode(model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=4,
+                                               do_sample=False)[0, ids.shape[1]:], skip_special_tokens=True)
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+
 def test_dar_generate_reads_a_missing_folder_inside_a_local_one_as_a_path(tmp_path, capsys, monkeypatch):
     """`dar generate outputs/model-dar` mistyped: "org/name" looks like a Hub id, and it went to the Hub (40 s of
     retries offline, or another model of that name). Where "outputs" is a folder here it is a path: refused at once."""

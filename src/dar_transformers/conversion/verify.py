@@ -206,15 +206,17 @@ def one_message_chat(tokenizer) -> tuple[torch.Tensor | None, str]:
     return (ids, "") if ids.shape[1] else (None, "renders one user message to no tokens")
 
 
-def chat_text(tokenizer, message: str) -> str:
-    """The chat template applied to one user message, ready for generation, as text."""
+def chat_text(tokenizer, message: str, template: str | None = None) -> str:
+    """The chat template (the default one, or the named `template`) applied to one user message, ready for
+    generation, as text."""
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                         tokenize=False)
+                                         tokenize=False, chat_template=template)
 
 
-def chat_input_ids(tokenizer, message: str) -> torch.Tensor:
+def chat_input_ids(tokenizer, message: str, template: str | None = None) -> torch.Tensor:
     """The chat template applied to one user message, ready for generation: input_ids [1, T]."""
-    return tokenizer(chat_text(tokenizer, message), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return tokenizer(chat_text(tokenizer, message, template), add_special_tokens=False,
+                     return_tensors="pt")["input_ids"]
 
 
 class TokenProgress(BaseStreamer):
