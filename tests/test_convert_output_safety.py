@@ -634,6 +634,23 @@ def test_a_symlink_below_the_source_top_level_protects_its_target(tmp_path, tiny
     assert tree_state(tmp_path) == before
 
 
+def test_a_source_subfolder_that_cannot_be_listed_does_not_stop_the_output_check(tmp_path, monkeypatch):
+    """The walk for symlinks below the source's top level must not turn an unlistable subfolder (another user's
+    cache, say: nothing in it is read) into a failed conversion; the links it can list still protect their targets."""
+    source, elsewhere = tmp_path / "source", tmp_path / "elsewhere"
+    (source / "locked").mkdir(parents=True)
+    (source / "open").mkdir()
+    elsewhere.mkdir()
+    (source / "open" / "link").symlink_to(elsewhere)
+    listing = os.scandir
+    monkeypatch.setattr(output_module.os, "scandir", lambda path: (
+        (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied", str(path)))
+        if Path(path).name == "locked" else listing(path)))
+    assert check_output_folder(tmp_path / "out", False, source) == tmp_path / "out"
+    with pytest.raises(ValueError, match=r"is the target of the source's symlink open/link"):
+        check_output_folder(elsewhere, True, source)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The property: over source/output relations, either exit 1 with one line and nothing written, or a complete
 # output; the source's bytes never change.

@@ -378,15 +378,18 @@ def _protected_paths(given: Path, source: Path) -> Iterator[tuple[Path, bool, st
         yield source, True, "the source folder"
         folders = [source]
         while folders:  # the whole tree, not following links into other folders (their targets are protected whole)
-            with os.scandir(folders.pop()) as entries:
-                for entry in entries:
-                    if entry.is_symlink():
-                        if os.path.exists(entry.path):
-                            target = resolve_path(entry.path)
-                            name = Path(entry.path).relative_to(source)
-                            yield target, target.is_dir(), f"the target of the source's symlink {name},"
-                    elif entry.is_dir():
-                        folders.append(Path(entry.path))
+            try:
+                entries = list(os.scandir(folders.pop()))
+            except OSError:  # a subfolder this user cannot list: nothing in it is read either
+                continue
+            for entry in entries:
+                if entry.is_symlink():
+                    if os.path.exists(entry.path):
+                        target = resolve_path(entry.path)
+                        name = Path(entry.path).relative_to(source)
+                        yield target, target.is_dir(), f"the target of the source's symlink {name},"
+                elif entry.is_dir():
+                    folders.append(Path(entry.path))
     else:
         yield source, False, "the source file"
     if given.is_symlink():  # the source was named through a symlink: keep that too
