@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from conftest import perturb_dar_parameters, tiny_dar_config
@@ -248,7 +249,8 @@ def test_pairs_of_reads_of_the_embedding_alone_are_left_out_of_the_off_diagonal_
     """Without the partial, every read of block 0 reads the embedding alone: any two of them have CKA 1 by
     construction, in stream 0 and across streams. Those pairs entered the off-diagonal ("diversity") mean and its
     within-stream yardstick; now a pair counts where at least one of its reads mixes two or more sources."""
-    summary = analyze(trained_like_dar(dar_block_size=3, dar_include_partial=False), token_batch())["cross_stream_cka"]
+    model, input_ids = trained_like_dar(dar_block_size=3, dar_include_partial=False), token_batch()
+    summary = analyze(model, input_ids)["cross_stream_cka"]
     matrix = torch.tensor(summary["matrix"], dtype=torch.float64)  # [5, 5]: L0.attn, L0.mlp, L1.attn read e0 alone
     single = torch.tensor([True, True, True, False, False])
     both_single = single[:, None] & single[None, :]
@@ -256,6 +258,12 @@ def test_pairs_of_reads_of_the_embedding_alone_are_left_out_of_the_off_diagonal_
     off = ~torch.eye(5, dtype=torch.bool)
     assert summary["off_diagonal_mean"] == pytest.approx(matrix[off & ~both_single].mean().item(), abs=1e-12)
     assert abs(matrix[off].mean().item() - summary["off_diagonal_mean"]) > 1e-3  # the pairs left out matter here
+    with torch.no_grad(), record_depth_reads(model) as reads:  # the within-stream yardstick, computed here
+        model(input_ids=input_ids)
+    stream0 = [reads[branch.name].extracted[..., 0, :].flatten(0, 1) for branch in dar_branches(model)]
+    within = cka_matrix(stream0, stream0)
+    assert summary["within_stream0_off_diagonal_mean"] == pytest.approx(within[off & ~both_single].mean().item(),
+                                                                        abs=1e-9)
 
 
 def test_a_model_run_on_fewer_layers_is_analysed_over_the_layers_it_runs():
@@ -276,6 +284,12 @@ def test_analyze_refuses_sequences_without_a_next_token_and_a_mask_of_another_sh
         analyze(model, token_batch(), attention_mask=torch.ones(3, 11, dtype=torch.long))
     with pytest.raises(ValueError, match="no sequence two real tokens in a row"):
         analyze(model, token_batch(), attention_mask=torch.tensor([[1, 0] * 6] * 3))
+    with pytest.raises(ValueError, match="no sequence two real tokens in a row"):  # all NaN, without a word, before
+        rescue_gain(model, token_batch(), ["L0.mlp"], attention_mask=torch.zeros(3, 12, dtype=torch.long))
+    mask = numpy.ones((3, 12), dtype=numpy.int64)  # a NumPy mask (a tokenizer's return_tensors="np") is a mask too
+    mask[0, 9:] = 0
+    assert rescue_gain(model, token_batch(), ["L0.mlp"], attention_mask=mask)["branches"]["L0.mlp"] == \
+        rescue_gain(model, token_batch(), ["L0.mlp"], attention_mask=torch.from_numpy(mask))["branches"]["L0.mlp"]
 
 
 def padded(sequences: list[torch.Tensor], side: str, pad_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

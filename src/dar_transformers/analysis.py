@@ -226,7 +226,26 @@ def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = N
     Padding would otherwise enter every mean: a pad token's reads, its extractions in CKA, its loss."""
     if attention_mask is None:
         return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-    return attention_mask.bool()
+    return torch.as_tensor(attention_mask).bool()
+
+
+def check_analysed_batch(input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+    """Refuse, naming the problem, a batch the analyses cannot average over (sequences of one token, a mask of
+    another shape or of values other than 0 and 1, no two real tokens in a row); returns the mask as a tensor."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"The analyses take input_ids [batch, tokens] with at least 2 tokens per sequence (the loss "
+                         f"and the rescue gain compare next-token predictions); got shape {list(input_ids.shape)}.")
+    if attention_mask is None:
+        return None
+    attention_mask = torch.as_tensor(attention_mask, device=input_ids.device)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}; input_ids has "
+                         f"{list(input_ids.shape)}: they must match (a [batch, tokens] mask, 1 for real tokens).")
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (real tokens) only, as a tokenizer's does.")
+    if not predicted_tokens(attention_mask.bool()).any():
+        raise ValueError("attention_mask leaves no sequence two real tokens in a row: nothing to predict.")
+    return attention_mask
 
 
 def predicted_tokens(tokens: torch.Tensor) -> torch.Tensor:
@@ -296,9 +315,9 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
         for branch in branches
     ]  # each [N, J, D]
     _require_two_streams(flat[0].shape[1], "cross_stream_cka")
-    tokens = flat[0].shape[0]
-    if tokens > max_tokens:
-        keep = torch.randperm(tokens, generator=torch.Generator().manual_seed(0))[:max_tokens]
+    count = flat[0].shape[0]
+    if count > max_tokens:
+        keep = torch.randperm(count, generator=torch.Generator().manual_seed(0))[:max_tokens]
         flat = [x[keep] for x in flat]
     matrix = cka_matrix([x[:, 0] for x in flat], [x[:, 1] for x in flat])  # [M + 1, M + 1]
     # The same comparison inside stream 0, the reference for "how similar are different depths anyway".
@@ -350,6 +369,7 @@ def rescue_gain(
     """
     if input_ids.shape[0] < 2:
         raise ValueError("rescue_gain needs a batch of at least 2 sequences (the donor is another sequence).")
+    attention_mask = check_analysed_batch(input_ids, attention_mask)
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     _require_two_streams(config.dar_num_streams, "rescue_gain")
     tokens = real_tokens(input_ids, attention_mask)  # [B, T]
@@ -462,17 +482,7 @@ def analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: li
     """Every analysis on one batch of token ids [B, T] (in eval mode; the model's mode is restored after);
     returns a JSON-serialisable summary. A padded batch needs its `attention_mask` (a tokenizer's, [B, T], 1 for
     real tokens): every average is then over the real tokens only, and the positions count real tokens."""
-    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
-        raise ValueError(f"analyze takes input_ids [batch, tokens] with at least 2 tokens per sequence (the loss and "
-                         f"the rescue gain compare next-token predictions); got shape {list(input_ids.shape)}.")
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}; input_ids has "
-                             f"{list(input_ids.shape)}: they must match (a [batch, tokens] mask, 1 for real tokens).")
-        if not ((attention_mask == 0) | (attention_mask == 1)).all():
-            raise ValueError("attention_mask must hold 0 (padding) and 1 (real tokens) only, as a tokenizer's does.")
-        if not predicted_tokens(attention_mask.bool()).any():
-            raise ValueError("attention_mask leaves no sequence two real tokens in a row: nothing to predict.")
+    attention_mask = check_analysed_batch(input_ids, attention_mask)
     training = model.training
     model.eval()
     try:

@@ -300,6 +300,21 @@ def test_a_tensor_the_index_places_in_a_shard_that_lacks_it_is_named_with_the_sh
                          rf"tensor\(s\) that the file named for each does not hold \({re.escape(name)} in "
                          rf"{weight_map[name]}\): a damaged or replaced shard\?")
 
+    # A base model's folder (names without `model.`, read with the prefix): a tensor missing from the index too is
+    # no damaged shard; the hint compared the index's names with the prefixed ones and named every tensor.
+    base = tmp_path / "base"
+    make_source("llama").model.save_pretrained(base, max_shard_size="20KB")
+    make_tokenizer().save_pretrained(base)
+    index = json.loads((base / "model.safetensors.index.json").read_text())
+    shard = base / index["weight_map"].pop("layers.1.mlp.down_proj.weight")
+    tensors = load_file(shard)
+    del tensors["layers.1.mlp.down_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, stderr = run_convert_in_process(base, tmp_path / "base-out", cwd=tmp_path)
+    assert_refused_in_one_line(code, stderr, r"missing \['model\.layers\.1\.mlp\.down_proj\.weight'\] \(of 1\)")
+    assert "lists" not in stderr.strip().splitlines()[-1]
+
 
 def test_an_index_of_model_safetensors_itself_is_one_checkpoint_not_two(tmp_path):
     """model.safetensors with a model.safetensors.index.json whose weight_map names model.safetensors alone (mlx-lm

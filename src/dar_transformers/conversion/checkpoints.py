@@ -351,6 +351,7 @@ class SafetensorsCheckpoint(Checkpoint):
                    and f"{prefix}.{name}" in expected and f"{prefix}.{name}" not in self._entries}
         if renamed:
             self._entries = {renamed.get(name, name): entry for name, entry in self._entries.items()}
+            self.weight_map = {renamed.get(name, name): file for name, file in self.weight_map.items()}
             self.description += f" (a base model's weights, read with the {prefix}. prefix as transformers reads them)"
         return list(renamed)
 
