@@ -649,6 +649,17 @@ def test_a_source_subfolder_that_cannot_be_listed_does_not_stop_the_output_check
     assert check_output_folder(tmp_path / "out", False, source) == tmp_path / "out"
     with pytest.raises(ValueError, match=r"is the target of the source's symlink open/link"):
         check_output_folder(elsewhere, True, source)
+    # A shard the index lists in the unlistable folder, linked into an earlier output: it still opens by name (a
+    # folder one may enter but not list, mode 711), so its target is protected through the index.
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    (previous / "model-00001-of-00001.safetensors").write_bytes(b"weights")
+    (source / "locked" / "model-00001-of-00001.safetensors").symlink_to(previous / "model-00001-of-00001.safetensors")
+    (source / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "locked/model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ValueError, match=r"contains the file the source's index lists as "
+                                         r"locked/model-00001-of-00001\.safetensors"):
+        check_output_folder(previous, True, source)
 
 
 # ---------------------------------------------------------------------------------------------------------------

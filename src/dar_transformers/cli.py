@@ -171,9 +171,9 @@ def run_convert(args: argparse.Namespace) -> int:
                                           ("--mlp-only-layers", args.mlp_only_layers),
                                           ("--decoder-sparse-step", args.decoder_sparse_step)) if value is not None]
     if args.expert_seed is not None and not args.expert_noise:
-        return convert_error("--expert-seed seeds the hidden units that --expert-noise re-draws; without "
-                             "--expert-noise nothing is random (sparse upcycling copies the MLP exactly). Pass "
-                             "--expert-noise too, or leave --expert-seed out.")
+        return convert_error("--expert-seed seeds the hidden units that --expert-noise re-draws when it upcycles a "
+                             "dense model; without --expert-noise nothing is random (sparse upcycling copies the MLP "
+                             "exactly, and an MoE source keeps its experts): leave --expert-seed out.")
     if moe_flags and args.kind not in (None, "dar_moe"):
         return convert_error(f"{', '.join(moe_flags)} {'make' if len(moe_flags) > 1 else 'makes'} a DAR-MoE model, which "
                              f"contradicts --kind {args.kind}; pass --kind dar_moe or leave --kind out.")
@@ -416,16 +416,13 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     if args.seed is not None:
         set_seed(args.seed)
-    # A terminal or file whose encoding lacks a character of the answer (an accent under PYTHONIOENCODING=ascii, an
-    # emoji in a cp1252 console) shows it as "?" instead of ending in a UnicodeEncodeError traceback.
-    with contextlib.suppress(AttributeError, ValueError):
-        sys.stdout.reconfigure(errors="replace")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
-        model.generate(
-            input_ids, attention_mask=input_ids.new_ones(input_ids.shape), max_new_tokens=args.max_new_tokens,
-            streamer=streamer, **sampling,
-        )
+        with characters_replaced(sys.stdout):
+            model.generate(
+                input_ids, attention_mask=input_ids.new_ones(input_ids.shape), max_new_tokens=args.max_new_tokens,
+                streamer=streamer, **sampling,
+            )
     except BrokenPipeError:  # `dar generate ... | head`: the reader has what it wanted; stop as a filter does
         stdout_closed()
     except OSError as error:  # the streamer's print: `> /dev/full`, a log on a full disk (it was a traceback)
@@ -435,6 +432,24 @@ def run_generate(args: argparse.Namespace) -> int:
                   "not written in full.", file=sys.stderr)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def characters_replaced(stream):
+    """While the block runs, a character `stream`'s encoding lacks (an accent under PYTHONIOENCODING=ascii, an emoji
+    in a cp1252 console) is written as "?" instead of ending in a UnicodeEncodeError traceback; the stream's own
+    setting comes back after (`main` may run inside a caller's process)."""
+    errors = getattr(stream, "errors", None)
+    try:
+        stream.reconfigure(errors="replace")
+    except (AttributeError, ValueError):  # not a text file of its own (a StringIO), or detached
+        errors = None
+    try:
+        yield
+    finally:
+        if errors is not None:
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                stream.reconfigure(errors=errors)
 
 
 def stdout_closed() -> None:

@@ -152,8 +152,10 @@ def test_dar_generate_takes_a_named_chat_template_and_refuses_to_guess_one(tmp_p
     assert cli_main(["generate", str(source), "--max-new-tokens", "4", "--chat-template", "whisper"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"dar generate: error: {source} has no chat template named 'whisper' (its named ones: shout).")
+    errors = sys.stdout.errors
     assert cli_main(["generate", str(source), "--max-new-tokens", "4", "--chat-template", "shout", "--prompt",
                      "hello"]) == 0
+    assert sys.stdout.errors == errors  # the caller's stream as it was (main ran in its process)
     tokenizer = make_tokenizer()
     ids = tokenizer("HELLO:", add_special_tokens=False, return_tensors="pt")["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(source).eval()

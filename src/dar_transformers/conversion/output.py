@@ -380,7 +380,7 @@ def _protected_paths(given: Path, source: Path) -> Iterator[tuple[Path, bool, st
         while folders:  # the whole tree, not following links into other folders (their targets are protected whole)
             try:
                 entries = list(os.scandir(folders.pop()))
-            except OSError:  # a subfolder this user cannot list: nothing in it is read either
+            except OSError:  # a subfolder this user cannot list (its files may still open by name: the index's below)
                 continue
             for entry in entries:
                 if entry.is_symlink():
@@ -390,6 +390,12 @@ def _protected_paths(given: Path, source: Path) -> Iterator[tuple[Path, bool, st
                         yield target, target.is_dir(), f"the target of the source's symlink {name},"
                 elif entry.is_dir():
                     folders.append(Path(entry.path))
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):  # the reader names those
+            listed = set(json.loads((source / "model.safetensors.index.json").read_text())["weight_map"].values())
+            for file in sorted(listed):  # the shards the index lists, reached by a link the walk could not list
+                target = resolve_path(source / file) if os.path.exists(source / file) else None
+                if target is not None and not _inside(target, source):
+                    yield target, target.is_dir(), f"the file the source's index lists as {file},"
     else:
         yield source, False, "the source file"
     if given.is_symlink():  # the source was named through a symlink: keep that too
