@@ -510,9 +510,20 @@ def test_command_line_failures_leave_out_as_it_was_and_say_so_in_one_line(tmp_pa
 
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test, as in an interactive run: a process a shell starts in the
+    background without job control inherits it ignored (the conversion's interrupt tests set it the same way)."""
+    import signal
+
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
 @pytest.mark.parametrize("failure", ["error", "interrupt"])
 def test_a_failure_or_an_interrupt_while_the_files_move_in_leaves_out_as_it_was(tmp_path, capsys, monkeypatch,
-                                                                                 failure):
+                                                                                 failure, sigint_raises):
     """The staged files were moved into --out one by one, outside any clean-up: a failure or a Ctrl-C between two
     moves left the new summary and some new plots among the earlier analysis's, the rest stranded in a hidden staging
     folder. The earlier files are moved aside first and everything is undone (an interrupt is held meanwhile)."""
@@ -544,7 +555,7 @@ def test_a_failure_or_an_interrupt_while_the_files_move_in_leaves_out_as_it_was(
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # no staging folder either
 
 
-def test_an_interrupt_once_the_analysis_is_in_place_says_so(tmp_path, capsys, monkeypatch):
+def test_an_interrupt_once_the_analysis_is_in_place_says_so(tmp_path, capsys, monkeypatch, sigint_raises):
     """From a review: Ctrl-C while the staging folder (the earlier analysis's files) was removed was held and raised
     after it, and `dar analyze` said "interrupted" as if nothing had been written, with the new analysis in place."""
     import signal
@@ -571,7 +582,8 @@ def test_an_interrupt_once_the_analysis_is_in_place_says_so(tmp_path, capsys, mo
 
 
 
-def test_an_interrupt_whose_undoing_fails_says_where_the_earlier_files_are(tmp_path, capsys, caplog, monkeypatch):
+def test_an_interrupt_whose_undoing_fails_says_where_the_earlier_files_are(tmp_path, capsys, caplog, monkeypatch,
+                                                                           sigint_raises):
     """Ctrl-C during the moves, then a move back that fails (a filesystem gone read-only): the message that names
     where the earlier analysis's files are was replaced by the interrupt, which said "nothing was written". The
     message is logged, and the interrupt claims neither outcome."""
