@@ -145,7 +145,7 @@ def upcycle(
     if in_memory:
         loaded.model = source
     not_carried = list(loaded.not_carried)
-    metadata_keys = sorted(getattr(loaded.checkpoint, "metadata_keys", ()))
+    metadata_keys = sorted(loaded.checkpoint.metadata_keys)
     if metadata_keys:  # the writer's files hold {"format": "pt"}, as transformers' save_pretrained writes them
         not_carried.append(f"the safetensors metadata of its weights files ({', '.join(metadata_keys)})")
     if not_carried and not _CONVERTED_IN_MEMORY.get():  # `convert(path)` writes no folder for the user
@@ -166,7 +166,7 @@ def upcycle(
                                                    loaded.checkpoint.description, loaded.checkpoint.config_name,
                                                    keep_source_dtypes, source_config.model_type)
             except ValueError as error:  # a tensor the model needs may be one its index places in the wrong file
-                absent = getattr(loaded.checkpoint, "listed_but_absent", lambda: "")()
+                absent = loaded.checkpoint.listed_but_absent()
                 if not absent:
                     raise
                 raise ValueError(f"{error}{absent}") from error

@@ -81,6 +81,7 @@ class Checkpoint:
 
     description: str = "checkpoint"
     config_name: str = "its config.json"  # what the source's config was read from, for messages
+    metadata_keys: Collection[str] = ()  # its files' own metadata keys the output does not carry
 
     def infos(self) -> dict[str, TensorInfo]:
         raise NotImplementedError
@@ -110,6 +111,11 @@ class Checkpoint:
     def byte_range(self, name: str) -> tuple[int, int, int, Path] | None:
         """(file descriptor, offset, length, file path) of the tensor's bytes when they can be copied as they are."""
         return None
+
+    def listed_but_absent(self) -> str:
+        """A sentence naming tensors its index places in files that lack them (a sharded safetensors folder's), or
+        "": what explains tensors the model needs and the checkpoint does not hold."""
+        return ""
 
     def close(self) -> None:
         pass
@@ -207,7 +213,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self.written = written
         self.description = f"safetensors in {self.folder}"
         self.weight_map: dict[str, str] = {}  # the index's, where one was read
-        self.metadata_keys: set[str] = set()  # the files' `__metadata__` keys beside "format" (not carried)
+        self.metadata_keys = set()  # the files' `__metadata__` keys beside "format"
         if files is None:
             index = self.folder / INDEX_NAME
             single = self.folder / "model.safetensors"
@@ -334,8 +340,8 @@ class SafetensorsCheckpoint(Checkpoint):
         return {name: info for name, (_, _, info) in self._entries.items()}
 
     def listed_but_absent(self) -> str:
-        """A sentence naming the tensors the index lists that no file read holds (transformers ignores them, and so
-        does the converter unless the model needs them: then they explain the missing ones), or ""."""
+        """The tensors the index lists that no file read holds (transformers ignores them, and so does the converter
+        unless the model needs them: then they explain the missing ones)."""
         absent = [f"{name} in {file}" for name, file in self.weight_map.items() if name not in self._entries]
         if not absent:
             return ""
