@@ -149,10 +149,19 @@ def dar_branches(model: torch.nn.Module) -> list[DARBranchModules]:
     return branches
 
 
-def _source_statistics(sources: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """sources [S, B, T, J, D], tokens [B, T] (bool: the real ones) -> mean RMS of every source and stream over the
-    real tokens [S, J], and the mean cross-stream cosine of every source [S] (None for one stream)."""
-    sources = sources[:, tokens]  # [S, N, J, D]
+def over_real_tokens(tensor: torch.Tensor, tokens: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    """`tensor` whose dimensions `dim`, `dim + 1` are [B, T], with those two made one of the real tokens [N]
+    (`tokens`: [B, T] bool, the real ones; None: every token)."""
+    if tokens is None:
+        return tensor.flatten(dim, dim + 1)
+    return tensor[(slice(None),) * dim + (tokens.to(tensor.device),)]
+
+
+def _source_statistics(sources: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sources [S, B, T, J, D], tokens [B, T] (bool: the real ones; None: every token) -> mean RMS of every source
+    and stream over the real tokens [S, J], and the mean cross-stream cosine of every source [S] (None for one
+    stream)."""
+    sources = over_real_tokens(sources, tokens, dim=1)  # [S, N, J, D]
     entry_rms = sources.pow(2).mean(-1).sqrt().mean(1)  # [S, J]
     if sources.shape[-2] < 2:
         return entry_rms, None
@@ -191,8 +200,7 @@ def record_depth_reads(
             sources, (extracted, weights) = args[0], output  # [S, B, T, J, D]; [B, T, J, D], [S, B, T, J]
             read = DepthRead(branch.name, weights.detach(), extracted.detach())
             if branch.name == READOUT:
-                real = torch.ones(sources.shape[1:3], dtype=torch.bool) if tokens is None else tokens  # [B, T]
-                read.entry_rms, read.entry_cosine = _source_statistics(sources.detach(), real.to(sources.device))
+                read.entry_rms, read.entry_cosine = _source_statistics(sources.detach(), tokens)
             reads[branch.name] = read
             intervention = interventions.get(branch.name)
             return None if intervention is None else (intervention(extracted), weights)
@@ -219,6 +227,11 @@ def record_depth_reads(
 def token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy per predicted token: logits [B, T, V], input_ids [B, T] -> [B, T - 1]."""
     return F.cross_entropy(_upcast(logits[:, :-1].transpose(1, 2)), input_ids[:, 1:], reduction="none")
+
+
+def mean_loss(logits: torch.Tensor, input_ids: torch.Tensor, predicted: torch.Tensor) -> float:
+    """The mean next-token loss over the `predicted` positions ([B, T - 1] bool, `predicted_tokens`)."""
+    return token_losses(logits, input_ids)[predicted].mean().item()
 
 
 def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,8 +290,7 @@ def depth_weight_maps(reads: dict[str, DepthRead], branches: list[DARBranchModul
     entropy = torch.zeros(streams, len(branches))  # [J, M + 1]
     normalised_entropy = torch.zeros(streams, len(branches))  # [J, M + 1]
     for row, branch in enumerate(branches):
-        weights = reads[branch.name].weights.float()  # [S, B, T, J]
-        weights = weights.flatten(1, 2) if tokens is None else weights[:, tokens.to(weights.device)]  # [S, N, J]
+        weights = over_real_tokens(reads[branch.name].weights.float(), tokens, dim=1)  # [S, B, T, J] -> [S, N, J]
         num_sources = weights.shape[0]
         if branch.branch_index is None:
             committed, has_partial = num_sources, False
@@ -309,11 +321,7 @@ def cross_stream_cka(reads: dict[str, DepthRead], branches: list[DARBranchModule
 
     Uses at most `max_tokens` tokens (the same random subset at every depth) to bound the cost on large models.
     """
-    flat = [
-        reads[branch.name].extracted.flatten(0, 1) if tokens is None
-        else reads[branch.name].extracted[tokens.to(reads[branch.name].extracted.device)]
-        for branch in branches
-    ]  # each [N, J, D]
+    flat = [over_real_tokens(reads[branch.name].extracted, tokens) for branch in branches]  # each [N, J, D]
     _require_two_streams(flat[0].shape[1], "cross_stream_cka")
     count = flat[0].shape[0]
     if count > max_tokens:
@@ -385,7 +393,7 @@ def rescue_gain(
 
     if clean_logits is None or clean_reads is None:
         clean_logits, clean_reads = run()
-    clean_loss = token_losses(clean_logits, input_ids)[predicted].mean().item()
+    clean_loss = mean_loss(clean_logits, input_ids, predicted)
     clean_scale = clean_logits[:, :-1].pow(2).sum(-1)[predicted].mean().item()  # d's scale: the clean logits' own
     names = branch_names or [branch.name for branch in dar_branches(model)]
     results, moved = {}, []  # moved: the reads whose corruption changed the output
@@ -405,7 +413,7 @@ def rescue_gain(
         outcome = {}
         for label, streams in (("corrupted", (0, 1)), ("restore0", (1,)), ("restore1", (0,))):
             logits, _ = run({name: corrupt(streams)})
-            outcome[label] = (distance(logits), token_losses(logits, input_ids)[predicted].mean().item())
+            outcome[label] = (distance(logits), mean_loss(logits, input_ids, predicted))
         corrupted_distance, corrupted_loss = outcome["corrupted"]
         # The donor's state changed nothing but rounding (identical sequences): each ratio would be rounding noise
         # over rounding noise, so the gains are NaN and the pooled sums leave the read out (its distances are kept
@@ -451,15 +459,12 @@ def stream_balance(reads: dict[str, DepthRead], branches: list[DARBranchModules]
     averages over the real tokens ([B, T] bool; None: every token)."""
     readout = reads[READOUT]
 
-    def extraction_rms(extracted: torch.Tensor) -> list[float]:  # [B, T, J, D] -> [J]
-        extracted = extracted.flatten(0, 1) if tokens is None else extracted[tokens.to(extracted.device)]  # [N, J, D]
-        return extracted.pow(2).mean(-1).sqrt().mean(0).tolist()
-
     balance = {
         "entry_rms": readout.entry_rms.tolist(),  # [S][J]
         "entry_cross_stream_cosine": readout.entry_cosine.tolist() if readout.entry_cosine is not None else None,
         # as the branch receives it: count-scaled, N x the weighted mean of the read's N sources
-        "extraction_rms": [extraction_rms(reads[b.name].extracted) for b in branches],
+        "extraction_rms": [over_real_tokens(reads[b.name].extracted, tokens).pow(2).mean(-1).sqrt().mean(0).tolist()
+                           for b in branches],  # [N, J, D] -> [J] each
     }
     if config.dar_num_streams == 2:
         balance["alpha"] = [torch.sigmoid(b.read_gate.logit.detach().float()).item() for b in branches]
@@ -508,7 +513,7 @@ def _analyze(model: torch.nn.Module, input_ids: torch.Tensor, rescue_branches: l
         "tokens": int(tokens.sum()),  # real tokens (padding left out)
         "predicted_tokens": int(predicted.sum()),  # positions the loss averages over
         "batch": list(input_ids.shape),
-        "loss": token_losses(logits, input_ids)[predicted].mean().item(),
+        "loss": mean_loss(logits, input_ids, predicted),
         "branches": [branch.name for branch in branches],
         "depth_weights": depth_weight_maps(reads, branches, config, tokens),
         "stream_balance": stream_balance(reads, branches, config, tokens),
