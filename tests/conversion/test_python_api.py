@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 import torch
-from transformers import LlamaModel
+from transformers import AutoModelForCausalLM, LlamaModel
 
 from dar_transformers.conversion import (
     ConversionOptions, convert, convert_to_dar_moe, upcycle, upcycle_model, upcycle_to_dar_moe,
@@ -108,6 +108,30 @@ def test_a_tolerance_in_the_options_holds_for_perturbed_experts(tmp_path):
     assert not (tmp_path / "out").exists()
     relaxed = upcycle_to_dar_moe(source, num_experts=2, top_k=1, expert_noise=0.5, **FAST)
     assert relaxed.report.tolerance == math.inf
+
+
+def test_a_relaxed_report_gives_the_top1_agreement_of_every_position(tmp_path):
+    """At Drop-Upcycling's tolerance inf no position is decided at the bar, so the teacher-forced top-1 column read
+    "0/0" for every prompt: a researcher learnt nothing of how far the noised experts move the argmax. A relaxed
+    report now gives the agreement over all positions beside it, as the two models' logits give it."""
+    from dar_transformers.conversion.verify import build_prompts
+
+    source_folder = save_source(tmp_path / "source")
+    relaxed = upcycle_to_dar_moe(source_folder, tmp_path / "moe", num_experts=4, top_k=2, expert_noise=0.5, **FAST)
+    source, converted = (AutoModelForCausalLM.from_pretrained(folder) for folder in (source_folder, tmp_path / "moe"))
+    table = relaxed.report.table()
+    prompts = build_prompts(relaxed.tokenizer, source.config.vocab_size, FAST["prompts"])
+    disagreements = 0
+    for (name, input_ids), check in zip(prompts, relaxed.report.checks, strict=True):
+        assert name == check.name and check.top1_checked == 0
+        with torch.no_grad():
+            same = source(input_ids).logits.argmax(-1) == converted(input_ids).logits.argmax(-1)
+        assert check.top1_agreed_anywhere == int(same.sum())
+        assert f"| 0/0 (all positions: {int(same.sum())}/{check.num_tokens}) |" in table
+        disagreements += check.num_tokens - int(same.sum())
+    assert disagreements > 0  # the noise moves some argmax: the count is not all positions by construction
+    exact = upcycle(source_folder, **FAST).report
+    assert "all positions" not in exact.table()  # a check at the bar keeps its one figure
 
 
 def test_a_full_temporary_folder_is_one_line_naming_it_and_leaves_nothing(tmp_path, monkeypatch):

@@ -34,7 +34,8 @@ class PromptCheck:
 
     `top1_checked`: positions where the source's top-1/top-2 logit margin exceeds twice the tolerance (there no
     difference within the tolerance can change the argmax); `top1_agreed`: those where both models' argmax agree
-    (teacher-forced greedy agreement). `greedy_identical` is None when full continuations did not run.
+    (teacher-forced greedy agreement); `top1_agreed_anywhere`: positions of all `num_tokens` where they agree (what a
+    relaxed report shows beside the decided ones: at tolerance inf no position is decided). `greedy_identical` is None when full continuations did not run.
     `greedy_divergence`: where the continuations first differ, (token index, the source's top-1/top-2 logit margin
     there, the models' max abs logit difference there), from an unpadded forward over the prompt and the tokens both
     chose before it; None where they do not differ or did not run.
@@ -50,6 +51,7 @@ class PromptCheck:
     source_continuation: list[int]
     target_continuation: list[int]
     greedy_divergence: tuple[int, float, float] | None = None
+    top1_agreed_anywhere: int | None = None
 
     def diverged_at_near_tie(self, tolerance: float) -> bool:
         """The continuations differ first at a token the source does not decide at the bar (its top-1/top-2 margin
@@ -63,7 +65,8 @@ class PromptCheck:
     @classmethod
     def of(cls, name, input_ids, max_abs_logit, max_abs_logit_difference, top1, source_tokens, target_tokens,
            divergence=None):
-        """One prompt's check from its figures; top1 = (checked, agreed); continuations None when not run."""
+        """One prompt's check from its figures; top1 = (checked, agreed, agreed anywhere); continuations None when
+        not run."""
         return cls(
             name=name,
             num_tokens=input_ids.shape[1],
@@ -75,6 +78,7 @@ class PromptCheck:
             source_continuation=source_tokens or [],
             target_continuation=target_tokens or [],
             greedy_divergence=divergence,
+            top1_agreed_anywhere=top1[2],
         )
 
 
@@ -177,6 +181,9 @@ class VerificationReport:
             "|---|---:|---:|---:|---:|---|",
         ]
         for check in self.checks:
+            top1 = f"{check.top1_agreed}/{check.top1_checked}"
+            if self.relaxed and check.top1_agreed_anywhere is not None:
+                top1 += f" (all positions: {check.top1_agreed_anywhere}/{check.num_tokens})"
             greedy = ("not run" if check.greedy_identical is None
                       else f"{'yes' if check.greedy_identical else 'NO'} ({self.max_new_tokens} tokens)")
             if check.greedy_divergence is not None:
@@ -188,7 +195,7 @@ class VerificationReport:
                           f"logits differ by {difference:.1e}")
             lines.append(
                 f"| {check.name} | {check.num_tokens} | {check.max_abs_logit:.2f} | "
-                f"{check.max_abs_logit_difference:.3e} | {check.top1_agreed}/{check.top1_checked} | {greedy} |"
+                f"{check.max_abs_logit_difference:.3e} | {top1} | {greedy} |"
             )
         verdict = "PASSED" if self.verified else "FAILED"
         if self.passed and not self.verified:

@@ -270,10 +270,11 @@ class LogitStatistics:
             target_index = torch.where(better, target_index, self.target_top1_index)
         self.target_top1_value, self.target_top1_index = target_value, target_index
 
-    def top1_agreement(self, tolerance: float) -> tuple[int, int]:
+    def top1_agreement(self, tolerance: float) -> tuple[int, int, int]:
+        """As `verify.top1_agreement`: (decided positions, those agreeing, positions agreeing of all)."""
         decided = (self.source_top2[:, 0] - self.source_top2[:, 1]) > 2 * tolerance  # [T]
-        agreed = decided & (self.target_top1_index == self.source_top2_index[:, 0])
-        return int(decided.sum()), int(agreed.sum())
+        same = self.target_top1_index == self.source_top2_index[:, 0]
+        return int(decided.sum()), int((decided & same).sum()), int(same.sum())
 
 
 @dataclasses.dataclass
