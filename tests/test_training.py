@@ -311,6 +311,36 @@ def test_num_items_in_batch_makes_accumulated_gradients_equal_the_full_batch():
     assert difference > 1e-4
 
 
+def test_trainer_label_smoothing_scores_the_next_token_as_for_llama(tmp_path):
+    """`label_smoothing_factor` makes Trainer compute the loss itself, shifting the labels only for a class name in
+    transformers' causal-LM table; DAR's was not there, so DAR (and DAR-MoE, and DAR under PEFT) was trained to
+    predict the token it reads, with a loss 0.017 above its source Llama's at conversion. Exact upcycling means the
+    same smoothed loss as the source, which the label smoother computes with the shift by hand here."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from dar_transformers.conversion import convert, convert_to_dar_moe
+
+    llama = tiny_llama().train()
+    batch = {key: torch.tensor(values) for key, values in labelled_dataset()[:4].items()}
+    args = training_arguments(tmp_path, label_smoothing_factor=0.1)
+
+    def smoothed(model) -> float:
+        return Trainer(model=model, args=args).compute_loss(model, dict(batch)).item()
+
+    with torch.no_grad():  # the smoothed loss of the next token, from Llama's logits
+        shifted = LabelSmoother(0.1)({"logits": llama(batch["input_ids"]).logits}, batch["labels"], shift_labels=True)
+        unshifted = LabelSmoother(0.1)({"logits": llama(batch["input_ids"]).logits}, batch["labels"])
+    assert abs(shifted.item() - unshifted.item()) > 1e-3  # the control: the shift shows in the loss
+    assert smoothed(llama) == pytest.approx(shifted.item(), abs=1e-6)
+    dar = convert(llama, dar_block_size=2, verify=False, progress=False).train()
+    moe = convert_to_dar_moe(llama, num_experts=2, top_k=1, dar_block_size=2).train()
+    lora = get_peft_model(convert(llama, dar_block_size=2, verify=False, progress=False).train(),
+                          LoraConfig(r=2, target_modules=["q_proj"]))
+    for model in (dar, moe, lora):
+        assert smoothed(model) == pytest.approx(shifted.item(), abs=1e-5), type(model).__name__
+
+
 def _one_sgd_step_parameter_change(tmp_path, batch_size, accumulation, **argument_overrides):
     model = upcycled_dar(tiny_llama(), dar_block_size=2).train()
     perturb_dar_parameters(model)

@@ -50,6 +50,7 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -781,6 +782,15 @@ class DARForSequenceClassification(GenericForSequenceClassification, DARPreTrain
         self.post_init()
 
 
+def declare_causal_lm(model_type: str, model_class: type) -> None:
+    """List a causal-LM class in transformers' table of causal-LM class names (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`).
+    `Trainer.compute_loss` shifts the labels for its label smoother (`label_smoothing_factor > 0`) only for a model
+    whose class name (a PEFT model's base model's) that table lists, and registering an Auto class does not add it:
+    DAR was trained with label smoothing on unshifted labels, to predict the token it reads. This module runs it at
+    import, so the folder's remote code, without this package, declares its classes as well."""
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(model_type, model_class.__name__)
+
+
 class DARForQuestionAnswering(GenericForQuestionAnswering, DARPreTrainedModel):
     backbone_class = DARModel
 
@@ -808,6 +818,8 @@ class DARForTokenClassification(GenericForTokenClassification, DARPreTrainedMode
 
         self.post_init()
 
+
+declare_causal_lm(DARConfig.model_type, DARForCausalLM)
 
 __all__ = [
     "DARPreTrainedModel",

@@ -53,6 +53,7 @@ from .modeling_dar import (
     DARForTokenClassification,
     DARModel,
     DARPreTrainedModel,
+    declare_causal_lm,
 )
 
 
@@ -229,6 +230,8 @@ class DARMoeForQuestionAnswering(DARMoePreTrainedModel, DARForQuestionAnswering)
 class DARMoeForTokenClassification(DARMoePreTrainedModel, DARForTokenClassification):
     backbone_class = DARMoeModel
 
+
+declare_causal_lm(DARMoeConfig.model_type, DARMoeForCausalLM)
 
 __all__ = [
     "DARMoePreTrainedModel",
