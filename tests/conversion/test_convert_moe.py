@@ -332,7 +332,7 @@ def test_dar_convert_cli_converts_a_mixtral_folder(tmp_path, capsys):
 def test_training_only_noise_of_a_source_does_not_fail_its_verification(tmp_path, capsys, caplog, source_kind, kind):
     """The layer-streamed check ran both models in training mode (`meta_model` built them so): Mixtral's router jitter
     and any attention dropout made a valid conversion FAILED (max logit difference about 2-4), as if not exact. The
-    jitter, which DAR-MoE does not carry, is said once (it was said per config built: twice)."""
+    jitter, which DAR-MoE does not carry, is said once (it was said per config built: twice), and in the card."""
     torch.manual_seed(0)
     fields = {**TINY_LLAMA_FIELDS, **INIT, "max_position_embeddings": 512, "vocab_size": VOCAB}
     source = (MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5,
@@ -345,6 +345,9 @@ def test_training_only_noise_of_a_source_does_not_fail_its_verification(tmp_path
                      "--max-new-tokens", "4", *experts])
     assert code == 0 and "PASSED" in capsys.readouterr().out
     assert caplog.text.count("router_jitter_noise (training only) is dropped") == int(source_kind.startswith("mixtral"))
+    # ... and the card, which outlives the log, says it too (the warning alone said it before)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert ("its router jitter (`router_jitter_noise=0.5`" in card) == source_kind.startswith("mixtral")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert max_logit_difference(source, reloaded, random_input_ids(length=10)) <= 1e-5
 
@@ -443,3 +446,32 @@ def test_an_moe_sources_own_settings_that_dar_moe_refuses_are_named_in_its_file(
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(message, error), error
     assert str(tmp_path / "source" / "config.json") in error and not (tmp_path / "moe").exists()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_top1_upcycle_says_its_routers_get_no_gradient_from_the_loss(tmp_path, caplog, top_k):
+    """Sparse upcycling renormalises the top-k weights (exactness needs them to sum to 1), so at top-1 the chosen
+    expert's weight is 1 whatever the router says: the language-modelling loss gives the new routers no gradient,
+    and with `output_router_logits` off (the converted config's default) nothing trains them. The conversion said
+    nothing of it; now a warning and the card do, and the claim is measured here."""
+    make_source("llama", tied=False).save_pretrained(tmp_path / "source")
+    make_tokenizer().save_pretrained(tmp_path / "source")
+    upcycle_to_dar_moe(tmp_path / "source", tmp_path / "moe", num_experts=4, top_k=top_k, **FAST)
+    said = "the language-modelling loss gives the new routers no gradient"
+    assert caplog.text.count(said) == (top_k == 1)
+    assert (said in (tmp_path / "moe" / "README.md").read_text()) == (top_k == 1)
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
+    spread_weights(model)  # DAR's parameters off their init: the claim is not an artefact of the exact start
+    input_ids = random_input_ids(length=16)
+
+    def router_gradient(**keywords) -> float:
+        model.zero_grad()
+        model(input_ids, labels=input_ids, **keywords).loss.backward()
+        return max(layer.mlp.gate.weight.grad.abs().max().item() for layer in model.model.layers)
+
+    language_modelling, with_aux_loss = router_gradient(), router_gradient(output_router_logits=True)
+    if top_k == 1:  # rounding only (about 4e-9), against the aux loss's 6e-5 at router_aux_loss_coef 0.001
+        assert language_modelling < 1e-3 * with_aux_loss
+    else:  # the loss trains the routers (0.11 here)
+        assert language_modelling > 1e-2

@@ -10,6 +10,7 @@ from huggingface_hub.repocard import metadata_load
 
 from .. import TRANSFORMERS_REQUIREMENT, __version__
 from .families import DAR_SOURCE_TYPE, MOE_SOURCE_FAMILIES
+from .targets import untrained_router_note
 from .verify import has_default_chat_template, one_message_chat
 
 CARD_TEMPLATE = """---
@@ -259,14 +260,23 @@ def _conversion_paragraph(config, source, function_sentence: str, exact: bool = 
                    f"each MLP became {config.num_experts} experts behind a new router, copies of it with part of their "
                    "hidden units re-initialised (Drop-Upcycling), which **deliberately changes the function**: the "
                    "model does NOT compute the source model's function; the differences are reported below.")
+        router = untrained_router_note(config)
         return (f"{described} The source is a DAR model already: its DAR parameters ({parameters}) are kept as they "
-                f"are, and {experts} Training is what lets the experts specialise.")
+                f"are, and {experts} Training is what lets the experts specialise." + (f" {router}" if router else ""))
     experts = ""
-    if getattr(config, "num_experts", None) and source.config.model_type not in MOE_SOURCE_FAMILIES:
+    moe_source = source.config.model_type in MOE_SOURCE_FAMILIES
+    jitter = getattr(source.config, "router_jitter_noise", 0.0) if moe_source else 0.0
+    if jitter:
+        experts = (f" The source's experts and routers are kept; its router jitter (`router_jitter_noise={jitter}`, "
+                   "a perturbation of the routing during training only) is not carried, as DAR-MoE's routers have "
+                   "none: training this model routes without it.")
+    if getattr(config, "num_experts", None) and not moe_source:
         experts = (f" Each MLP of the sparse layers became {config.num_experts} "
                    + ("identical experts behind a new, randomly initialised router, so that whichever experts it picks "
                       "compute the source's MLP." if exact else "experts behind a new, randomly initialised router, "
                       "copies of it with part of their hidden units re-initialised (Drop-Upcycling)."))
+        router = untrained_router_note(config)
+        experts += f" {router}" if router else ""
     return (f"{described} The new parameters ({parameters}) are initialised so that every depth read is the standard "
             f"residual sum: {function_sentence}{experts} Training (fine-tuning or continued pre-training) is what lets "
             "the depth attention depart from the plain residual stream.")

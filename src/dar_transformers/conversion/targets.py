@@ -50,6 +50,7 @@ from .keymaps import (
     is_ignored_source_key,
     map_keys,
     moe_layout,
+    per_expert_groups,
 )
 
 logger = logging.get_logger(__name__)
@@ -370,7 +371,7 @@ def plan_dar_moe_tensors(
     check_expert_noise(expert_noise)
     names = [name for name in source_infos if not is_ignored_source_key(name)]
     kept, groups = moe_layout(names)
-    moe_source = bool(groups) or any(".experts." in name or ".block_sparse_moe." in name for name in names)
+    moe_source = _has_experts(names)
     if moe_source and expert_noise:
         raise ValueError("expert_noise applies to sparse upcycling of a dense model only, not to an MoE source.")
     plans = {
@@ -414,6 +415,28 @@ def plan_dar_moe_tensors(
     return plans
 
 
+def _has_experts(names) -> bool:
+    """Whether tensor names are an MoE checkpoint's (per-expert or fused experts), not a dense model's."""
+    return bool(per_expert_groups(names)[0]) or any(".experts." in name or ".block_sparse_moe." in name
+                                                    for name in names)
+
+
+def untrained_router_note(config) -> str:
+    """What sparse upcycling to top-1 leaves untrained, or "": the one chosen expert's renormalised weight is 1
+    whatever the router's logits, so the language-modelling loss gives the new routers no gradient (measured: about
+    1e-11 against 1e-3 at top-2); only the load-balancing loss trains them, and it is off unless
+    `output_router_logits` is set. Said as the conversion plans (a warning) and in the model card."""
+    if getattr(config, "num_experts_per_tok", None) != 1 or not config.moe_layer_indices:
+        return ""
+    aux = ("only the load-balancing loss trains them (output_router_logits=True, router_aux_loss_coef="
+           f"{config.router_aux_loss_coef})" if config.output_router_logits else
+           "the load-balancing loss is off (output_router_logits=False), so nothing trains them: set "
+           "`model.config.output_router_logits = True` before training (router_aux_loss_coef="
+           f"{config.router_aux_loss_coef}), or upcycle with top-k 2 or more")
+    return ("With top-k 1 the chosen expert's renormalised weight is always 1, so the language-modelling loss gives "
+            f"the new routers no gradient; {aux}.")
+
+
 def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
     """The DAR-MoE target; `expert_noise > 0` is Drop-Upcycling (not exact: its verification only reports)."""
     check_expert_noise(expert_noise)
@@ -434,7 +457,11 @@ def dar_moe_target_kind(expert_noise: float = 0.0, seed: int = 0) -> TargetKind:
                 f"expert_noise={expert_noise}: each expert re-initialised {expert_noise:.0%} of its hidden units "
                 "(Drop-Upcycling). The converted model is NOT function-preserving: its logits differ from the source's."
             )
-        return plan_dar_moe_tensors(source_infos, config, expert_noise, seed)
+        plans = plan_dar_moe_tensors(source_infos, config, expert_noise, seed)
+        note = "" if _has_experts(list(source_infos)) else untrained_router_note(config)
+        if note:
+            logger.warning(note)
+        return plans
 
     return TargetKind(
         model_class=DARMoeForCausalLM,
