@@ -743,3 +743,33 @@ def test_a_forward_runs_on_a_torch_whose_dynamo_config_predates_recompile_limit(
     assert recompile_limit() == 8
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_generate_refuses_depth_weights_saying_how_to_get_every_steps(caplog):
+    """`generate(output_depth_weights=True)` was refused by transformers as "not used by the model" (DAR's forward
+    uses it), and `config.output_depth_weights` made every step record weights that generate dropped. Both are now
+    said as what they are, with the way to get them, which this checks: one forward over the generated sequence
+    gives the depth weights each cached decoding step records (a token's weights depend on the tokens up to it)."""
+    torch.manual_seed(0)
+    model = DARForCausalLM(tiny_dar_config(dar_block_size=2)).eval()
+    perturb_dar_parameters(model)
+    prompt = random_input_ids(batch=1, length=6)
+    with pytest.raises(ValueError, match=r"generate\(\) does not return depth weights .*one forward gives every "
+                                         r"decoding step's"):
+        model.generate(prompt, max_new_tokens=3, do_sample=False, output_depth_weights=True)
+    sequence = model.generate(prompt, max_new_tokens=4, do_sample=False)
+
+    with torch.no_grad():
+        whole = model(sequence, output_depth_weights=True).depth_weights
+        cache, steps = DynamicCache(config=model.config), []
+        for position in range(sequence.shape[1]):  # one token at a time through the cache, as decoding runs
+            steps.append(model(sequence[:, position:position + 1], past_key_values=cache, use_cache=True,
+                               output_depth_weights=True).depth_weights)
+    for read, weights in enumerate(whole):  # [N, B, T, J]
+        stepped = torch.cat([step[read] for step in steps], dim=2)
+        torch.testing.assert_close(stepped, weights, rtol=0, atol=1e-5)
+    assert max(weights.std() for weights in whole if weights.shape[0] > 1) > 0.05  # perturbed: far from uniform
+
+    model.config.output_depth_weights = True
+    model.generate(prompt, max_new_tokens=2, do_sample=False)
+    assert "config.output_depth_weights=True: every decoding step records its depth weights" in caplog.text

@@ -762,6 +762,29 @@ class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
         recorded = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
         return self.output_class(loss=loss, logits=logits, **recorded)
 
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        """`generate` returns no depth weights (its outputs have no field for them): transformers refused
+        `output_depth_weights=True` as "not used by the model", and `config.output_depth_weights` made every step
+        record weights that were then dropped. Both are said as what they are; a token's depth weights depend on it
+        and the tokens before it only, so one forward over the generated sequences gives every step's."""
+        how = ("run the model on the generated sequences with output_depth_weights=True: a token's depth weights depend "
+               "on it and the tokens before it only, so that one forward gives every decoding step's")
+        if model_kwargs.get("output_depth_weights"):
+            raise ValueError(f"generate() does not return depth weights (output_depth_weights=True); {how}.")
+        if getattr(self.config, "output_depth_weights", False):
+            logger.warning_once(f"config.output_depth_weights=True: every decoding step records its depth weights, "
+                                f"which generate() does not return; {how}.")
+        super()._validate_model_kwargs(model_kwargs)
+
+
+def declare_causal_lm(model_type: str, model_class: type) -> None:
+    """List a causal-LM class in transformers' table of causal-LM class names (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`).
+    `Trainer.compute_loss` shifts the labels for its label smoother (`label_smoothing_factor > 0`) only for a model
+    whose class name (a PEFT model's base model's) that table lists, and registering an Auto class does not add it:
+    DAR was trained with label smoothing on unshifted labels, to predict the token it reads. This module runs it at
+    import, so the folder's remote code, without this package, declares its classes as well."""
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(model_type, model_class.__name__)
+
 
 # Task heads as Llama's: transformers' generic heads (forward, pooling, loss) over DARModel, with the backbone under
 # `model` (Llama's question-answering head keeps a legacy `transformer`), so an upcycled causal-LM checkpoint starts
@@ -781,14 +804,6 @@ class DARForSequenceClassification(GenericForSequenceClassification, DARPreTrain
 
         self.post_init()
 
-
-def declare_causal_lm(model_type: str, model_class: type) -> None:
-    """List a causal-LM class in transformers' table of causal-LM class names (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`).
-    `Trainer.compute_loss` shifts the labels for its label smoother (`label_smoothing_factor > 0`) only for a model
-    whose class name (a PEFT model's base model's) that table lists, and registering an Auto class does not add it:
-    DAR was trained with label smoothing on unshifted labels, to predict the token it reads. This module runs it at
-    import, so the folder's remote code, without this package, declares its classes as well."""
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(model_type, model_class.__name__)
 
 
 class DARForQuestionAnswering(GenericForQuestionAnswering, DARPreTrainedModel):
