@@ -74,7 +74,8 @@ REMOTE_SCRIPT = textwrap.dedent(
             if name == "AutoModelForCausalLM":  # what Trainer's label smoother shifts the labels by
                 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-                results[folder, "causal LM declared"] = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                declared = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                results[folder, "causal LM declared"] = declared
     assert not any(module.startswith("dar_transformers") for module in sys.modules)
     torch.save(results, sys.argv[2])
     """

@@ -767,8 +767,8 @@ class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
         `output_depth_weights=True` as "not used by the model", and `config.output_depth_weights` made every step
         record weights that were then dropped. Both are said as what they are; a token's depth weights depend on it
         and the tokens before it only, so one forward over the generated sequences gives every step's."""
-        how = ("run the model on the generated sequences with output_depth_weights=True: a token's depth weights depend "
-               "on it and the tokens before it only, so that one forward gives every decoding step's")
+        how = ("run the model on the generated sequences with output_depth_weights=True: a token's depth weights "
+               "depend on it and the tokens before it only, so that one forward gives every decoding step's")
         if model_kwargs.get("output_depth_weights"):
             raise ValueError(f"generate() does not return depth weights (output_depth_weights=True); {how}.")
         if getattr(self.config, "output_depth_weights", False):

@@ -130,8 +130,11 @@ def test_a_relaxed_report_gives_the_top1_agreement_of_every_position(tmp_path):
         assert f"| 0/0 (all positions: {int(same.sum())}/{check.num_tokens}) |" in table
         disagreements += check.num_tokens - int(same.sum())
     assert disagreements > 0  # the noise moves some argmax: the count is not all positions by construction
+    checks = relaxed.report.checks_run()  # it counted "the 0 of N positions" and explained near ties, never at inf
+    assert "top-1 agreement at all" in checks and "near tie" not in checks and "the 0 of" not in checks
     exact = upcycle(source_folder, **FAST).report
     assert "all positions" not in exact.table()  # a check at the bar keeps its one figure
+    assert all(words in exact.checks_run() for words in ("whose source top-1/top-2 margin exceeds", "near tie"))
 
 
 def test_a_full_temporary_folder_is_one_line_naming_it_and_leaves_nothing(tmp_path, monkeypatch):

@@ -35,7 +35,8 @@ class PromptCheck:
     `top1_checked`: positions where the source's top-1/top-2 logit margin exceeds twice the tolerance (there no
     difference within the tolerance can change the argmax); `top1_agreed`: those where both models' argmax agree
     (teacher-forced greedy agreement); `top1_agreed_anywhere`: positions of all `num_tokens` where they agree (what a
-    relaxed report shows beside the decided ones: at tolerance inf no position is decided). `greedy_identical` is None when full continuations did not run.
+    relaxed report shows beside the decided ones: at tolerance inf no position is decided).
+    `greedy_identical` is None when full continuations did not run.
     `greedy_divergence`: where the continuations first differ, (token index, the source's top-1/top-2 logit margin
     there, the models' max abs logit difference there), from an unpadded forward over the prompt and the tokens both
     chose before it; None where they do not differ or did not run.
@@ -167,11 +168,17 @@ class VerificationReport:
         total = sum(check.num_tokens for check in self.checks)
         greedy = (f"full greedy continuations of {self.max_new_tokens} tokens per prompt" if self.greedy_ran
                   else f"no full greedy continuations ({self.greedy_skipped})")
-        return (f"Checks run ({self.method}, {computed}): max abs logit difference at every position; teacher-forced "
-                f"top-1 agreement at the {checked} of {total} positions whose source top-1/top-2 margin exceeds "
-                f"2 x tolerance; {greedy}" + (" (continuations that first differ where the source's margin is within "
-                "2 x tolerance and the logits agree within it are a near tie, not a failure)" if self.greedy_ran
-                else "") + "." + (f" {self.unreached}" if self.unreached else ""))
+        if math.isinf(self.tolerance):  # nothing is decided at the bar, and no divergence is a near tie
+            top1 = (f"teacher-forced top-1 agreement at all {total} positions, reported only (at tolerance inf no "
+                    "position's next token is decided)")
+            ties = ""
+        else:
+            top1 = (f"teacher-forced top-1 agreement at the {checked} of {total} positions whose source top-1/top-2 "
+                    "margin exceeds 2 x tolerance")
+            ties = (" (continuations that first differ where the source's margin is within 2 x tolerance and the "
+                    "logits agree within it are a near tie, not a failure)" if self.greedy_ran else "")
+        return (f"Checks run ({self.method}, {computed}): max abs logit difference at every position; {top1}; "
+                f"{greedy}{ties}." + (f" {self.unreached}" if self.unreached else ""))
 
     def table(self) -> str:
         """A Markdown table: one row per prompt, then the verdict and the checks that ran."""
