@@ -429,6 +429,40 @@ def test_an_embedding_row_no_prompt_reads_is_compared_and_a_corrupt_one_refused(
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("change", ["a tensor added", "a tensor's header reshaped"])
+def test_the_written_headers_are_the_planned_tensors_dtypes_and_shapes(tmp_path, monkeypatch, change):
+    """The written-tensor check compared each planned tensor's bytes only: a writer that added a tensor, or wrote a
+    planned tensor's bytes under a header of another shape, passed it. Both are refused now, named."""
+    from safetensors.torch import load_file, save_file
+
+    write_checkpoint = conversion_write.write_checkpoint
+
+    def rewritten(folder, plans, *args, **kwargs):
+        index = write_checkpoint(folder, plans, *args, **kwargs)
+        shard = folder / index["weight_map"]["model.norm.weight"]
+        tensors = load_file(shard)
+        if change == "a tensor added":
+            tensors["model.extra.weight"] = torch.zeros(4)
+            index["weight_map"]["model.extra.weight"] = shard.name
+            index_file = next(folder.glob("*.safetensors.index.json"), None)
+            if index_file is not None:
+                listed = json.loads(index_file.read_text())
+                index_file.write_text(json.dumps({**listed, "weight_map": index["weight_map"]}))
+        else:  # the same bytes, another shape
+            tensors["model.norm.weight"] = tensors["model.norm.weight"].reshape(2, -1)
+        save_file(tensors, shard, metadata={"format": "pt"})
+        return index
+
+    monkeypatch.setattr(conversion_write, "write_checkpoint", rewritten)
+    source = save_source(tmp_path / "source")
+    expected = (r"other tensors than the conversion planned \(not planned: 'model\.extra\.weight'\)"
+                if change == "a tensor added" else
+                r"'model\.norm\.weight'.*its header \(float32 \[2, \d+\] where \[\d+\] was planned\)")
+    with pytest.raises(VerificationError, match=expected + ".*nothing was written"):
+        upcycle(source, tmp_path / "out", dar_block_size=2, **FAST)
+    assert not (tmp_path / "out").exists()
+
+
 def test_every_expert_is_compared_whatever_the_prompts_routing_reaches(tmp_path, monkeypatch):
     """Mixtral's per-expert tensors fused into one written tensor: a corrupt slice of it is named by the source
     tensor it came from, whatever the prompts' routing reaches."""

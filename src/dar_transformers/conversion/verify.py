@@ -541,13 +541,27 @@ def check_written_tensors(folder: Path, plans: Mapping[str, TensorPlan], checkpo
     chunks, cast to the storage dtype and compared byte by byte with the written file; a transformed or new tensor
     computed again whole (as its write computes it). The logit check sees only what its prompts reach: embedding rows
     of tokens no prompt holds, experts no prompt token is routed to. Raises `VerificationError` naming the tensor and
-    its first differing row."""
+    its first differing row. The written headers are checked too: the planned tensors and no others, each with its
+    planned dtype and shape (the bytes alone would pass a tensor whose header names another dtype or shape)."""
     written = SafetensorsCheckpoint(folder, written=True)
     bar = logging.tqdm(total=len(plans), desc="Comparing the written tensors", unit="tensor", disable=not progress)
     try:
         infos = checkpoint.infos()
+        headers = written.infos()
+        unplanned, absent = sorted(set(headers) - set(plans)), sorted(set(plans) - set(headers))
+        if unplanned or absent:
+            raise VerificationError(
+                f"The output folder's weights files hold other tensors than the conversion planned ("
+                + "; ".join(([f"not planned: {', '.join(map(repr, unplanned[:3]))}"] if unplanned else [])
+                            + ([f"absent: {', '.join(map(repr, absent[:3]))}"] if absent else []))
+                + "): nothing was written. The write is corrupt (a bug or a fault of the disk; please report it).", None
+            )
         for name, plan in plans.items():
             bar.update()
+            header = headers[name]
+            if header.dtype != plan.dtype or tuple(header.shape) != tuple(plan.shape):
+                _corrupt(name, plan, f"its header ({str(header.dtype).removeprefix('torch.')} {list(header.shape)} "
+                                     f"where {list(plan.shape)} was planned)")
             if plan.value is not None or plan.transform is not None:
                 expected = materialise(plan, checkpoint).contiguous()
                 found = written.read(name)
