@@ -63,7 +63,10 @@ def answer(model, tokenizer, question: str, max_new_tokens: int) -> str:
     input_ids = chat_input_ids(tokenizer, question)
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                             do_sample=False)
-    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True).strip()
+    new_tokens = output[0, input_ids.shape[1]:]
+    text = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+    # a random tiny model (--tiny) may answer in special tokens or spaces only: show what it chose then
+    return text or f"(no text: token ids {new_tokens.tolist()[:12]}{' ...' if len(new_tokens) > 12 else ''})"
 
 
 def main() -> None:

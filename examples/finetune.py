@@ -119,7 +119,7 @@ def smollm2_llama_and_tokenizer() -> tuple[LlamaForCausalLM, PreTrainedTokenizer
 
 
 def train_tiny_tokenizer(texts: list[str], directory: Path) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with a small vocabulary, trained on the train split (see notes/corpus.md)."""
+    """A byte-level BPE with a small vocabulary, trained on the train split (README, "Training and fine-tuning": the corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -72,8 +72,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="DAR block size K in branches (2 per layer); 1 = Full DAR; default: about 8 blocks",
     )
     parser.add_argument("--routing", choices=DAR_ROUTINGS, default=None, help="depth routing (default: dar)")
-    parser.add_argument("--streams", type=int, choices=(1, 2), default=None, help="residual streams (1 = AttnRes)")
-    parser.add_argument("--write-mode", choices=DAR_WRITE_MODES, default=None, help="stream write mode")
+    parser.add_argument("--streams", type=int, choices=(1, 2), default=None,
+                        help="residual streams (1 = AttnRes; default: 2, or a DAR source's own)")
+    parser.add_argument("--write-mode", choices=DAR_WRITE_MODES, default=None,
+                        help="stream write mode (default: duplicate, or a DAR source's own)")
     parser.add_argument(
         "--dtype", choices=["auto", *DTYPES], default="auto",
         help="storage dtype of the shared weights (default: the source's own); DAR's new parameters stay float32",
@@ -119,7 +121,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-new-tokens", type=int, default=64,
-        help="greedy tokens compared per prompt (0: no full greedy continuations)",
+        help="greedy tokens compared per prompt (0: no full greedy continuations; default: 64)",
     )
     parser.add_argument(
         "--max-shard-size", default="2GB", type=_shard_size,
@@ -283,7 +285,8 @@ def convert_error(error: object) -> int:
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a DAR (or any causal-LM) model folder")
     parser.add_argument("--prompt", default="What is the capital of France?", help="the user message / text")
-    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64,
+                        help="most tokens of the answer (default: 64)")
     parser.add_argument("--no-chat-template", action="store_true", help="use the prompt as plain text")
     parser.add_argument("--chat-template", default=None, metavar="NAME",
                         help="one of the folder's named chat templates (additional_chat_templates/NAME.jinja) "
