@@ -3,6 +3,7 @@
 when asked, DAR) parameters train, merge_and_unload() keeps the logits, adapters save and load onto a base DAR
 checkpoint, and PEFT + gradient checkpointing."""
 
+import copy
 import logging
 
 import pytest
@@ -318,3 +319,47 @@ def test_lora_on_dar_parameters_is_refused_where_the_backend_would_ignore_it(imp
     with torch.no_grad():
         assert (adapted(input_ids).logits - before).abs().max() > 1e-2
     adapted(input_ids=input_ids, labels=input_ids).loss.backward()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_adaption_prompt_adapts_dar_as_it_adapts_the_source(family, monkeypatch):
+    """PEFT's adaption prompt (LLaMA-Adapter) keys its own table by model type and refused "dar". Registered with
+    Llama's entry, it gives the upcycled model the adapted logits of its source wherever that entry's recomputed
+    queries are the attention's (Llama; Qwen2, whose q_proj carries its bias, compared with a Qwen2 source given the
+    same entry, as PEFT has none for it); Qwen3's queries are normed per head, which it leaves out, so that family is
+    refused by name instead of adapting with other queries."""
+    from peft import AdaptionPromptConfig
+    from peft.tuners.adaption_prompt import config as adaption_prompt
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from dar_transformers.conversion import convert
+
+    from conftest import TINY_LLAMA_FIELDS
+
+    torch.manual_seed(0)
+    source = {"llama": lambda: tiny_llama(),
+              "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA_FIELDS)).eval(),
+              "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY_LLAMA_FIELDS, head_dim=8)).eval()}[family]()
+    monkeypatch.setitem(adaption_prompt.TRANSFORMERS_MODEL_CONFIG, "qwen2",
+                        adaption_prompt.TRANSFORMERS_MODEL_CONFIG["llama"])
+    dar = convert(source, dar_block_size=2, verify=False, progress=False)
+    input_ids = random_input_ids(length=8)
+    config = dict(adapter_len=4, adapter_layers=2, task_type="CAUSAL_LM")
+
+    def adapted(model):
+        torch.manual_seed(5)  # the same adapter prompts for both models
+        peft_model = get_peft_model(model, AdaptionPromptConfig(**config))
+        for name, parameter in peft_model.named_parameters():
+            if "adaption_gate" in name:  # zero at init: the adapter would contribute nothing
+                torch.nn.init.constant_(parameter, 0.5)
+        with torch.no_grad():
+            return peft_model(input_ids).logits
+
+    if family == "qwen3":
+        with pytest.raises(ValueError, match=r"adaption prompt recomputes .*without the per-head query norm"):
+            adapted(dar)
+        return
+    expected, found = adapted(copy.deepcopy(source)), adapted(dar)
+    with torch.no_grad():
+        assert (expected - source(input_ids).logits).abs().max() > 1e-3  # the adapter changes the logits
+    torch.testing.assert_close(found, expected, rtol=0, atol=1e-5)

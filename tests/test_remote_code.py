@@ -71,11 +71,15 @@ REMOTE_SCRIPT = textwrap.dedent(
             assert type(model).__module__.startswith("transformers_modules."), (folder, name, type(model).__module__)
             with torch.no_grad():
                 results[folder, name] = (type(model).__name__, outputs(model(input_ids)), model.state_dict())
-            if name == "AutoModelForCausalLM":  # what Trainer's label smoother shifts the labels by
-                from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            # the task tables Trainer reads (its label smoother's shift, its model card's task)
+            from transformers.models.auto import modeling_auto
 
-                declared = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-                results[folder, "causal LM declared"] = declared
+            results[folder, name, "declared in"] = [
+                table for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                                    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+                                    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES")
+                if type(model).__name__ in getattr(modeling_auto, table).values()
+            ]
     assert not any(module.startswith("dar_transformers") for module in sys.modules)
     torch.save(results, sys.argv[2])
     """
@@ -190,9 +194,15 @@ def test_every_written_folder_names_every_auto_class_and_loads_each_without_the_
             expected = output.logits if hasattr(output, "logits") else output.last_hidden_state
         assert expected.abs().max() > 0
         torch.testing.assert_close(remote_outputs, expected, rtol=0, atol=1e-6)
-    # Trainer shifts the labels for label smoothing only for the causal-LM classes transformers' table names; the
-    # remote code declares its own there as the package does (test_training.py measures the loss).
-    assert remote[folder, "causal LM declared"]
+    # Trainer shifts the labels for label smoothing only for the causal-LM classes transformers' table names, and its
+    # model card names a task only for a listed head; the remote code declares each head in its task's table, as the
+    # package does (test_training.py measures what that changes).
+    tables = {"AutoModel": [], "AutoModelForCausalLM": ["MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"],
+              "AutoModelForSequenceClassification": ["MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"],
+              "AutoModelForTokenClassification": ["MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"],
+              "AutoModelForQuestionAnswering": ["MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"]}
+    for name in AUTO_CLASS_NAMES:
+        assert remote[folder, name, "declared in"] == tables[name], (kind, name)
 
 
 @pytest.mark.parametrize("config_class", list(AUTO_CLASSES))

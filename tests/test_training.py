@@ -341,6 +341,38 @@ def test_trainer_label_smoothing_scores_the_next_token_as_for_llama(tmp_path):
         assert smoothed(model) == pytest.approx(shifted.item(), abs=1e-5), type(model).__name__
 
 
+def test_trainer_model_card_names_the_task_of_every_dar_head_as_of_llamas(tmp_path):
+    """Trainer's model card (`create_model_card`, `push_to_hub`) names a task, and lists the evaluation results
+    under it, only for a class in transformers' task tables: DAR's classification and question-answering heads had
+    no task and empty results where Llama's heads have theirs."""
+    from transformers import (
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        LlamaConfig,
+    )
+    from transformers.modelcard import TrainingSummary
+
+    from dar_transformers import DARMoeConfig
+    from conftest import TINY_LLAMA_FIELDS, tiny_dar_config
+
+    def card_of(model):
+        summary = TrainingSummary.from_trainer(Trainer(model=model, args=training_arguments(tmp_path)),
+                                               dataset="imdb", dataset_tags="imdb")
+        summary.eval_results = {"Accuracy": 0.5}
+        return summary.tasks, summary.create_metadata().get("model-index")
+
+    configs = {"llama": LlamaConfig(**TINY_LLAMA_FIELDS), "dar": tiny_dar_config(),
+               "dar_moe": DARMoeConfig(**TINY_LLAMA_FIELDS, num_experts=2, num_experts_per_tok=1)}
+    for auto_class in (AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                       AutoModelForQuestionAnswering):
+        cards = {kind: card_of(auto_class.from_config(config)) for kind, config in configs.items()}
+        assert cards["llama"][0] is not None and cards["llama"][1][0]["results"][0]["metrics"], auto_class.__name__
+        assert cards["dar"] == cards["llama"] and cards["dar_moe"] == cards["llama"], auto_class.__name__
+    llama_lm, dar_lm = tiny_llama(), upcycled_dar(tiny_llama())
+    assert card_of(dar_lm) == card_of(llama_lm) and card_of(llama_lm)[0] == "text-generation"
+
+
 def _one_sgd_step_parameter_change(tmp_path, batch_size, accumulation, **argument_overrides):
     model = upcycled_dar(tiny_llama(), dar_block_size=2).train()
     perturb_dar_parameters(model)

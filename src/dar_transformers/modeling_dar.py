@@ -50,7 +50,12 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+)
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -777,14 +782,6 @@ class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
         super()._validate_model_kwargs(model_kwargs)
 
 
-def declare_causal_lm(model_type: str, model_class: type) -> None:
-    """List a causal-LM class in transformers' table of causal-LM class names (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`).
-    `Trainer.compute_loss` shifts the labels for its label smoother (`label_smoothing_factor > 0`) only for a model
-    whose class name (a PEFT model's base model's) that table lists, and registering an Auto class does not add it:
-    DAR was trained with label smoothing on unshifted labels, to predict the token it reads. This module runs it at
-    import, so the folder's remote code, without this package, declares its classes as well."""
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(model_type, model_class.__name__)
-
 
 # Task heads as Llama's: transformers' generic heads (forward, pooling, loss) over DARModel, with the backbone under
 # `model` (Llama's question-answering head keeps a legacy `transformer`), so an upcycled causal-LM checkpoint starts
@@ -834,7 +831,29 @@ class DARForTokenClassification(GenericForTokenClassification, DARPreTrainedMode
         self.post_init()
 
 
-declare_causal_lm(DARConfig.model_type, DARForCausalLM)
+# transformers' tables of task class names, by the generic head a class is.
+TASK_CLASS_TABLES = (
+    (GenerationMixin, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+    (GenericForSequenceClassification, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+    (GenericForTokenClassification, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
+    (GenericForQuestionAnswering, MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES),
+)
+
+
+def declare_task_classes(model_type: str, *model_classes: type) -> None:
+    """List each head in transformers' table of class names of its task (`MODEL_FOR_*_MAPPING_NAMES`). Code that
+    asks what task a model does reads those fixed tables, which registering an Auto class does not extend: Trainer's
+    label smoother shifts the labels only for a causal LM listed there (DAR was trained with label smoothing to
+    predict the token it reads), and Trainer's model card names a task, and shows its evaluation results, only for
+    a listed class. This module runs it at import, so the folder's remote code declares its classes as well."""
+    for model_class in model_classes:
+        for base, table in TASK_CLASS_TABLES:
+            if issubclass(model_class, base):
+                table.setdefault(model_type, model_class.__name__)
+
+
+declare_task_classes(DARConfig.model_type, DARForCausalLM, DARForSequenceClassification, DARForTokenClassification,
+                     DARForQuestionAnswering)
 
 __all__ = [
     "DARPreTrainedModel",

@@ -53,7 +53,7 @@ from .modeling_dar import (
     DARForTokenClassification,
     DARModel,
     DARPreTrainedModel,
-    declare_causal_lm,
+    declare_task_classes,
 )
 
 
@@ -231,7 +231,8 @@ class DARMoeForTokenClassification(DARMoePreTrainedModel, DARForTokenClassificat
     backbone_class = DARMoeModel
 
 
-declare_causal_lm(DARMoeConfig.model_type, DARMoeForCausalLM)
+declare_task_classes(DARMoeConfig.model_type, DARMoeForCausalLM, DARMoeForSequenceClassification,
+                     DARMoeForTokenClassification, DARMoeForQuestionAnswering)
 
 __all__ = [
     "DARMoePreTrainedModel",

@@ -54,9 +54,40 @@ def register_peft_defaults(model_type: str = "dar", like: str = MAPPING_SOURCE_M
             value = table[like]
             table[model_type] = list(value) if isinstance(value, list) else value
             registered.append(table_name)
+    if _register_adaption_prompt(model_type, like):
+        registered.append("adaption_prompt.TRANSFORMERS_MODEL_CONFIG")
     if registered:
         logger.debug(f"PEFT defaults of {like!r} registered for model_type {model_type!r} in {registered}")
     return registered
+
+
+def _register_adaption_prompt(model_type: str, like: str) -> bool:
+    """Give `model_type` the adaption prompt's (LLaMA-Adapter's) entry of `like`: PEFT keeps it in a table of its
+    own, keyed by model type (`peft/tuners/adaption_prompt/config.py`), and refused "dar" ("Unsupported model type for
+    adaption prompt"). Its queries are recomputed as Llama's attention computes them, which holds for DAR's Llama,
+    Mistral and Qwen2 branches (Qwen2's q_proj carries its bias); Qwen3's attention normalises the queries per head
+    (`q_norm`), which that recomputation leaves out, so such a model is refused by name. False where PEFT has no
+    such table, or it has an entry already."""
+    try:
+        from peft.tuners.adaption_prompt import config as adaption_prompt
+    except ImportError:
+        return False
+    table = getattr(adaption_prompt, "TRANSFORMERS_MODEL_CONFIG", None)
+    if not isinstance(table, dict) or like not in table or model_type in table:
+        return False
+    llama_query_states = table[like].compute_query_states
+
+    def query_states(model, **kwargs):
+        if getattr(model, "q_norm", None) is not None:
+            raise ValueError(
+                f"PEFT's adaption prompt recomputes an attention's queries as {like!r} computes them, without the "
+                f"per-head query norm (q_norm) of this {model_type} model's {type(model).__name__}: its adapter would "
+                "attend with other queries than the model's. Use LoRA (get_peft_model with a LoraConfig) instead."
+            )
+        return llama_query_states(model, **kwargs)
+
+    table[model_type] = table[like]._replace(compute_query_states=query_states)
+    return True
 
 
 # The modules inside each DAR residual module (`DAR_MODULE_NAMES`), by their path from it.
