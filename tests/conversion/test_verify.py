@@ -549,3 +549,20 @@ def test_a_source_rewritten_during_the_conversion_is_named_as_a_possible_cause(t
                                                 r"while the conversion read them"):
         upcycle(source, tmp_path / "out", **FAST)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_refusal_at_large_logits_says_the_difference_is_float32_rounding_of_them():
+    """A model whose logits reach 230 misses the absolute float32 bar (2e-4) by rounding alone (1.4e-3, 6e-6 of its
+    largest logit, every next token agreeing): the refusal only showed the table. It now says so and names
+    --verify-dtype float64; a larger difference, or a disagreeing token, gets no such sentence."""
+    def report(difference, agreed=5, greedy=True):
+        check = PromptCheck("p", 5, 230.9, difference, 5, agreed, greedy, [1, 2], [1, 2] if greedy else [1, 3])
+        return VerificationReport("float32", 2e-4, 2e-4, 2, [check])
+
+    said = r"the difference 1\.4e-03 is 6e-06 of the largest logit \(230\.9\).*--verify-dtype float64"
+    with pytest.raises(VerificationError, match=said):
+        raise_unless_passed(report(1.41e-3), torch.float32)
+    for failed in (report(5e-3), report(1.41e-3, agreed=4), report(1.41e-3, greedy=False)):
+        with pytest.raises(VerificationError) as caught:
+            raise_unless_passed(failed, torch.float32)
+        assert "--verify-dtype float64 measures" not in str(caught.value)
