@@ -782,7 +782,6 @@ class DARForCausalLM(DARPreTrainedModel, GenerationMixin):
         super()._validate_model_kwargs(model_kwargs)
 
 
-
 # Task heads as Llama's: transformers' generic heads (forward, pooling, loss) over DARModel, with the backbone under
 # `model` (Llama's question-answering head keeps a legacy `transformer`), so an upcycled causal-LM checkpoint starts
 # every head. The generic constructors build the backbone with `AutoModel.from_config(config)`, which cannot find it
@@ -800,7 +799,6 @@ class DARForSequenceClassification(GenericForSequenceClassification, DARPreTrain
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
 
         self.post_init()
-
 
 
 class DARForQuestionAnswering(GenericForQuestionAnswering, DARPreTrainedModel):
@@ -854,6 +852,7 @@ def declare_task_classes(model_type: str, *model_classes: type) -> None:
 
 declare_task_classes(DARConfig.model_type, DARForCausalLM, DARForSequenceClassification, DARForTokenClassification,
                      DARForQuestionAnswering)
+
 
 __all__ = [
     "DARPreTrainedModel",

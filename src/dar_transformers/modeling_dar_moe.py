@@ -234,6 +234,7 @@ class DARMoeForTokenClassification(DARMoePreTrainedModel, DARForTokenClassificat
 declare_task_classes(DARMoeConfig.model_type, DARMoeForCausalLM, DARMoeForSequenceClassification,
                      DARMoeForTokenClassification, DARMoeForQuestionAnswering)
 
+
 __all__ = [
     "DARMoePreTrainedModel",
     "DARMoeModel",
