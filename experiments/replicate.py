@@ -244,7 +244,7 @@ def train_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
     warmup = max(1, int(0.05 * steps))
     eval_every = max(1, steps // args.curve_points)
 
-    curve, smoothed, train_seconds = [], None, 0.0
+    curve, smoothed, train_seconds, completed = [], None, 0.0, 0
     started = time.time()
     for step, batch in enumerate(training_batches(train, seed, steps, args.batch_size, args.seq_len)):
         step_started = time.time()
@@ -257,15 +257,16 @@ def train_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         train_seconds += time.time() - step_started
         smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()
-        if not math.isfinite(loss.item()):
+        if not math.isfinite(loss.item()):  # the record says where it stopped (it gave the planned steps)
             break
+        completed = step + 1
         if (step + 1) % eval_every == 0 and step + 1 < steps:
             tokens = (step + 1) * args.batch_size * args.seq_len
             curve.append({"step": step + 1, "tokens": tokens, "train_loss_ema": smoothed,
                           "val_loss": evaluate(model, curve_windows, args.eval_batch_size)})
-    tokens = steps * args.batch_size * args.seq_len
+    tokens = completed * args.batch_size * args.seq_len
     final = evaluate(model, final_windows, args.eval_batch_size)
-    curve.append({"step": steps, "tokens": tokens, "train_loss_ema": smoothed,
+    curve.append({"step": completed, "tokens": tokens, "train_loss_ema": smoothed,
                   "val_loss": evaluate(model, curve_windows, args.eval_batch_size)})
 
     if f"{variant}/{seed}" in args.save_checkpoints:
@@ -277,7 +278,8 @@ def train_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
         "corpus": args.corpus_tag,
         "requested_train_tokens": args.train_tokens,
         "train_tokens": tokens,
-        "steps": steps,
+        "steps": completed,
+        "planned_steps": steps,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "lr": args.lr,

@@ -139,18 +139,35 @@ def plot_curves(records: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def choose_budget(asked: str | None, budgets: dict[str, list]) -> str:
+    """The configuration key `--budget` names: the key itself, or the one key it begins (a key carries weight decay,
+    vocabulary and corpus after budget, batch and learning rate, which older commands leave out). A name that matches
+    none, or several, is refused, listing the keys: a lookup that matched nothing wrote an empty table over the
+    published one and exited 0."""
+    if asked is None:
+        return max(budgets, key=lambda key: len(budgets[key]))
+    matching = [key for key in budgets if key == asked or key.startswith(asked.rstrip("/") + "/")]
+    if len(matching) != 1:
+        raise SystemExit(f"summarize.py: error: --budget {asked} matches {len(matching) or 'no'} configuration(s) of "
+                         f"the results ({', '.join(sorted(matching or budgets))}); give one of them.")
+    return matching[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=REPO / "experiments" / "results" / "replication.jsonl")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
-    parser.add_argument("--budget", help="which budget to summarise (default: the one with the most runs)")
+    parser.add_argument("--budget", help="which configuration to summarise, its key or a leading part of it "
+                        "(tok1310720/bs8x256/lr0.003); default: the one with the most runs")
     args = parser.parse_args()
 
     records = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     budgets = defaultdict(list)
     for record in records:
         budgets[budget_of(record)].append(record)
-    budget = args.budget or max(budgets, key=lambda key: len(budgets[key]))
+    budget = choose_budget(args.budget, budgets) if budgets else None
+    if budget is None:
+        parser.error(f"{args.results} holds no runs")
     chosen = budgets[budget]
     summary = {"budget": budget, "runs": len(chosen), **summarise(chosen)}
     args.out.mkdir(parents=True, exist_ok=True)

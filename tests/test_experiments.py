@@ -62,6 +62,30 @@ def test_the_summary_of_a_results_file_compares_only_runs_of_one_configuration(t
     assert summary["variants"]["dar_block"]["paired_gain_vs_residual_pct_mean"] == pytest.approx(100 * 0.1 / 4.2)
 
 
+def test_a_budget_named_as_the_docs_name_it_is_found_and_one_that_matches_nothing_is_refused(tmp_path):
+    """docs/results.md names a budget by its leading part (tok640/bs2x32/lr0.002), which the configuration key
+    extends (weight decay, vocabulary, corpus): the lookup matched no run, and summarize.py wrote an empty table, JSON
+    and plot over the published ones and exited 0. The leading part now picks its one configuration; a name that
+    matches none or several is refused naming the keys, and nothing is written."""
+    results = tmp_path / "replication.jsonl"
+    runs = [record(variant, seed, loss) for variant, loss in (("residual", 4.20), ("dar_block", 4.10))
+            for seed in (0, 1)]
+    results.write_text("".join(json.dumps(run) + "\n" for run in runs))
+
+    def summarise_budget(budget, out):
+        return subprocess.run([sys.executable, str(EXPERIMENTS / "summarize.py"), "--results", str(results), "--out",
+                               str(out), "--budget", budget], capture_output=True, text=True, timeout=300)
+
+    completed = summarise_budget("tok640/bs2x32/lr0.002", tmp_path / "short")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert json.loads((tmp_path / "short" / "replication_summary.json").read_text())["runs"] == 4
+    results.write_text(results.read_text() + json.dumps(record("residual", 0, 3.7, corpus="BBBB")) + "\n")
+    for budget, matches in (("tok999/bs2x32/lr0.002", "no"), ("tok640/bs2x32/lr0.002", "2")):
+        completed = summarise_budget(budget, tmp_path / "refused")
+        assert completed.returncode != 0 and f"matches {matches} configuration(s)" in completed.stderr
+        assert not (tmp_path / "refused").exists()
+
+
 def test_a_run_is_done_only_for_its_own_configuration_and_old_records_still_count(tmp_path):
     """replicate.py's run key left out the vocabulary size and weight decay: a replication with another one printed
     "0 runs to do" and summarised the earlier runs as the new ones. A record written under the old key (no corpus or
@@ -77,3 +101,12 @@ def test_a_run_is_done_only_for_its_own_configuration_and_old_records_still_coun
     for changed in (dict(vocab_size=8192), dict(weight_decay=0.0), dict(corpus_tag="BBBB"), dict(lr=0.001)):
         other = argparse.Namespace(**{**vars(args), **changed})
         assert replicate.run_key("dar_block", 0, other) not in done, changed
+
+
+def test_analyze_trained_refuses_when_no_checkpoint_matches():
+    """analyze_trained.sh globbed `*-seed0-tok327680`, which replicate.py's checkpoint names (a configuration hash
+    after the budget) never match: it analysed nothing and exited 0. It now matches them, and says so and fails when
+    nothing matches (here a glob of no checkpoint)."""
+    completed = subprocess.run(["sh", str(EXPERIMENTS / "analyze_trained.sh")], capture_output=True, text=True,
+                               timeout=60, env={"PATH": "/usr/bin:/bin", "ANALYSE": "no-such-checkpoint-*"})
+    assert completed.returncode == 1 and "no checkpoint matches" in completed.stderr
