@@ -515,17 +515,29 @@ def test_the_output_is_on_disk_before_it_is_renamed_into_place_and_before_the_ol
         events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
         real_fsync(descriptor)
 
+    parked = {}  # where the one-step swap parks the staging folder (`_exchanged_into_place`) -> the staging folder
+
     def rename(source, target):
+        if str(source).endswith(".partial") and Path(target).parent.name.endswith(".old"):
+            parked[str(target)] = str(source)
         events.append(("rename", str(source), str(target)))
         real_replace(source, target)
+
+    def exchange(first, second):  # the swap, recorded as the staging folder's rename into place
+        swapped = real_exchange(first, second)
+        if swapped:
+            events.append(("rename", parked.get(str(first), str(first)), str(second)))
+        return swapped
 
     def remove(folder):
         events.append(("remove", str(folder)))
         real_remove(folder)
 
     real_fsync, real_replace, real_remove = os.fsync, os.replace, output_module._remove_marked
+    real_exchange = output_module._exchange
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", rename)
+    monkeypatch.setattr(output_module, "_exchange", exchange)
     monkeypatch.setattr(output_module, "_remove_marked", remove)
     parent = tmp_path.resolve()
     out = parent / "out"
@@ -795,6 +807,8 @@ def test_a_swap_that_cannot_move_the_old_output_back_names_where_it_is_and_no_ru
         return replace(source, destination)
 
     monkeypatch.setattr(os, "replace", racing_replace)
+    # the two-step swap (where the system has no one-step exchange), whose output is absent between the renames
+    monkeypatch.setattr(output_module, "_exchanged_into_place", lambda *arguments: False)
     code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     monkeypatch.setattr(os, "replace", replace)
     assert code == 1
@@ -1007,6 +1021,7 @@ def test_a_run_killed_at_the_swap_leaves_a_folder_the_next_run_removes_or_a_usab
 
     monkeypatch.setattr(os, "replace", killed_at_the_swap)
     monkeypatch.setattr(output_module, "_remove_own_folder", lambda folder: None)  # the dead run cleans nothing
+    monkeypatch.setattr(output_module, "_exchanged_into_place", lambda *arguments: False)  # the two-step swap
     with pytest.raises(Killed):
         run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--overwrite", cwd=tmp_path)
     monkeypatch.undo()
@@ -1029,3 +1044,80 @@ def test_a_run_killed_at_the_swap_leaves_a_folder_the_next_run_removes_or_a_usab
     assert code == 0, stderr
     assert_complete_output(out)
     assert not (out / STAGING_MARKER).exists() and leftovers(tmp_path) == []
+
+
+def test_a_run_killed_at_any_step_of_an_overwrite_swap_leaves_an_output_in_place(tmp_path, tiny_source, monkeypatch,
+                                                                                  caplog):
+    """A SIGKILL between the two renames of `--overwrite` (the old output moved aside, the new one not yet in place)
+    left no output at all (a helper's kill sweep); the old one was in a retired folder that only the next run named.
+    Where the system swaps two folders in one step (`renameat2(RENAME_EXCHANGE)`), the new output is parked in the
+    retired folder and exchanged with the old one: a run killed before any file operation of the swap leaves the old
+    or the new output in place, complete, and the next run removes what the dead run left, naming no previous output
+    to move back."""
+    out = tmp_path / "out"
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    old = tree_state(out)
+
+    class Killed(BaseException):  # what a SIGKILL leaves: no clean-up runs
+        pass
+
+    real_replace, real_exchange = os.replace, getattr(output_module, "_exchange", None)
+    steps = {"seen": 0, "kill_at": 0, "active": False}
+
+    def step():
+        if steps["active"]:
+            steps["seen"] += 1
+            if steps["seen"] == steps["kill_at"]:
+                raise Killed
+
+    def replace(source, target, *args, **kwargs):
+        step()
+        return real_replace(source, target, *args, **kwargs)
+
+    def exchange(first, second):
+        step()
+        return real_exchange(first, second)
+
+    real_unmark = output_module._unmark
+
+    def unmark(*arguments):  # the first step after the new output is in place
+        step()
+        return real_unmark(*arguments)
+
+    move = output_module._move_into_place
+
+    def watched_move(*arguments):
+        steps["active"] = True
+        try:
+            return move(*arguments)
+        finally:
+            steps["active"] = False
+
+    outcomes = []
+    for kill_at in range(1, 4):  # park the new output, exchange, unmark it
+        steps.update(seen=0, kill_at=kill_at)
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "replace", replace)
+            patched.setattr(output_module, "_exchange", exchange, raising=False)
+            patched.setattr(output_module, "_unmark", unmark)
+            patched.setattr(output_module, "_move_into_place", watched_move)
+            patched.setattr(output_module, "_remove_own_folder", lambda folder: None)  # the dead run cleans nothing
+            with pytest.raises(Killed):
+                run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--overwrite", "--block-size", "1",
+                                       cwd=tmp_path)
+        for descriptor in list(output_module._MARKER_LOCKS.values()):  # the process died: its locks with it
+            os.close(descriptor)
+        output_module._MARKER_LOCKS.clear()
+        assert out.is_dir(), f"no output in place after a kill at step {kill_at}"
+        state = tree_state(out, skip=out / STAGING_MARKER)
+        outcomes.append("old" if state == old else "new")
+        if outcomes[-1] == "new":
+            assert json.loads((out / "config.json").read_text())["dar_block_size"] == 1
+        caplog.clear()
+        output_module.remove_stale_runs(tmp_path)
+        assert leftovers(tmp_path) == [] and "moved aside by a conversion that did not finish" not in caplog.text
+        code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--overwrite", cwd=tmp_path)
+        assert code == 0, stderr
+        assert_complete_output(out)
+        old = tree_state(out)
+    assert outcomes == ["old", "old", "new"]

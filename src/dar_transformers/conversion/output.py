@@ -19,8 +19,9 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   parent, which cannot replace a mount point. Nor the current working folder, which the swap would leave removed
   under the user's shell. Both refused before any work.
 - The new folder is written and verified in a staging folder next to the output, flushed to the disk (fsync), and
-  only then renamed into place; a replaced output is moved aside first and removed last, once the rename is on the
-  disk (kept, with a warning, if it was written to after its last check). The new folder takes the replaced
+  only then renamed into place; a replaced output is exchanged with it in one step where the system can
+  (`_exchanged_into_place`; else moved aside first) and removed last, once the swap is on the disk (kept, with a
+  warning, if it was written to after its last check). The new folder takes the replaced
   folder's permission bits (setgid included) and, as far as this process may, its owner and group. Signals are held
   back while folders are swapped or cleaned up, and any error (or interrupt) removes what this run created; an
   interrupt after the swap says that the output was written.
@@ -32,6 +33,7 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
 """
 
 import contextlib
+import ctypes
 import errno
 import gc
 import json
@@ -796,29 +798,73 @@ def _unmark(staging: Path, output: Path) -> None:
     _release_marker(staging)
 
 
-def _retire(staging: Path, output: Path, retired: Path, overwrite: bool) -> None:
-    """`_move_into_place` with an existing output: moved into the marked `retired` folder, the staging folder renamed
-    into place, the retired one removed (or kept, `_changed_since_checked`). Once the new output is in place, nothing
-    raises: what could not be done is a warning. If the rename into place fails and the old output cannot be moved
-    back (another process put a folder at `output` meanwhile), the retired folder is unmarked, so that no run removes
-    it, and the error says where the old output is (`kept`)."""
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two folders of one file system in one step (Linux's `renameat2` with `RENAME_EXCHANGE`), so that no moment
+    has neither at either path; False where the C library, the kernel or the file system has no such swap."""
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if function is None:
+        return False
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_current_folder, rename_exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE (linux/fcntl.h)
+    if function(at_current_folder, os.fsencode(first), at_current_folder, os.fsencode(second), rename_exchange) == 0:
+        return True
+    number = ctypes.get_errno()
+    if number in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # no exchange here: the caller renames in two steps
+        return False
+    raise OSError(number, os.strerror(number), f"{first} <-> {second}")
+
+
+def _exchanged_into_place(staging: Path, output: Path, retired: Path) -> bool:
+    """Put the new output in place in one step where the system can (`_exchange`): parked in the marked `retired`
+    folder, then swapped with the output, so that the old one lands in the retired folder. A run killed at any moment
+    leaves the old or the new output at `output`, and its retired folder holds the other, which the next run removes
+    as its own (`remove_stale_runs`); with two renames, a SIGKILL between them left no output at `output`. False
+    (everything as it was) where there is no exchange, or the output may not be written by this process (a folder
+    made read-only after the last check: the two-step path fails on it, leaving it as it is)."""
+    parked = retired / output.name
+    if not os.access(output, os.W_OK):
+        return False
+    os.replace(staging, parked)
     try:
-        os.replace(output, retired / output.name)
+        if _exchange(parked, output):
+            return True
+    except OSError:
+        os.replace(parked, staging)
+        raise
+    os.replace(parked, staging)
+    return False
+
+
+def _retire(staging: Path, output: Path, retired: Path, overwrite: bool) -> None:
+    """`_move_into_place` with an existing output: swapped with the staging folder in one step where the system can
+    (`_exchanged_into_place`, the old output then in the marked `retired` folder), else moved into the retired folder
+    and the staging folder renamed into place; the retired one is then removed (or kept, `_changed_since_checked`).
+    Once the new output is in place, nothing raises: what could not be done is a warning. If the rename into place
+    fails and the old output cannot be moved back (another process put a folder at `output` meanwhile), the retired
+    folder is unmarked, so that no run removes it, and the error says where the old output is (`kept`)."""
+    try:
+        exchanged = _exchanged_into_place(staging, output, retired)
     except OSError:
         shutil.rmtree(retired, ignore_errors=True)
         raise
-    try:
-        os.replace(staging, output)
-    except OSError as error:
+    if not exchanged:
         try:
-            os.replace(retired / output.name, output)
-        except OSError as back:
-            with contextlib.suppress(OSError):
-                (retired / STAGING_MARKER).unlink()
-            error.kept = (retired / output.name, _describe(back))
-            raise error from back
-        shutil.rmtree(retired, ignore_errors=True)
-        raise
+            os.replace(output, retired / output.name)
+        except OSError:
+            shutil.rmtree(retired, ignore_errors=True)
+            raise
+        try:
+            os.replace(staging, output)
+        except OSError as error:
+            try:
+                os.replace(retired / output.name, output)
+            except OSError as back:
+                with contextlib.suppress(OSError):
+                    (retired / STAGING_MARKER).unlink()
+                error.kept = (retired / output.name, _describe(back))
+                raise error from back
+            shutil.rmtree(retired, ignore_errors=True)
+            raise
     _unmark(staging, output)
     try:
         changed = _changed_since_checked(retired / output.name, overwrite)
@@ -878,7 +924,9 @@ def _take_over_metadata(staging: Path, existing: os.stat_result) -> None:
 def remove_stale_runs(parent: Path) -> list[Path]:
     """Remove the staging and retired folders in `parent` that runs no longer alive left behind (recognised by their
     marker; nothing else is touched), naming each on the log. A retired folder whose output is missing (a run killed
-    between its two renames) holds the only copy of that output: it is named, not removed. Returns what was removed."""
+    between its two renames) holds the only copy of that output: it is named, not removed. One that holds the run's
+    own new output, parked before a swap that did not happen (`_exchanged_into_place`; its manifest's id is the
+    marker's), is removed: the output in place is the previous one, unchanged. Returns what was removed."""
     removed = []
     if not parent.is_dir():
         return removed
@@ -899,7 +947,8 @@ def remove_stale_runs(parent: Path) -> list[Path]:
                            "left alone.")
             continue
         kept = entry / output.name
-        if entry.name.endswith(RETIRED_SUFFIX) and os.path.lexists(kept) and not _replaced_by(output, marker):
+        if (entry.name.endswith(RETIRED_SUFFIX) and os.path.lexists(kept) and not _replaced_by(output, marker)
+                and not _replaced_by(kept, marker)):  # (the run's own new output, parked before its swap: removed)
             logger.warning(f"{kept} is the previous {output}, moved aside by a conversion that did not finish "
                            f"(process {pid}), and {output} is not the folder that conversion wrote: left alone, move "
                            "it back or remove it yourself.")
