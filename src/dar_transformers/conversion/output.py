@@ -801,7 +801,10 @@ def _unmark(staging: Path, output: Path) -> None:
 def _exchange(first: Path, second: Path) -> bool:
     """Swap two folders of one file system in one step (Linux's `renameat2` with `RENAME_EXCHANGE`), so that no moment
     has neither at either path; False where the C library, the kernel or the file system has no such swap."""
-    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except (OSError, TypeError):  # no C library to open by this name (Windows)
+        return False
     if function is None:
         return False
     function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
