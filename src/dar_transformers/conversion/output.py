@@ -823,7 +823,8 @@ def _exchanged_into_place(staging: Path, output: Path, retired: Path) -> bool:
     leaves the old or the new output at `output`, and its retired folder holds the other, which the next run removes
     as its own (`remove_stale_runs`); with two renames, a SIGKILL between them left no output at `output`. False
     (everything as it was) where there is no exchange, or the output may not be written by this process (a folder
-    made read-only after the last check: the two-step path fails on it, leaving it as it is)."""
+    made read-only after the last check: the two-step path fails on it, leaving it as it is), or where the exchange
+    fails (the two-step path then tries, and reports its own error)."""
     parked = retired / output.name
     if not os.access(output, os.W_OK):
         return False
@@ -831,9 +832,8 @@ def _exchanged_into_place(staging: Path, output: Path, retired: Path) -> bool:
     try:
         if _exchange(parked, output):
             return True
-    except OSError:
-        os.replace(parked, staging)
-        raise
+    except OSError as error:
+        logger.debug(f"The one-step swap of {output} failed ({_describe(error)}); renaming in two steps.")
     os.replace(parked, staging)
     return False
 
