@@ -165,9 +165,9 @@ def main() -> None:
     budgets = defaultdict(list)
     for record in records:
         budgets[budget_of(record)].append(record)
-    budget = choose_budget(args.budget, budgets) if budgets else None
-    if budget is None:
+    if not budgets:
         parser.error(f"{args.results} holds no runs")
+    budget = choose_budget(args.budget, budgets)
     chosen = budgets[budget]
     summary = {"budget": budget, "runs": len(chosen), **summarise(chosen)}
     args.out.mkdir(parents=True, exist_ok=True)

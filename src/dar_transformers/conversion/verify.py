@@ -668,15 +668,7 @@ def raise_unless_passed(
             f"\nThe weights were rounded to {str(storage_dtype).removeprefix('torch.')}, which moves the logits beyond "
             "the bar; pass a larger tolerance (--tolerance) to accept a lower bar, which the model card records."
         )
-    if not hint and _rounding_of_large_logits(report):
-        largest = max(check.max_abs_logit for check in report.checks)
-        hint = (
-            f"\nEvery compared next token agrees and the greedy continuations are identical: the difference "
-            f"{report.max_abs_logit_difference:.1e} is {report.max_abs_logit_difference / largest:.0e} of the largest "
-            f"logit ({largest:.1f}), the size {report.dtype} rounding of two summation orders reaches at logits that "
-            "large. --verify-dtype float64 measures the conversion without that rounding; a larger tolerance "
-            "(--tolerance) would accept it instead, which the model card records."
-        )
+    hint = hint or _large_logits_hint(report)
     headline = "The converted model does not reproduce the source"
     if report.nothing_compared:
         headline = f"The converted model could not be verified ({report.nothing_compared})"
@@ -684,15 +676,22 @@ def raise_unless_passed(
     raise VerificationError(f"{headline}; nothing was written.\n{report.table()}{hint}{note}", report)
 
 
-def _rounding_of_large_logits(report: VerificationReport) -> bool:
-    """A float32 check that failed on its logit bar alone, by a difference within float32's relative rounding of the
-    largest logit (1e-5 of it; the default bar, 2e-4, is 4e-6 of SmolLM2's largest, 45): the top-1 check and the
-    greedy continuations agree, so the bar, absolute, is what a model with large logits misses."""
+def _large_logits_hint(report: VerificationReport) -> str:
+    """What to say of a float32 check that failed on its logit bar alone, by a difference within float32's relative
+    rounding of the largest logit (1e-5 of it; the default bar, 2e-4, is 4e-6 of SmolLM2's largest, 45): the top-1
+    check and the greedy continuations agree, so the bar, absolute, is what a model with large logits misses. ""
+    for any other failure."""
     difference = report.max_abs_logit_difference
     largest = max((check.max_abs_logit for check in report.checks), default=0.0)
-    return (report.dtype == "float32" and not report.relaxed and report.first_nonfinite is None
+    if not (report.dtype == "float32" and not report.relaxed and report.first_nonfinite is None
             and report.nothing_compared is None and report.greedy_identical and math.isfinite(difference)
-            and largest > 0 and difference <= 1e-5 * largest)
+            and largest > 0 and difference <= 1e-5 * largest):
+        return ""
+    return (f"\nEvery compared next token agrees and the greedy continuations are identical: the difference "
+            f"{difference:.1e} is {difference / largest:.0e} of the largest logit ({largest:.1f}), the size "
+            f"{report.dtype} rounding of two summation orders reaches at logits that large. --verify-dtype float64 "
+            "measures the conversion without that rounding; a larger tolerance (--tolerance) would accept it "
+            "instead, which the model card records.")
 
 
 __all__ = [
