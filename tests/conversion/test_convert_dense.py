@@ -179,6 +179,21 @@ def test_an_f16_gguf_is_not_said_to_be_rounded_where_float16_holds_it(tmp_path, 
     assert torch.equal(written["model.embed_tokens.weight"], embedding)  # F16 values, written as they are
 
 
+def test_a_quantised_gguf_tensor_is_said_stored_as_its_type_not_in_float32(tmp_path, caplog):
+    """A Q8_0 GGUF (quantised matrices, F32 norms) converted with --dtype bfloat16: the warning, the report and the
+    card said every rounded tensor was "stored in float32", which is how it is read, not how the file stores it."""
+    import gguf
+
+    (tmp_path / "gguf").mkdir()
+    gguf_path = write_tiny_gguf(tmp_path / "gguf" / "tiny.gguf", make_source("llama", tied=True), make_tokenizer(),
+                                matrices_type=gguf.GGMLQuantizationType.Q8_0)
+    report = upcycle(gguf_path, tmp_path / "out", dtype="bfloat16", tolerance=1.0, **FAST).report
+    said = "source tensor(s) stored in float32 or as Q8_0, dequantised to float32 ("
+    assert "--dtype bfloat16 may round" in caplog.text and said in caplog.text
+    assert said in report.rounding and said in (tmp_path / "out" / "README.md").read_text()
+    assert "stored in float32 (" not in caplog.text + report.rounding
+
+
 def test_the_report_says_which_weights_the_storage_dtype_rounded_and_whether_the_check_saw_it(tmp_path):
     """A float64 source stored in float32: both models are computed in float32 from the same rounded weights, so the
     check PASSED with the difference of an unrounded conversion, and only a warning said the values "may" be rounded.

@@ -731,7 +731,7 @@ def test_a_mixed_precision_source_refused_by_rounding_is_pointed_to_the_exact_dt
     state = {name: tensor if "norm" in name else tensor.to(torch.bfloat16)
              for name, tensor in load_file(source / "model.safetensors").items()}
     save_file(state, source / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VerificationError, match=r"source tensor\(s\) are stored in a dtype that bfloat16 rounds "
+    with pytest.raises(VerificationError, match=r"source tensor\(s\) hold values that bfloat16 rounds "
                                                 r"\(model\.layers\.0\.input_layernorm\.weight.*--dtype float32"):
         upcycle(source, tmp_path / "out", dar_block_size=2, full_greedy=False, progress=False, dtype=torch.bfloat16)
     assert not (tmp_path / "out").exists()

@@ -24,7 +24,7 @@ from .card import chat_answers, render_model_card
 from .families import MOE_SOURCE_FAMILIES, source_family, warn_not_carried
 from .options import ConversionOptions
 from .output import check_output_folder, scratch_folder, write_repo_folder
-from .checkpoints import StateDictCheckpoint
+from .checkpoints import Checkpoint, StateDictCheckpoint
 from .keymaps import TensorPlan
 from .plan import (
     cast_model, check_finite, check_tied_output_head, in_memory_source, kept_source_dtypes, logging_level_error,
@@ -179,7 +179,7 @@ def upcycle(
             # (the writer finds which, from its one read: `rounding` below)
             narrowed = [] if keep_source_dtypes else rounded_tensors(loaded.checkpoint, storage_dtype)
             if narrowed:
-                may_round = describe_rounding(narrowed, storage_dtype)
+                may_round = describe_rounding(narrowed, loaded.checkpoint)
                 logger.warning(f"--dtype {_short(storage_dtype)} may round {may_round}: where it does, the converted "
                                "model can at most compute the source's function with those weights rounded, not bit "
                                "for bit the source's, so the check may fail at its default tolerance (--tolerance "
@@ -202,7 +202,7 @@ def upcycle(
                                        options.progress, rounding)
                 changed = {name for name, rounded in rounding.items() if rounded}
                 rounded = describe_rounding([(name, dtype) for name, dtype in narrowed if name in changed],
-                                            storage_dtype)
+                                            loaded.checkpoint)
                 if narrowed and not rounded:
                     logger.info(f"--dtype {_short(storage_dtype)} changed no value: every source tensor is stored "
                                 "exactly.")
@@ -244,10 +244,10 @@ def upcycle(
         raise
 
 
-def describe_rounding(rounded: list, storage_dtype: torch.dtype) -> str:
-    """The source tensors a conversion to `storage_dtype` rounds (`rounded_tensors`), in a phrase: "23 source
-    tensor(s) stored in float32 (model.embed_tokens.weight, ...)"; empty when none."""
-    return tensors_phrase(rounded, "source") if rounded else ""
+def describe_rounding(rounded: list, checkpoint: Checkpoint) -> str:
+    """The source tensors a conversion rounds (`rounded_tensors` of the source `checkpoint`), in a phrase: "23
+    source tensor(s) stored in float32 (model.embed_tokens.weight, ...)"; empty when none."""
+    return tensors_phrase(rounded, "source", checkpoint) if rounded else ""
 
 
 def rounding_sentence(rounded: str, storage_dtype: torch.dtype, check_dtype: torch.dtype) -> str:

@@ -94,6 +94,11 @@ class Checkpoint:
         may round): its `infos()` dtype, unless the checkpoint reads it wider (a GGUF file's F16 tensor)."""
         return self.infos()[name].dtype
 
+    def stored_as(self, name: str) -> str:
+        """How the source stores the tensor, in a word for messages: its `stored_dtype` ("float32"), or a GGUF
+        file's quantisation type ("Q4_1"), whose values `stored_dtype` holds."""
+        return str(self.stored_dtype(name)).removeprefix("torch.")
+
     def read_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """Rows `indices` (any order, repeats allowed) of a 2-D tensor, e.g. embedding rows of a prompt."""
         self.check_rows(name, indices)
@@ -493,6 +498,10 @@ class GGUFCheckpoint(Checkpoint):
         """F16 and BF16 tensors are read as float32 but hold float16 / bfloat16 values (a conversion to that dtype
         rounds none of them); a quantised tensor's values (integers times a scale) are float32's."""
         return GGUF_EXACT_DTYPES.get(self._tensors[name][1].name, torch.float32)
+
+    def stored_as(self, name: str) -> str:
+        kind = self._tensors[name][1].name
+        return kind if kind not in GGUF_EXACT_DTYPES else super().stored_as(name)
 
     def _dequantised(self, name: str) -> torch.Tensor:
         if self._last is not None and self._last[0] == name:

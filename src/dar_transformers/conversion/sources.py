@@ -972,12 +972,23 @@ def warn_if_declared_dtype_differs(config: PreTrainedConfig, checkpoint: Checkpo
     )
 
 
-def tensors_phrase(tensors: list[tuple[str, torch.dtype]], kind: str = "") -> str:
+def tensors_phrase(tensors: list[tuple[str, torch.dtype]], kind: str = "",
+                   checkpoint: Checkpoint | None = None) -> str:
     """"2 tensor(s) stored in float32 (model.embed_tokens.weight, lm_head.weight)" of `rounded_tensors` ("2 source
-    tensor(s) ..." with `kind` "source")."""
-    dtypes = " and ".join(sorted({str(dtype).removeprefix("torch.") for _, dtype in tensors}))
+    tensor(s) ..." with `kind` "source"). With the `checkpoint`, a quantised tensor is said as stored: "211 source
+    tensor(s) stored in float32 or as Q4_1 and Q6_K, dequantised to float32 (...)" (`Checkpoint.stored_as`)."""
+    stored = {name: str(dtype).removeprefix("torch.") for name, dtype in tensors}
+    quantised = {}
+    if checkpoint is not None:
+        for name, dtype in tensors:
+            if checkpoint.stored_as(name) != stored[name]:
+                quantised[checkpoint.stored_as(name)] = stored.pop(name)
+    said = [f"in {' and '.join(sorted(set(stored.values())))}"] if stored else []
+    if quantised:
+        said.append(f"as {' and '.join(sorted(quantised))}, dequantised to "
+                    f"{' and '.join(sorted(set(quantised.values())))}")
     names = ", ".join(name for name, _ in tensors[:2]) + (", ..." if len(tensors) > 2 else "")
-    return f"{len(tensors)} {kind + ' ' if kind else ''}tensor(s) stored in {dtypes} ({names})"
+    return f"{len(tensors)} {kind + ' ' if kind else ''}tensor(s) stored {' or '.join(said)} ({names})"
 
 
 def rounded_tensors(checkpoint: Checkpoint, storage_dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:

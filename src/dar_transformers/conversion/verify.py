@@ -657,7 +657,7 @@ def raise_unless_passed(
         exact_dtype = exact_storage_dtype(source)
         names = ", ".join(name for name, _ in rounded[:3]) + (" ..." if len(rounded) > 3 else "")
         hint = (
-            f"\n{len(rounded)} source tensor(s) are stored in a dtype that {storage} rounds ({names}); --dtype "
+            f"\n{len(rounded)} source tensor(s) hold values that {storage} rounds ({names}); --dtype "
             f"{str(exact_dtype).removeprefix('torch.')} (dtype={exact_dtype}) stores every tensor exactly, and --dtype "
             "auto (the default) keeps each as the source stores it. A larger "
             "tolerance (--tolerance) would accept the rounding instead, which the model card records."
