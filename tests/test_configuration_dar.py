@@ -49,6 +49,36 @@ def test_bad_value_assigned_after_construction_is_refused_by_validate():
         config.validate()
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("dar_write_mode", "x", "dar_write_mode must be one of ['duplicate', 'split']"),  # built, ran as 'split'
+    ("dar_rho_init", 2.0, "dar_rho_init must lie strictly between 0 and 1"),  # a bare "math domain error"
+    ("dar_routing", "foo", "dar_routing must be one of"),  # a bare KeyError: 'foo'
+    ("dar_block_size", 20, "dar_block_size must be an integer in [1, 4]"),  # built, ran as one block
+])
+def test_a_bad_value_set_before_the_model_is_built_is_refused_naming_the_field(field, value, named):
+    """A config edited after construction, then given to a model: the model was built from it unchecked (only
+    `save_pretrained` refused the config later), so a typo ran as another variant or failed without naming the field."""
+    from dar_transformers import DARForCausalLM
+
+    config = tiny_dar_config()
+    setattr(config, field, value)
+    with pytest.raises(StrictDataclassError, match=re.escape(named)):
+        DARForCausalLM(config)
+
+
+@pytest.mark.parametrize("layers", [0, -1])
+def test_a_model_without_decoder_layers_is_refused_naming_num_hidden_layers(layers):
+    """It blamed `dar_block_size`, a field the caller never set, with the empty range [1, 0]."""
+    from dar_transformers import DARMoeConfig
+
+    with pytest.raises(StrictDataclassError, match=re.escape(f"DARConfig.num_hidden_layers must be a positive "
+                                                             f"integer (DAR mixes")) as error:
+        tiny_dar_config(num_hidden_layers=layers)
+    assert "dar_block_size" not in str(error.value)
+    with pytest.raises(StrictDataclassError, match=re.escape("DARMoeConfig.num_hidden_layers must be a positive")):
+        DARMoeConfig(**{**tiny_dar_config().to_dict(), "num_hidden_layers": layers})
+
+
 @pytest.mark.parametrize("field, value", [("dar_routing", "crossv"), ("dar_block_size", 2), ("rms_norm_eps", 1e-3),
                                           ("dar_count_scaling", False)])
 def test_a_layout_field_changed_on_a_built_model_is_refused_at_its_forward(field, value):

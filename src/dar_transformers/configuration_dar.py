@@ -207,6 +207,9 @@ class DARConfig(LlamaConfig):
     def validate_dar(self):
         """Part of `@strict` validation: every DAR field, with the field name and the allowed values."""
         num_branches = 2 * self.num_hidden_layers
+        if isinstance(self.num_hidden_layers, bool) or self.num_hidden_layers < 1:  # else a block size in [1, 0]
+            raise ValueError(f"{type(self).__name__}.num_hidden_layers must be a positive integer (DAR mixes the "
+                             f"outputs of the decoder layers over depth), got {self.num_hidden_layers!r}.")
         if isinstance(self.dar_block_size, bool) or not 1 <= self.dar_block_size <= num_branches:
             raise ValueError(
                 f"DARConfig.dar_block_size must be an integer in [1, {num_branches}] (branches: 2 per layer, "

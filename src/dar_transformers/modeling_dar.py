@@ -608,6 +608,7 @@ class DARModel(DARPreTrainedModel):
     output_class = DARModelOutputWithPast  # DAR-MoE's adds the router logits
 
     def __init__(self, config: DARConfig):
+        config.validate()  # a field set after the config was built (`config.dar_write_mode = "x"`): named here
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
