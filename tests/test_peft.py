@@ -321,6 +321,29 @@ def test_lora_on_dar_parameters_is_refused_where_the_backend_would_ignore_it(imp
     adapted(input_ids=input_ids, labels=input_ids).loss.backward()
 
 
+@pytest.mark.parametrize("implementation", ["fast", "two_phase"])
+def test_lora_on_the_depth_attentions_key_norm_is_refused_naming_it(implementation):
+    """The key norm sits inside the depth attention, one level below the modules the check looked at: LoRA on its
+    weight was ignored with gradients off (logits unchanged, where the reference backend moves them) and training
+    failed with autograd's "does not require grad"."""
+    model = base_model()
+    model.config.dar_implementation = implementation
+    input_ids = random_input_ids(batch=2, length=7, seed=4)
+    adapted = get_peft_model(model, LoraConfig(target_modules=[], r=2, init_lora_weights=False,
+                                               target_parameters=["depth_attention.key_norm.weight"]))
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(
+                ValueError, match=r"^layers\.0\.attn_residual\.depth_attention\.key_norm\.weight is adapted by "
+                                  r"ParamWrapper, "):
+            adapted(input_ids=input_ids, labels=input_ids)
+    reference = get_peft_model(base_model(), LoraConfig(target_modules=[], r=2, init_lora_weights=False,
+                                                        target_parameters=["depth_attention.key_norm.weight"]))
+    reference.base_model.model.config.dar_implementation = "reference"
+    reference(input_ids=input_ids, labels=input_ids).loss.backward()  # the reference backend runs the adapter
+    assert any(parameter.grad is not None and parameter.grad.abs().max() > 0
+               for name, parameter in reference.named_parameters() if "lora_" in name)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_adaption_prompt_adapts_dar_as_it_adapts_the_source(family, monkeypatch):
     """PEFT's adaption prompt (LLaMA-Adapter) keys its own table by model type and refused "dar". Registered with

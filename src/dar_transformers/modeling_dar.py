@@ -473,10 +473,14 @@ def refuse_forward_only_adapters(model: nn.Module) -> None:
                     "weight_norm / spectral_norm (a parametrization, which they read), or set "
                     "config.dar_implementation = 'reference' (which calls it; slower)."
                 )
-            if isinstance(module._modules.get("base_layer"), DAR_PARAMETER_MODULES):
-                adapted = f"{prefix}.{child}.{getattr(module, 'parameter_name', None) or 'base_layer'}"
+            wrapped = [(name, wrapper) for name, wrapper in module.named_modules()  # the key norm inside too
+                       if isinstance(wrapper._modules.get("base_layer"), DAR_PARAMETER_MODULES)]
+            if wrapped:
+                name, wrapper = wrapped[0]
+                adapted = ".".join(part for part in (prefix, child, name, getattr(wrapper, "parameter_name", None)
+                                                     or "base_layer") if part)
                 raise ValueError(
-                    f"{adapted} is adapted by {type(module).__name__}, which applies its update in the wrapped "
+                    f"{adapted} is adapted by {type(wrapper).__name__}, which applies its update in the wrapped "
                     "module's forward; DAR's 'fast' and 'two_phase' backends read that module's parameters directly "
                     "and never call it, so they cannot run it (the update was ignored with gradients off, and "
                     "training failed; merge_and_unload() gives a model they run). "
