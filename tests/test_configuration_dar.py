@@ -71,8 +71,8 @@ def test_a_model_without_decoder_layers_is_refused_naming_num_hidden_layers(laye
     """It blamed `dar_block_size`, a field the caller never set, with the empty range [1, 0]."""
     from dar_transformers import DARMoeConfig
 
-    with pytest.raises(StrictDataclassError, match=re.escape(f"DARConfig.num_hidden_layers must be a positive "
-                                                             f"integer (DAR mixes")) as error:
+    with pytest.raises(StrictDataclassError, match=re.escape("DARConfig.num_hidden_layers must be a positive "
+                                                             "integer (DAR mixes")) as error:
         tiny_dar_config(num_hidden_layers=layers)
     assert "dar_block_size" not in str(error.value)
     with pytest.raises(StrictDataclassError, match=re.escape("DARMoeConfig.num_hidden_layers must be a positive")):
