@@ -210,9 +210,20 @@ def test_the_report_says_which_weights_the_storage_dtype_rounded_and_whether_the
             "not include that rounding (--verify-dtype float64 measures it)."
     assert report.rounding.startswith("The output stores the weights in float32, which rounds ")
     assert report.rounding.endswith(blind) and blind in report.table()
-    assert blind in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert blind in card
+    # The card's claim about the function says the same: the check did not bound the distance from the source as
+    # stored (it claimed it did, a few lines above the report that says otherwise).
+    bounds = "the check bounds its distance from the source as stored by its tolerance"
+    assert bounds not in card
+    assert "the check computed both models in float32 from those rounded weights, so it does not measure that " \
+           "distance (a check with --verify-dtype float64 does)." in card
     seen = upcycle(source, tmp_path / "seen", dtype="float32", verify_dtype="float64", tolerance=1.0, **FAST).report
     assert seen.rounding.endswith("; the difference above includes that rounding.")
+    unverified = (tmp_path / "seen" / "README.md").read_text()  # a bar of 1.0 compares no next token: no bound
+    assert "which this conversion did NOT verify" in unverified and bounds not in unverified
+    upcycle(source, tmp_path / "bounded", dtype="float32", verify_dtype="float64", tolerance=1e-4, **FAST)
+    assert bounds in (tmp_path / "bounded" / "README.md").read_text()
     assert not upcycle(save_source(tmp_path / "f32"), tmp_path / "exact", dtype="float32", **FAST).report.rounding
 
 

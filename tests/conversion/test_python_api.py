@@ -135,6 +135,9 @@ def test_a_relaxed_report_gives_the_top1_agreement_of_every_position(tmp_path):
     exact = upcycle(source_folder, **FAST).report
     assert "all positions" not in exact.table()  # a check at the bar keeps its one figure
     assert all(words in exact.checks_run() for words in ("whose source top-1/top-2 margin exceeds", "near tie"))
+    assert "margin is within 2 x tolerance and" in exact.checks_run()
+    loose = upcycle(source_folder, tolerance=1e-3, **FAST).report  # a relaxed bar judges near ties at the default's
+    assert loose.relaxed and "margin is within 2 x the default tolerance (2.0e-04) and" in loose.checks_run()
 
 
 def test_a_full_temporary_folder_is_one_line_naming_it_and_leaves_nothing(tmp_path, monkeypatch):

@@ -610,7 +610,7 @@ def test_a_mixed_precision_source_keeps_every_tensor_as_stored_under_auto(tmp_pa
     card = (tmp_path / "out" / "README.md").read_text()
     assert re.search(r"\| weights dtype \| bfloat16; 7 tensor\(s\) in float32 as the source stores them "
                      r"\(model\.layers\.0\.input_layernorm\.weight, model\.layers\.0\.post_attention_layernorm"
-                     r"\.weight, \.\.\.\) \|", card)
+                     r"\.weight, \.\.\.\); DAR's own parameters float32, as they load \|", card)
     assert "from bfloat16 and float32 weights" in result.report.table() + card
 
 

@@ -138,7 +138,9 @@ def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
         ("partial block as a source / count scaling", f"{config.dar_include_partial} / {config.dar_count_scaling}"),
         ("branch family (HF attention / MLP modules)", config.dar_branch_family),
         ("weights dtype", str(config.dtype).removeprefix("torch.") + (
-            f"; {kept_dtypes}" if kept_dtypes else "")),
+            f"; {kept_dtypes}" if kept_dtypes else "") + (
+            "; DAR's own parameters float32, as they load"
+            if str(config.dtype).removeprefix("torch.") in ("bfloat16", "float16") else "")),
         ("tied input/output embeddings", str(config.tie_word_embeddings)),
     ]
     if hasattr(config, "num_experts"):  # DAR-MoE
@@ -204,9 +206,16 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
     compared = function  # what the check compared with: the source as stored
     if rounded:  # the weights are the source's rounded to the stored dtype: the function is that of those weights
         function += f" with its weights rounded to {storage}"
+        checked = report is not None and report.verified
+        if checked and _bits(report.dtype) > _bits(storage):  # (`api.rounding_sentence`: the check saw the rounding)
+            bound = ", and the check bounds its distance from the source as stored by its tolerance"
+        elif checked:  # both models computed in a dtype no finer than the stored one, from the same rounded weights
+            bound = (f"; the check computed both models in {report.dtype} from those rounded weights, so it does not "
+                     "measure that distance (a check with --verify-dtype float64 does)")
+        else:
+            bound = ""
         caveat = (f" Storing the weights in {storage} rounded {rounded}; by construction the converted model computes "
-                  f"what the source computes with them, and the check bounds its distance from the source as stored "
-                  f"by its tolerance.{caveat}")
+                  f"what the source computes with them{bound}.{caveat}")
     if report is None or not report.verified:
         return (f"**at conversion the model computes {function}** by construction, which this conversion did NOT "
                 f"verify (see below).{caveat}")
@@ -215,6 +224,11 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
                 f"{report.tolerance:.1e} (a tolerance relaxed from the default {report.default_tolerance:.1e}), "
                 f"verified below at that bar, not as an exact conversion.{caveat}")
     return f"**at conversion the model computes {function}**, verified below.{caveat}"
+
+
+def _bits(dtype: str) -> int:
+    """The width of a floating dtype named as the report names it ("float32")."""
+    return torch.finfo(getattr(torch, dtype)).bits
 
 
 ROUTING_DESCRIPTIONS = {  # DESIGN.md section 2: which stream's history keys and values a stream reads

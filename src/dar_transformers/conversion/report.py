@@ -175,7 +175,9 @@ class VerificationReport:
         else:
             top1 = (f"teacher-forced top-1 agreement at the {checked} of {total} positions whose source top-1/top-2 "
                     "margin exceeds 2 x tolerance")
-            ties = (" (continuations that first differ where the source's margin is within 2 x tolerance and the "
+            bar = ("tolerance" if self.tie_bar == self.tolerance else  # a relaxed bar: ties judged at the default's
+                   f"the default tolerance ({self.tie_bar:.1e})")
+            ties = (f" (continuations that first differ where the source's margin is within 2 x {bar} and the "
                     "logits agree within it are a near tie, not a failure)" if self.greedy_ran else "")
         return (f"Checks run ({self.method}, {computed}): max abs logit difference at every position; {top1}; "
                 f"{greedy}{ties}." + (f" {self.unreached}" if self.unreached else ""))
