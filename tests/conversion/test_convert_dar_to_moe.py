@@ -118,7 +118,8 @@ def test_a_bf16_dense_dar_upcycle_keeps_its_dar_parameters_float32(tmp_path, cap
     assert result.report.passed and not result.report.relaxed and result.report.storage_dtype == "bfloat16"
     assert "rounds" not in caplog.text and "config.json says dtype" not in caplog.text
     card = (tmp_path / "exact" / "README.md").read_text()
-    assert "| weights dtype | bfloat16; DAR's own parameters float32, as they load |" in card  # DAR's float32 parameters are not "kept as the source stores them"
+    # DAR's float32 parameters are not "kept as the source stores them"
+    assert "| weights dtype | bfloat16; DAR's own parameters float32, as they load |" in card
     assert "rounded" not in card
     assert all(torch.equal(tensor, written_tensors(bf16)[name])
                for name, tensor in written_tensors(tmp_path / "exact").items() if is_dar_parameter(name))

@@ -30,7 +30,7 @@ from .plan import (
     cast_model, check_finite, check_tied_output_head, in_memory_source, kept_source_dtypes, logging_level_error,
     plan_conversion, upcycle_model,
 )
-from .report import VerificationReport
+from .report import VerificationReport, check_sees_rounding
 from .sources import (
     Source, check_has_layers, check_heads_run, display_name, gguf_parsed_once, hub_snapshot, load_source_config,
     open_source,
@@ -255,7 +255,7 @@ def rounding_sentence(rounded: str, storage_dtype: torch.dtype, check_dtype: tor
     `describe_rounding` phrase): where the check computes in a dtype no finer, both models compute from the same
     rounded weights, so its difference does not measure the rounding."""
     sentence = f"The output stores the weights in {_short(storage_dtype)}, which rounds {rounded}"
-    if torch.finfo(check_dtype).bits <= torch.finfo(storage_dtype).bits:
+    if not check_sees_rounding(check_dtype, storage_dtype):
         return (f"{sentence}; the check computes both models in {_short(check_dtype)} from those rounded weights, so "
                 "the difference above does not include that rounding (--verify-dtype float64 measures it).")
     return f"{sentence}; the difference above includes that rounding."

@@ -10,6 +10,7 @@ from huggingface_hub.repocard import metadata_load
 
 from .. import TRANSFORMERS_REQUIREMENT, __version__
 from .families import DAR_SOURCE_TYPE, MOE_SOURCE_FAMILIES
+from .report import check_sees_rounding
 from .targets import untrained_router_note
 from .verify import has_default_chat_template, one_message_chat
 
@@ -207,7 +208,7 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
     if rounded:  # the weights are the source's rounded to the stored dtype: the function is that of those weights
         function += f" with its weights rounded to {storage}"
         checked = report is not None and report.verified
-        if checked and _bits(report.dtype) > _bits(storage):  # (`api.rounding_sentence`: the check saw the rounding)
+        if checked and check_sees_rounding(report.dtype, storage):  # as the report's rounding sentence says
             bound = ", and the check bounds its distance from the source as stored by its tolerance"
         elif checked:  # both models computed in a dtype no finer than the stored one, from the same rounded weights
             bound = (f"; the check computed both models in {report.dtype} from those rounded weights, so it does not "
@@ -224,11 +225,6 @@ def _function_sentence(exact: bool, report, source, rounded: str = "", storage: 
                 f"{report.tolerance:.1e} (a tolerance relaxed from the default {report.default_tolerance:.1e}), "
                 f"verified below at that bar, not as an exact conversion.{caveat}")
     return f"**at conversion the model computes {function}**, verified below.{caveat}"
-
-
-def _bits(dtype: str) -> int:
-    """The width of a floating dtype named as the report names it ("float32")."""
-    return torch.finfo(getattr(torch, dtype)).bits
 
 
 ROUTING_DESCRIPTIONS = {  # DESIGN.md section 2: which stream's history keys and values a stream reads

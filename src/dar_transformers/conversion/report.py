@@ -19,6 +19,15 @@ DEFAULT_TOLERANCES: dict[torch.dtype, float] = {
 }
 
 
+def check_sees_rounding(check_dtype: torch.dtype | str, storage_dtype: torch.dtype | str) -> bool:
+    """Whether a check computed in `check_dtype` measures what storing the weights in `storage_dtype` rounded: only
+    in a finer dtype; in one no finer, both models compute from the same rounded weights. Dtypes or their names
+    ("float32", as the report holds them)."""
+    check, storage = (getattr(torch, dtype) if isinstance(dtype, str) else dtype
+                      for dtype in (check_dtype, storage_dtype))
+    return torch.finfo(check).bits > torch.finfo(storage).bits
+
+
 class VerificationError(RuntimeError):
     """The converted model does not reproduce the source within the tolerance, or a written tensor differs from the
     source's (`verify.check_written_tensors`: `report` None); nothing was written."""
@@ -227,4 +236,5 @@ class VerificationReport:
         return "\n".join(lines)
 
 
-__all__ = ["DEFAULT_TOLERANCES", "PromptCheck", "VerificationError", "VerificationReport"]
+__all__ = ["DEFAULT_TOLERANCES", "PromptCheck", "VerificationError", "VerificationReport",
+           "check_sees_rounding"]

@@ -980,9 +980,10 @@ def tensors_phrase(tensors: list[tuple[str, torch.dtype]], kind: str = "",
     stored = {name: str(dtype).removeprefix("torch.") for name, dtype in tensors}
     quantised = {}
     if checkpoint is not None:
-        for name, dtype in tensors:
-            if checkpoint.stored_as(name) != stored[name]:
-                quantised[checkpoint.stored_as(name)] = stored.pop(name)
+        for name, _ in tensors:
+            stored_as = checkpoint.stored_as(name)
+            if stored_as != stored[name]:
+                quantised[stored_as] = stored.pop(name)
     said = [f"in {' and '.join(sorted(set(stored.values())))}"] if stored else []
     if quantised:
         said.append(f"as {' and '.join(sorted(quantised))}, dequantised to "
