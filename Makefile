@@ -126,7 +126,8 @@ bench-serve: $(STAMP) $(VLLM_STAMP)
 
 # ---- the prepared GPU check (benchmarks/gpu_check.sh), for a lent machine that cannot fetch packages ---------------
 # Python 3.12 wheels of transformers 5.25 and what it needs beyond the machines' image (which has transformers 5.17),
-# gguf and peft, about 50 MB, into benchmarks/wheels/ (ignored), which the device call carries.
+# gguf and peft, about 50 MB, into benchmarks/wheels/ (ignored), which the device call carries; gpu_check.sh installs
+# the same pins (change both together).
 GPU_WHEELS := benchmarks/wheels
 
 .PHONY: gpu-wheels

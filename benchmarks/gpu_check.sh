@@ -56,6 +56,8 @@ trap save EXIT
 if step 0; then
 echo "== 0. versions"
 if compgen -G "benchmarks/wheels/*.whl" > /dev/null; then
+    # The versions `make gpu-wheels` downloads, pinned: unpinned, pip keeps the image's transformers when 5.25's
+    # requirements do not resolve from the folder, and exits 0.
     run wheels 120 $PY -m pip install --quiet --no-index --find-links benchmarks/wheels transformers==5.25.0 gguf \
         peft==0.21.2
 fi
@@ -67,8 +69,8 @@ print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else N
 assert torch.cuda.is_available(), 'no CUDA device (or a CPU build of torch): this check is for a GPU machine'
 import dar_transformers
 "
-if [[ " ${FAILED[*]} " == *" versions:"* ]]; then
-    echo "!! stopping: no CUDA, or the package does not import with these versions (see above)"
+if [[ " ${FAILED[*]} " == *" versions:"* || " ${FAILED[*]} " == *" wheels:"* ]]; then
+    echo "!! stopping: the carried wheels did not install, no CUDA, or the package does not import (see above)"
     exit 1
 fi
 fi
