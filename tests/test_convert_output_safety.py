@@ -452,6 +452,60 @@ def test_staging_left_by_sigkill_is_removed_by_the_next_run_and_nothing_else(tmp
     assert_complete_output(tmp_path / "out")
 
 
+def test_a_refused_rerun_names_the_staging_folder_a_killed_run_left(tmp_path):
+    """An `--overwrite` run killed while writing (SIGKILL, the OOM killer) leaves a hidden staging folder as large as
+    the model beside the previous output; a rerun without --overwrite is refused before the clean-up that removes it,
+    and the refusal did not say it was there. Now it names it with its size; it removes nothing (a refused run changes
+    nothing), and a live run's staging folder, another output's and an unmarked lookalike are not named."""
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "config.json").write_text("{}")
+
+    def staged(name, marker_output, pid):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 3 * 2**20)
+        (folder / STAGING_MARKER).write_text(json.dumps({"pid": pid, "host": os.uname().nodename,
+                                                         "output": str(marker_output)}))
+        return folder
+
+    left = staged(".out.abc123.partial", output, _dead_pid())
+    live = staged(".out.live42.partial", output, os.getpid())
+    other = staged(".out2.dead17.partial", tmp_path / "out2", _dead_pid())
+    (tmp_path / ".out.notours.partial").mkdir()
+    lock = os.open(live / STAGING_MARKER, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(FileExistsError) as refused:
+            check_output_folder(output, overwrite=False)
+    finally:
+        os.close(lock)
+    message = str(refused.value)
+    assert (f"Beside it, {left} (0.00 GiB) is the staging folder of an earlier run into it that did not finish; the "
+            f"next run that writes in {tmp_path} removes it, or remove it yourself.") in message
+    assert str(live) not in message and str(other) not in message and "notours" not in message
+    assert left.is_dir() and live.is_dir() and other.is_dir()
+    for folder in (left, live):  # nothing left by a run (the live one's lock is free now): as it said before
+        (folder / STAGING_MARKER).unlink()
+    with pytest.raises(FileExistsError) as refused:
+        check_output_folder(output, overwrite=False)
+    assert str(refused.value).endswith("to replace a previous conversion output.")
+
+
+@pytest.mark.parametrize("locked", [True, False, None])
+def test_a_run_has_ended_by_its_lock_or_where_locks_fail_by_its_process_on_this_host(tmp_path, monkeypatch, locked):
+    """The rule that decides which marked folders the clean-up removes and a refusal names: a held lock means alive,
+    a free one ended (whatever the process id names now); with no locks (None: a file system without flock) a run of
+    this host has ended when its process is gone, and one of another host, or of no readable process id, never."""
+    monkeypatch.setattr(output_module, "_marker_locked", lambda folder: locked)
+    here, dead = os.uname().nodename, _dead_pid()
+    # (host, pid, ended where locks do not work)
+    cases = [(here, dead, True), (here, os.getpid(), False), ("elsewhere", dead, False), (here, "?", False)]
+    for host, pid, ended_without_locks in cases:
+        expected = ended_without_locks if locked is None else not locked
+        assert output_module._run_ended(tmp_path, {"host": host, "pid": pid}) == expected, (host, pid)
+
+
 def test_a_stale_lookalike_that_is_a_symlink_is_never_followed(tmp_path):
     """A symlink named like a staging folder, to a folder holding a dead run's marker and the user's files: the
     clean-up followed it and emptied the folder it points to. Never followed now (nor a marker that is a symlink)."""

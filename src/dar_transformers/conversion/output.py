@@ -127,7 +127,7 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
         if not overwrite:
             raise FileExistsError(
                 f"Output folder {shown} exists and is not empty; choose a new or empty folder, or pass --overwrite "
-                "(overwrite=True) to replace a previous conversion output."
+                f"(overwrite=True) to replace a previous conversion output.{_left_staging_note(output)}"
             )
         reason = not_a_conversion_output(output)
         if reason:
@@ -137,6 +137,37 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
             )
     _refuse_unwritable(output, shown)
     return output
+
+
+def _left_staging_note(output: Path) -> str:
+    """A sentence naming the staging folders beside `output` that killed runs into it left (their marker's output is
+    `output` and their run ended: what `remove_stale_runs` removes), for a refusal that comes before that clean-up, so
+    that a hidden folder as large as the model does not stay unnoticed; empty if there is none."""
+    left = []
+    with contextlib.suppress(OSError):
+        for entry in output.parent.iterdir():
+            if not (entry.name.startswith(f".{output.name}.") and entry.name.endswith(STAGING_SUFFIX)
+                    and stat.S_ISDIR(os.lstat(entry).st_mode)):
+                continue
+            marker = _read_marker(entry)
+            if marker is not None and marker.get("output") == str(output) and _run_ended(entry, marker):
+                size = sum(status.st_size for _, status in walk_without_symlinks(entry)
+                           if stat.S_ISREG(status.st_mode))
+                left.append(f"{entry} ({size / 2**30:.2f} GiB)")
+    if not left:
+        return ""
+    one = len(left) == 1
+    return (f" Beside it, {_first_few(left)} {'is the staging folder' if one else 'are staging folders'} of an "
+            f"earlier run into it that did not finish; the next run that writes in {output.parent} removes "
+            f"{'it' if one else 'them'}, or remove {'it' if one else 'them'} yourself.")
+
+
+def _run_ended(entry: Path, marker: dict) -> bool:
+    """Whether the run that marked `entry` has ended: its marker's lock is free where locks work, else its process is
+    gone from this host (a marker of another host, or of an unknown process, counts as alive)."""
+    locked = _marker_locked(entry)
+    gone_here = marker.get("host") == socket.gethostname() and not _alive(marker.get("pid"))
+    return not locked and (locked is not None or gone_here)
 
 
 def _refuse_unwritable(output: Path, shown: str) -> None:
@@ -944,8 +975,7 @@ def remove_stale_runs(parent: Path) -> list[Path]:
         pid, host, output = marker.get("pid"), marker.get("host"), Path(str(marker.get("output", "")))
         # Every run holds its marker locked while the folder is its own, so where locks work a free lock says the run
         # ended, whatever its process id now names (reused: process 1 in a container) or its host was called.
-        locked = _marker_locked(entry)
-        if locked or (locked is None and (host != socket.gethostname() or _alive(pid))):
+        if not _run_ended(entry, marker):
             logger.warning(f"{entry} belongs to a conversion that may still be running (process {pid} on {host}); "
                            "left alone.")
             continue
