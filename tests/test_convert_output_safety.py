@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -920,30 +921,227 @@ def test_a_swap_records_the_new_outputs_run_id_in_the_retired_marker(tmp_path, t
     assert [marker.get("replacement_run") for marker in markers if "replacement_run" in marker] == [second]
 
 
-def test_an_output_another_run_put_in_place_meanwhile_is_kept_without_overwrite(tmp_path, tiny_source, monkeypatch,
-                                                                                 caplog):
+def test_an_output_another_run_put_in_place_meanwhile_is_left_in_place_without_overwrite(tmp_path, tiny_source,
+                                                                                         monkeypatch):
     """Run A, without --overwrite, found the output absent at its last check; run B finished and put its output there
-    before A's swap; A moved B's complete output aside and removed it, and both said "Wrote" (a helper's repro, a
-    window of about 0.1 ms). Without --overwrite, a conversion output found at the swap is another run's: kept,
-    named."""
+    before A's swap. A moved B's complete output aside and removed it, and both said "Wrote" (a helper's repro, a
+    window of about 0.1 ms); then A kept B's output in a hidden folder that no run removes, replaced it, and both still
+    said "Wrote" (the concurrency audit). Now A's swap is one rename, which replaces only a missing or empty folder: A
+    is refused, saying another process wrote the output meanwhile, and B's output stays in place as it was."""
     other = tmp_path / "other"
     assert run_convert_in_process(tiny_source, other, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
     before = tree_state(other)
     out = tmp_path / "out"
     move = output_module._move_into_place
 
-    def run_b_finishes_first(staging, output, *overwrite):
+    def run_b_finishes_first(staging, output, *checked):
         os.rename(other, output)  # run B's output arrives between A's last check and its swap
-        return move(staging, output, *overwrite)
+        return move(staging, output, *checked)
 
     monkeypatch.setattr(output_module, "_move_into_place", run_b_finishes_first)
     code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--block-size", "1", cwd=tmp_path)
+    assert code == 1
+    assert messages(stderr)[-1] == (
+        f"dar convert: error: Output folder {out} was written by another process while this conversion ran (it was "
+        "missing or empty when this run checked it: another conversion into the same folder?); nothing was written, "
+        "and the folder was left as it is.")
+    assert tree_state(out) == before and leftovers(tmp_path) == []
+
+
+def test_an_output_another_conversion_replaced_meanwhile_is_not_replaced_again(tmp_path, tiny_source, monkeypatch,
+                                                                                 caplog):
+    """Two `--overwrite` conversions into one output: the later one to swap replaced the earlier one's fresh output as
+    an ordinary previous output, and both said "Wrote" (the concurrency audit). Now a run refuses an output that
+    another process wrote after its first check, leaving it in place; and one put there after its last check (a
+    window of the swap itself) is kept, named, not removed."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    for folder in (out, other):
+        assert run_convert_in_process(tiny_source, folder, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    before = tree_state(other)
+    write = output_module.write_manifest
+
+    def other_run_swaps_first(staging):  # while this run writes: the other run's output replaces the previous one
+        shutil.rmtree(out)
+        os.rename(other, out)
+        return write(staging)
+
+    monkeypatch.setattr(output_module, "write_manifest", other_run_swaps_first)
+    code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 1
+    assert messages(stderr)[-1] == (
+        f"dar convert: error: Output folder {out} was written by another process while this conversion ran (the "
+        "previous conversion output this run was to replace is not the one there now: another conversion into the "
+        "same folder?); nothing was written, and the folder was left as it is.")
+    assert tree_state(out) == before and leftovers(tmp_path) == []
+
+    monkeypatch.setattr(output_module, "write_manifest", write)
+    assert run_convert_in_process(tiny_source, other, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    before = tree_state(other)
+    move = output_module._move_into_place
+
+    def other_run_swaps_at_the_swap(staging, output, *checked):
+        shutil.rmtree(output)
+        os.rename(other, output)
+        return move(staging, output, *checked)
+
+    monkeypatch.setattr(output_module, "_move_into_place", other_run_swaps_at_the_swap)
+    code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 0, stderr
     assert_complete_output(out)
     (retired,) = tmp_path.glob(".out.*.old")
     assert tree_state(retired / "out") == before and not (retired / STAGING_MARKER).exists()
-    assert "it was not there or empty when this conversion checked it, and --overwrite was not given" in caplog.text
-    assert f"so it was kept, not removed: {retired / 'out'}" in caplog.text
+    assert ("The folder it replaced changed while it was being replaced (another folder took its place after this "
+            "conversion's last check: another conversion's output?), so it was kept, not removed: "
+            f"{retired / 'out'}") in caplog.text
+
+
+def test_an_output_that_appeared_while_the_run_worked_is_refused_saying_so(tmp_path, tiny_source, monkeypatch):
+    """The loser of two conversions into one new folder was told the folder "exists and is not empty ... pass
+    --overwrite", which invites replacing the winner's fresh output; now it is told another process wrote it."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    assert run_convert_in_process(tiny_source, other, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    write = output_module.write_manifest
+
+    def other_run_finishes_first(staging):
+        os.rename(other, out)
+        return write(staging)
+
+    monkeypatch.setattr(output_module, "write_manifest", other_run_finishes_first)
+    code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)
+    assert code == 1 and "--overwrite" not in messages(stderr)[-1]
+    assert f"Output folder {out} was written by another process while this conversion ran (it was missing or empty " \
+           "when this run checked it" in messages(stderr)[-1]
+    assert_complete_output(out) and leftovers(tmp_path) == []
+
+
+def test_an_output_that_is_a_live_runs_working_folder_is_refused(tmp_path, tiny_source):
+    """`--overwrite` into another live run's complete staging folder replaced it, and that run then put this one's
+    model in place as its own (the concurrency audit). A folder holding a live run's marker is refused."""
+    source = tmp_path / "source"
+    shutil.copytree(tiny_source, source)
+    staging = output_module._marked_folder(tmp_path / "a", output_module.STAGING_SUFFIX)
+    try:
+        code, stderr = run_convert_in_process(source, staging, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
+    finally:
+        output_module._release_marker(staging)
+    assert code == 1
+    assert messages(stderr)[-1] == (
+        f"dar convert: error: Output folder {staging} is the working folder of a conversion that is still running "
+        f"(process {os.getpid()} on {socket.gethostname()}, writing {tmp_path / 'a'}); choose another output.")
+    assert sorted(path.name for path in staging.iterdir()) == [STAGING_MARKER]
+
+
+def _lockf_as_flock(locks_module):
+    """An `fcntl` whose `flock` behaves as NFS's: POSIX record locks (an exclusive one needs a descriptor open for
+    writing, EBADF otherwise; closing any descriptor of the file releases the process's locks)."""
+    def flock(descriptor, operation):
+        return fcntl.lockf(descriptor, operation)
+
+    return type("NFSLikeFcntl", (), {"flock": staticmethod(flock), "LOCK_EX": fcntl.LOCK_EX, "LOCK_SH": fcntl.LOCK_SH,
+                                      "LOCK_NB": fcntl.LOCK_NB, "LOCK_UN": fcntl.LOCK_UN})
+
+
+def test_a_run_holds_its_marker_locked_where_locks_are_nfs_like(tmp_path, monkeypatch):
+    """On NFS, flock is emulated by POSIX locks: the exclusive lock on the marker, opened read-only, failed with EBADF
+    and was ignored, so another run's probe found the lock free and removed the live run's staging folder (data loss
+    and a false "Wrote" in the audit's repro); and writing the marker through a second descriptor would have released
+    it. Now the marker is opened for writing and written through the locked descriptor: another process's probe sees
+    it locked. Where no exclusive lock can be taken at all, the marker says so, and a free lock is not taken for an
+    ended run: the process id decides."""
+    monkeypatch.setattr(output_module, "fcntl", _lockf_as_flock(fcntl))
+    staging = output_module._marked_folder(tmp_path / "out", output_module.STAGING_SUFFIX)
+    try:  # seen from another process (opening the marker here would release the lock, as NFS would)
+        probe = ("import fcntl, json, os, sys\n"
+                 "descriptor = os.open(sys.argv[1], os.O_RDONLY)\n"
+                 "print(json.loads(os.read(descriptor, 4096))['locked'])\n"
+                 "try:\n    fcntl.lockf(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)\nexcept OSError:\n    print('locked')\n"
+                 "else:\n    print('free')\n")
+        seen = subprocess.run([sys.executable, "-c", probe, str(staging / STAGING_MARKER)], capture_output=True,
+                              text=True, check=True).stdout.split()
+        assert seen == ["True", "locked"]
+    finally:
+        output_module._release_marker(staging)
+        shutil.rmtree(staging)
+
+    def no_exclusive_locks(descriptor, operation):
+        if operation & fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return fcntl.flock(descriptor, operation)
+
+    monkeypatch.setattr(output_module, "fcntl", type("NoExclusive", (), {
+        "flock": staticmethod(no_exclusive_locks), "LOCK_EX": fcntl.LOCK_EX, "LOCK_SH": fcntl.LOCK_SH,
+        "LOCK_NB": fcntl.LOCK_NB}))
+    live = output_module._marked_folder(tmp_path / "out", output_module.STAGING_SUFFIX)
+    descriptor = output_module._MARKER_LOCKS.pop(live)  # as another process's run, still alive (this process)
+    try:
+        assert json.loads((live / STAGING_MARKER).read_text())["locked"] is False
+        assert output_module.remove_stale_runs(tmp_path) == [] and live.is_dir()
+    finally:
+        os.close(descriptor)
+
+
+def test_a_check_that_reads_an_output_while_another_run_swaps_it_reads_it_again(tmp_path, tiny_source, monkeypatch):
+    """The manifest and the files were read by path one after the other, so a check during another run's swap could
+    mix two folders and refuse a valid output as "changed since the conversion wrote it" (2-5 in 100 checks in the
+    audit). A read during which the path changed folder is read again."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    for folder in (out, other):
+        assert run_convert_in_process(tiny_source, folder, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    read = output_module._conversion_output_reason
+    calls = []
+
+    def swapped_while_read(folder):
+        calls.append(folder)
+        if len(calls) == 1:  # another run swaps its output in mid-read: this read mixed the two folders
+            os.rename(folder, tmp_path / "aside")
+            os.rename(other, folder)
+            return "changed since the conversion wrote it: config.json"
+        return read(folder)
+
+    monkeypatch.setattr(output_module, "_conversion_output_reason", swapped_while_read)
+    assert output_module.not_a_conversion_output(out) is None and len(calls) == 2
+
+
+def test_the_run_marker_it_removes_from_the_output_is_only_its_own(tmp_path, caplog):
+    """`_unmark` removed the marker by name: another run's, where that run's folder took the output's place before
+    it, or it warned "could not be removed ... remove it yourself" about a file that was not there."""
+    output, empty = tmp_path / "out", tmp_path / "empty"
+    staging = output_module._marked_folder(output, output_module.STAGING_SUFFIX)
+    other = output_module._marked_folder(tmp_path / "b", output_module.STAGING_SUFFIX)
+    try:
+        os.rename(other, output)  # another run's marked folder is at the output
+        output_module._unmark(staging, output)
+        assert (output / STAGING_MARKER).is_file()
+        empty.mkdir()
+        output_module._unmark(other, empty)  # no marker there at all: nothing to remove, nothing to say
+        assert "remove it yourself" not in caplog.text
+    finally:
+        for folder in list(output_module._MARKER_LOCKS):
+            output_module._release_marker(folder)
+
+
+def test_the_clean_up_skips_a_folder_gone_since_its_listing_and_a_parent_made_meanwhile(tmp_path, monkeypatch):
+    """Two runs in one parent folder: an entry of the stale-run clean-up's listing that another run renamed or removed
+    before its lstat failed this run ("No such file or directory" naming the other run's folder); a parent folder the
+    other run made between this run's check and its mkdir failed it with "File exists". Both are skipped now, and a
+    parent this run did not make is not this run's to remove."""
+    gone = tmp_path / ".out.gone1234.partial"
+    lstat = os.lstat
+
+    def vanished(path, *args, **kwargs):
+        if Path(path) == gone:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        return lstat(path, *args, **kwargs)
+
+    gone.mkdir()
+    monkeypatch.setattr(os, "lstat", vanished)
+    assert output_module.remove_stale_runs(tmp_path) == []
+    monkeypatch.setattr(os, "lstat", lstat)
+    made_meanwhile = tmp_path / "new" / "deeper"
+    made_meanwhile.parent.mkdir()
+    lexists = os.path.lexists
+    monkeypatch.setattr(os.path, "lexists", lambda path: False if Path(path) == made_meanwhile.parent else lexists(path))
+    assert output_module._make_parents(made_meanwhile) == [made_meanwhile]
 
 
 def test_an_error_after_the_swap_is_a_warning_not_nothing_was_written(tmp_path, tiny_source, monkeypatch, caplog):

@@ -123,6 +123,12 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
             f"to ls, the output beside it under the same name). Name a new folder, e.g. ./{_suggested_name(source)}, "
             f"or run the command from {output.parent}."
         )
+    marker = _read_marker(output) if output.is_dir() else None
+    if marker is not None and not _run_ended(output, marker):
+        raise ValueError(
+            f"Output folder {shown} is the working folder of a conversion that is still running (process "
+            f"{marker.get('pid')} on {marker.get('host')}, writing {marker.get('output')}); choose another output."
+        )
     if output.is_dir() and any(output.iterdir()):
         if not overwrite:
             raise FileExistsError(
@@ -143,11 +149,14 @@ def _left_staging_note(output: Path) -> str:
     """A sentence naming the staging folders beside `output` that killed runs into it left (their marker's output is
     `output` and their run ended: what `remove_stale_runs` removes), for a refusal that comes before that clean-up, so
     that a hidden folder as large as the model does not stay unnoticed; empty if there is none."""
-    left = []
+    left, entries = [], []
     with contextlib.suppress(OSError):
-        for entry in output.parent.iterdir():
-            if not (entry.name.startswith(f".{output.name}.") and entry.name.endswith(STAGING_SUFFIX)
-                    and stat.S_ISDIR(os.lstat(entry).st_mode)):
+        entries = list(output.parent.iterdir())
+    for entry in entries:
+        if not (entry.name.startswith(f".{output.name}.") and entry.name.endswith(STAGING_SUFFIX)):
+            continue
+        with contextlib.suppress(OSError):  # one gone since the listing, say: not named
+            if not stat.S_ISDIR(os.lstat(entry).st_mode):
                 continue
             marker = _read_marker(entry)
             if marker is not None and marker.get("output") == str(output) and _run_ended(entry, marker):
@@ -163,9 +172,13 @@ def _left_staging_note(output: Path) -> str:
 
 
 def _run_ended(entry: Path, marker: dict) -> bool:
-    """Whether the run that marked `entry` has ended: its marker's lock is free where locks work, else its process is
-    gone from this host (a marker of another host, or of an unknown process, counts as alive)."""
+    """Whether the run that marked `entry` has ended: its marker's lock is free where its run held it (the marker
+    says whether it could: `_marked_folder`; one written before it said so, by a version that locked where the file
+    system let it, is taken as locked), else its process is gone from this host (a marker of another host, or of an
+    unknown process, counts as alive)."""
     locked = _marker_locked(entry)
+    if locked is False and marker.get("locked") is False:  # its run could not lock it: a free lock says nothing
+        locked = None
     gone_here = marker.get("host") == socket.gethostname() and not _alive(marker.get("pid"))
     return not locked and (locked is not None or gone_here)
 
@@ -243,7 +256,18 @@ def not_a_conversion_output(folder: Path) -> str | None:
     the conversion's manifest (`MANIFEST_NAME`), every file and folder in it is listed there, each listed file is
     still there with its size and modification time, and its config.json has a DAR `model_type`. So a user's file
     moved or copied in (mv, cp -a and tar keep old times), a Trainer's checkpoint-N/, weights saved again by
-    `save_pretrained`, an edited card, or a DAR model saved elsewhere, are each a reason. Symlinks are not followed."""
+    `save_pretrained`, an edited card, or a DAR model saved elsewhere, are each a reason. Symlinks are not followed.
+    The manifest and the files are read by path, one after the other: a folder swapped at that path meanwhile (another
+    conversion's swap) mixes two folders' files, so a read during which the path changed folder is read again."""
+    for _ in range(3):
+        before = _identity(folder)
+        reason = _conversion_output_reason(folder)
+        if _identity(folder) == before:
+            break
+    return reason
+
+
+def _conversion_output_reason(folder: Path) -> str | None:
     manifest_path = folder / MANIFEST_NAME
     if not os.path.lexists(manifest_path):
         if not _has_dar_config(folder):
@@ -566,6 +590,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
     and the parent folders this call created are removed and the error propagates; an OS error is re-raised as one
     `OSError` line that names the output, an interrupt with `output_written`: whether the new output is in place."""
     output = check_output_folder(output, overwrite, source)
+    checked = _output_state(output)
     created: list[Path] = []
     staging = None
     swapped = False
@@ -583,10 +608,10 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
                     if stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
                         _fsync(staging / path)
                 _fsync(staging)
-                check_output_folder(output, overwrite, source)  # the output may have appeared while we worked
+                _check_again(output, overwrite, source, checked)  # another process may have written it meanwhile
                 interrupts.raise_lost()  # one a finalizer swallowed stops the conversion here, nothing in place
             with signals_held():
-                _move_into_place(staging, output, overwrite)
+                _move_into_place(staging, output, checked)
                 staging, swapped = None, True
         except OSError as error:
             if error.errno is None:  # one of this module's own refusals, already one line
@@ -609,6 +634,31 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
     except KeyboardInterrupt as interrupt:  # one held during the swap or the clean-up is raised after them
         interrupt.output_written = swapped
         raise
+
+
+def _output_state(output: Path) -> str | None:
+    """What a check found at `output`, to tell later whether another process changed it since: None for no folder or
+    an empty one, else its manifest's run id (`write_manifest`; "" for a folder without one)."""
+    if not output.is_dir() or not any(output.iterdir()):
+        return None
+    return output_run_id(output) or ""
+
+
+def _check_again(output: Path, overwrite: bool, source: object, checked: str | None) -> None:
+    """The check just before the swap: `check_output_folder` again, after refusing an output that another process
+    wrote or replaced since the first check (`checked`, `_output_state`): another conversion into the same folder, which
+    this one would replace (with `overwrite`) or be told to replace. One that went meanwhile is no reason to stop."""
+    now = _output_state(output)
+    if now is not None and now != checked:
+        raise FileExistsError(_written_meanwhile(output, checked))
+    check_output_folder(output, overwrite, source)
+
+
+def _written_meanwhile(output: Path, checked: str | None) -> str:
+    found = ("it was missing or empty when this run checked it" if checked is None
+             else "the previous conversion output this run was to replace is not the one there now")
+    return (f"Output folder {output} was written by another process while this conversion ran ({found}: another "
+            "conversion into the same folder?); nothing was written, and the folder was left as it is.")
 
 
 @contextlib.contextmanager
@@ -730,7 +780,12 @@ def _make_parents(folder: Path) -> list[Path]:
     made: list[Path] = []
     try:
         for path in reversed(missing):
-            path.mkdir()
+            try:
+                path.mkdir()
+            except FileExistsError:  # another run made it meanwhile: not this run's to remove
+                if not path.is_dir():
+                    raise
+                continue
             made.append(path)
     except BaseException:
         for path in reversed(made):
@@ -745,14 +800,22 @@ def _marked_folder(output: Path, suffix: str, **fields) -> Path:
     held)."""
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=suffix, dir=output.parent))
     # Locked before it names anyone (an empty marker is no marker), until `_release_marker`: the lock, not the process
-    # id, tells another run that this one is alive, even one whose process ids are another namespace's.
+    # id, tells another run that this one is alive, even one whose process ids are another namespace's. Opened for
+    # writing and written through this descriptor: NFS emulates flock with POSIX locks, whose exclusive lock needs a
+    # file open for writing (else EBADF: the run held no lock and another run took its folder for a dead one's) and
+    # which closing any other descriptor of the file in this process releases. The marker says whether the lock was
+    # taken, so that a free lock is taken for an ended run only where it was (`_run_ended`).
     try:
-        _MARKER_LOCKS[folder] = os.open(folder / STAGING_MARKER, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        descriptor = _MARKER_LOCKS[folder] = os.open(folder / STAGING_MARKER, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        locked = False
         if fcntl is not None:
-            with contextlib.suppress(OSError):  # a file system without locks: the process id alone, as before
-                fcntl.flock(_MARKER_LOCKS[folder], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        marker = {"pid": os.getpid(), "host": socket.gethostname(), "output": str(output), **fields}
-        (folder / STAGING_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+            with contextlib.suppress(OSError):  # a file system without locks: the process id decides
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+        marker = {"pid": os.getpid(), "host": socket.gethostname(), "output": str(output), "locked": locked, **fields}
+        text = (json.dumps(marker) + "\n").encode("utf-8")
+        while text:
+            text = text[os.write(descriptor, text):]
     except BaseException:  # no space for the marker, say: nothing of this run is left behind
         _release_marker(folder)
         shutil.rmtree(folder, ignore_errors=True)
@@ -774,6 +837,8 @@ def _marker_locked(folder: Path) -> bool | None:
     process id decides then."""
     if fcntl is None:
         return None
+    if folder in _MARKER_LOCKS:  # this process's own (a probe's close would release a lock that NFS emulates)
+        return True
     try:
         descriptor = os.open(folder / STAGING_MARKER, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
@@ -789,18 +854,32 @@ def _marker_locked(folder: Path) -> bool | None:
     return False
 
 
-def _move_into_place(staging: Path, output: Path, overwrite: bool) -> None:
-    """Rename the complete staging folder to `output`; an existing output is moved into a marked retired folder
-    first (moved back if the rename fails) and removed after, its metadata taken over first, unless it changed after
-    it was last checked (`_changed_since_checked`): then it is kept. Call with signals held. The staging folder keeps
-    its marker (and lock) through the rename, so that a run killed before it (SIGKILL, which no hold stops) leaves a
-    marked folder that a later run removes, not a complete unmarked one that none would; the output's copy of the
-    marker goes right after (`_unmark`; a run killed in between leaves it there, which `check_output_folder`
-    ignores)."""
+def _move_into_place(staging: Path, output: Path, checked: str | None) -> None:
+    """Rename the complete staging folder to `output`. Where the last check found no output or an empty folder
+    (`checked` None), one rename, which the system refuses if a non-empty folder is there by then (another process
+    wrote it: refused, left as it is); a previous conversion output (`checked`: its run id) is moved into a marked
+    retired folder first (moved back if the rename fails) and removed after, its metadata taken over first, unless it
+    changed after it was last checked (`_changed_since_checked`): then it is kept. Call with signals held. The staging
+    folder keeps its marker (and lock) through the rename, so that a run killed before it (SIGKILL, which no hold
+    stops) leaves a marked folder that a later run removes, not a complete unmarked one that none would; the output's
+    copy of the marker goes right after (`_unmark`; a run killed in between leaves it there, which
+    `check_output_folder` ignores)."""
     try:
         existing = os.lstat(output)
     except FileNotFoundError:
-        os.replace(staging, output)
+        existing = None
+    if existing is None or checked is None:
+        if existing is not None:
+            effective = os.access in os.supports_effective_ids
+            if not os.access(output, os.W_OK, effective_ids=effective):  # made read-only after the last check
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(output))  # as `_refuse_unwritable` does
+            _take_over_metadata(staging, existing)
+        try:
+            os.replace(staging, output)  # replaces an empty folder only (a non-empty one: ENOTEMPTY)
+        except OSError as error:
+            if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise FileExistsError(_written_meanwhile(output, checked)) from error
+            raise
         _unmark(staging, output)
         try:
             _fsync(output.parent)
@@ -814,15 +893,22 @@ def _move_into_place(staging: Path, output: Path, overwrite: bool) -> None:
     # removed by the next run, whose new output then took that inode, and the only copy of the old output went).
     retired = _marked_folder(output, RETIRED_SUFFIX, replacement_run=output_run_id(staging))
     try:
-        _retire(staging, output, retired, overwrite)
+        _retire(staging, output, retired, checked)
     finally:
         _release_marker(retired)
 
 
 def _unmark(staging: Path, output: Path) -> None:
-    """Remove the marker the staging folder carried into place (`_move_into_place`) and release its lock."""
+    """Remove the marker the staging folder carried into place (`_move_into_place`) and release its lock: only that
+    file (the one this run holds open), not one another run's folder put at `output` meanwhile."""
+    marker, descriptor = output / STAGING_MARKER, _MARKER_LOCKS.get(staging)
     try:
-        (output / STAGING_MARKER).unlink()
+        held = os.fstat(descriptor) if descriptor is not None else None
+        found = os.lstat(marker)
+        if held is None or (held.st_dev, held.st_ino) == (found.st_dev, found.st_ino):
+            marker.unlink()
+    except FileNotFoundError:
+        pass
     except OSError as error:
         logger.warning(f"Wrote {output}, but its run marker {STAGING_MARKER} could not be removed from it "
                        f"({_describe(error)}); remove it yourself.")
@@ -869,7 +955,7 @@ def _exchanged_into_place(staging: Path, output: Path, retired: Path) -> bool:
     return False
 
 
-def _retire(staging: Path, output: Path, retired: Path, overwrite: bool) -> None:
+def _retire(staging: Path, output: Path, retired: Path, checked: str) -> None:
     """`_move_into_place` with an existing output: swapped with the staging folder in one step where the system can
     (`_exchanged_into_place`, the old output then in the marked `retired` folder), else moved into the retired folder
     and the staging folder renamed into place; the retired one is then removed (or kept, `_changed_since_checked`).
@@ -901,7 +987,7 @@ def _retire(staging: Path, output: Path, retired: Path, overwrite: bool) -> None
             raise
     _unmark(staging, output)
     try:
-        changed = _changed_since_checked(retired / output.name, overwrite)
+        changed = _changed_since_checked(retired / output.name, checked)
     except OSError as error:
         changed = f"it could not be read: {_describe(error)}"
     if changed:  # written to between the last check and the swap (a Trainer saving into it): never removed
@@ -918,14 +1004,14 @@ def _retire(staging: Path, output: Path, retired: Path, overwrite: bool) -> None
                        f"({_describe(error)}); remove it yourself.")
 
 
-def _changed_since_checked(replaced: Path, overwrite: bool) -> str | None:
-    """Why the folder just replaced may not be removed (None if it may): `check_output_folder` found it empty or a
-    previous conversion output as written (or absent), but a process may have written into it since, up to the
-    rename; without `overwrite`, a conversion output there is another run's, which finished meanwhile."""
+def _changed_since_checked(replaced: Path, checked: str) -> str | None:
+    """Why the folder just replaced may not be removed (None if it may): the last check found there the previous
+    conversion output whose run id is `checked`, as written, but up to the swap a process may have written into it
+    (a Trainer saving into it) or put another folder in its place (another conversion's output)."""
     if not any(replaced.iterdir()):
         return None
-    if not overwrite:
-        return "it was not there or empty when this conversion checked it, and --overwrite was not given"
+    if (output_run_id(replaced) or "") != checked:
+        return "another folder took its place after this conversion's last check: another conversion's output?"
     return not_a_conversion_output(replaced)
 
 
@@ -967,7 +1053,10 @@ def remove_stale_runs(parent: Path) -> list[Path]:
     for entry in sorted(parent.iterdir()):
         if not (entry.name.startswith(".") and entry.name.endswith((STAGING_SUFFIX, RETIRED_SUFFIX))):
             continue
-        if not stat.S_ISDIR(os.lstat(entry).st_mode):  # a symlink (never followed: its target is not a run's) or file
+        try:
+            if not stat.S_ISDIR(os.lstat(entry).st_mode):  # a symlink (never followed: not a run's) or a file
+                continue
+        except FileNotFoundError:  # gone since the listing (another run's, renamed into place or removed)
             continue
         marker = _read_marker(entry)
         if marker is None:
