@@ -1031,7 +1031,7 @@ def test_an_output_that_is_a_live_runs_working_folder_is_refused(tmp_path, tiny_
     assert sorted(path.name for path in staging.iterdir()) == [STAGING_MARKER]
 
 
-def _lockf_as_flock(locks_module):
+def _lockf_as_flock():
     """An `fcntl` whose `flock` behaves as NFS's: POSIX record locks (an exclusive one needs a descriptor open for
     writing, EBADF otherwise; closing any descriptor of the file releases the process's locks)."""
     def flock(descriptor, operation):
@@ -1048,14 +1048,14 @@ def test_a_run_holds_its_marker_locked_where_locks_are_nfs_like(tmp_path, monkey
     it. Now the marker is opened for writing and written through the locked descriptor: another process's probe sees
     it locked. Where no exclusive lock can be taken at all, the marker says so, and a free lock is not taken for an
     ended run: the process id decides."""
-    monkeypatch.setattr(output_module, "fcntl", _lockf_as_flock(fcntl))
+    monkeypatch.setattr(output_module, "fcntl", _lockf_as_flock())
     staging = output_module._marked_folder(tmp_path / "out", output_module.STAGING_SUFFIX)
     try:  # seen from another process (opening the marker here would release the lock, as NFS would)
         probe = ("import fcntl, json, os, sys\n"
                  "descriptor = os.open(sys.argv[1], os.O_RDONLY)\n"
                  "print(json.loads(os.read(descriptor, 4096))['locked'])\n"
-                 "try:\n    fcntl.lockf(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)\nexcept OSError:\n    print('locked')\n"
-                 "else:\n    print('free')\n")
+                 "try:\n    fcntl.lockf(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
+                 "except OSError:\n    print('locked')\nelse:\n    print('free')\n")
         seen = subprocess.run([sys.executable, "-c", probe, str(staging / STAGING_MARKER)], capture_output=True,
                               text=True, check=True).stdout.split()
         assert seen == ["True", "locked"]
@@ -1078,6 +1078,81 @@ def test_a_run_holds_its_marker_locked_where_locks_are_nfs_like(tmp_path, monkey
         assert output_module.remove_stale_runs(tmp_path) == [] and live.is_dir()
     finally:
         os.close(descriptor)
+
+
+def test_a_run_keeps_its_nfs_like_lock_up_to_the_swap_and_closes_it_before_removing_its_marker(tmp_path, monkeypatch):
+    """The flush before the swap opened and closed the marker through a second descriptor, which releases an NFS
+    lock: from then to the swap another run took the live staging folder for a dead one's (a review's repro: the
+    previous output removed and an empty folder put in place, "Wrote"). And a run removed its own marker while still
+    holding it open, which NFS turns into a `.nfsXXXX` file that keeps the folder from going."""
+    monkeypatch.setattr(output_module, "fcntl", _lockf_as_flock())
+    probe = ("import fcntl, os, sys\n"
+             "descriptor = os.open(sys.argv[1], os.O_RDONLY)\n"
+             "try:\n    fcntl.lockf(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
+             "except OSError:\n    print('locked')\nelse:\n    print('free')\n")
+    seen = []
+    check_again = output_module._check_again
+
+    def probed(output, *arguments):  # the last check, after the flush: is the staging folder still locked?
+        (staging,) = tmp_path.glob(".out.*.partial")
+        seen.append(subprocess.run([sys.executable, "-c", probe, str(staging / STAGING_MARKER)], capture_output=True,
+                                   text=True, check=True).stdout.strip())
+        return check_again(output, *arguments)
+
+    monkeypatch.setattr(output_module, "_check_again", probed)
+    output_module.write_repo_folder(tmp_path / "out", lambda folder: (folder / "weights.bin").write_bytes(b"w"),
+                                    overwrite=False)
+    assert seen == ["locked"] and (tmp_path / "out" / "weights.bin").read_bytes() == b"w"
+
+    staging = output_module._marked_folder(tmp_path / "other", output_module.STAGING_SUFFIX)
+    (staging / "weights.bin").write_bytes(b"w")
+    unlink = Path.unlink
+    open_when_removed = []
+
+    def watched(path, *args, **kwargs):
+        if path.name == STAGING_MARKER:
+            open_when_removed.append(path.parent in output_module._MARKER_LOCKS)
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", watched)
+    output_module._remove_own_folder(staging)
+    assert open_when_removed == [False] and not staging.exists() and leftovers(tmp_path) == []
+
+
+def test_a_marker_carried_into_place_does_not_make_the_output_a_live_runs_folder(tmp_path, tiny_source):
+    """A run killed between its swap and the removal of its marker leaves the marker in the output; where that run
+    could not lock it (NFS without locks) and was on another host, the output was refused for ever as "the working
+    folder of a conversion that is still running". A marker that names the folder it is in came with a finished
+    swap: the output is a previous output like any other."""
+    out = tmp_path / "out"
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    (out / STAGING_MARKER).write_text(json.dumps({"pid": 1, "host": "c0ffee", "output": str(out), "locked": False}))
+    assert check_output_folder(out, overwrite=True) == out
+    elsewhere = {"pid": 1, "host": "c0ffee", "output": str(tmp_path / "a"), "locked": False}
+    (out / STAGING_MARKER).write_text(json.dumps(elsewhere))  # another run's working folder: refused
+    with pytest.raises(ValueError, match="is the working folder of a conversion that is still running"):
+        check_output_folder(out, overwrite=True)
+
+
+def test_an_output_written_during_the_first_check_is_not_taken_for_the_checked_one(tmp_path, monkeypatch):
+    """The state a run compares at its swap was read after its first check: another conversion's output that landed
+    in between became the baseline, and this run replaced it, both saying "Wrote" (a review's repro)."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    output_module.write_repo_folder(other, lambda folder: (folder / "config.json").write_text(
+        json.dumps({"model_type": "dar"})), overwrite=False)
+    check = output_module.check_output_folder
+
+    def another_run_lands_during_the_check(*arguments, **keywords):
+        checked = check(*arguments, **keywords)
+        if not out.exists():
+            os.rename(other, out)
+        return checked
+
+    monkeypatch.setattr(output_module, "check_output_folder", another_run_lands_during_the_check)
+    before = tree_state(out.parent / "other")
+    with pytest.raises(FileExistsError, match="was written by another process while this conversion ran"):
+        output_module.write_repo_folder(out, lambda folder: (folder / "config.json").write_text("{}"), overwrite=True)
+    assert tree_state(out) == before and leftovers(tmp_path) == []
 
 
 def test_a_check_that_reads_an_output_while_another_run_swaps_it_reads_it_again(tmp_path, tiny_source, monkeypatch):
@@ -1140,7 +1215,7 @@ def test_the_clean_up_skips_a_folder_gone_since_its_listing_and_a_parent_made_me
     made_meanwhile = tmp_path / "new" / "deeper"
     made_meanwhile.parent.mkdir()
     lexists = os.path.lexists
-    monkeypatch.setattr(os.path, "lexists", lambda path: False if Path(path) == made_meanwhile.parent else lexists(path))
+    monkeypatch.setattr(os.path, "lexists", lambda path: Path(path) != made_meanwhile.parent and lexists(path))
     assert output_module._make_parents(made_meanwhile) == [made_meanwhile]
 
 

@@ -185,6 +185,7 @@ def test_a_staging_folder_of_a_live_run_whose_process_id_means_nothing_here_is_l
     alone until the lock is released, then removed."""
     output = tmp_path / "out"
     staging = output_module._marked_folder(output, output_module.STAGING_SUFFIX)  # held, as a running conversion does
+    descriptor = output_module._MARKER_LOCKS.pop(staging)  # another process's (its own folders a run does not probe)
     (staging / "model-00001-of-00002.safetensors").write_bytes(b"being written")
     finished = subprocess.Popen(["true"])
     finished.wait()
@@ -195,7 +196,7 @@ def test_a_staging_folder_of_a_live_run_whose_process_id_means_nothing_here_is_l
         assert (staging / "model-00001-of-00002.safetensors").read_bytes() == b"being written"
         assert f"{staging} belongs to a conversion that may still be running (process {finished.pid}" in caplog.text
     finally:
-        output_module._release_marker(staging)  # the run ends without cleaning up (SIGKILL): now stale
+        os.close(descriptor)  # the run ends without cleaning up (SIGKILL): now stale
     assert output_module.remove_stale_runs(tmp_path) == [staging] and not staging.exists()
 
 

@@ -82,30 +82,33 @@ def run_vllm(mode: str, folder: Path, scratch: Path, *args: str, compiled: bool)
     return json.loads(out.read_text())
 
 
-def perturb_dar_shard(folder: Path, scale: float = 0.5) -> None:
-    """Move every DAR parameter of a converted folder off its init, in place, in the shard that holds them."""
+def is_dar_parameter(name: str) -> bool:
+    return any(part in DAR_MODULE_NAMES for part in name.split("."))
+
+
+def perturb_dar_parameters(folder: Path, scale: float = 0.5, router_scale: float | None = None) -> None:
+    """Move every DAR parameter of a converted folder off its init, in place, in the shards that hold them; with
+    `router_scale`, give every MoE router random weights too (an upcycled router starts equal for every expert, where
+    top-k ties would make the check depend on tie-breaking). A dense conversion writes DAR's parameters into one shard
+    of their own (checked); a DAR-MoE one writes the new experts and routers beside them."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    shards = {index[name] for name in index if any(part in DAR_MODULE_NAMES for part in name.split("."))}
-    assert len(shards) == 1, f"the converter writes DAR's parameters into one shard of their own, got {shards}"
-    shard = folder / shards.pop()
-    tensors = load_file(shard)
-    assert all(any(part in DAR_MODULE_NAMES for part in name.split(".")) for name in tensors)
+    if router_scale is None:
+        shards = {index[name] for name in index if is_dar_parameter(name)}
+        assert len(shards) == 1, f"the converter writes DAR's parameters into one shard of their own, got {shards}"
+        assert all(is_dar_parameter(name) for name in index if index[name] in shards)
     generator = torch.Generator().manual_seed(0)
-    perturbed = {name: tensor + scale * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
-                 for name, tensor in sorted(tensors.items())}
-    save_file(perturbed, shard, metadata={"format": "pt"})
-
-
-def perturb_routers(folder: Path, scale: float = 0.5) -> None:
-    """Give every MoE router of a converted folder random weights (an upcycled router starts equal for every
-    expert, where top-k ties would make the check depend on tie-breaking)."""
-    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    generator = torch.Generator().manual_seed(1)
-    for shard in sorted({index[name] for name in index if name.endswith("mlp.gate.weight")}):
-        tensors = load_file(folder / shard)
-        tensors = {name: scale * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
-                   if name.endswith("mlp.gate.weight") else tensor for name, tensor in sorted(tensors.items())}
-        save_file(tensors, folder / shard, metadata={"format": "pt"})
+    for shard in sorted(set(index.values())):
+        tensors, changed = load_file(folder / shard), False
+        for name, tensor in sorted(tensors.items()):
+            if is_dar_parameter(name):
+                tensors[name] = tensor + scale * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            elif router_scale is not None and name.endswith("mlp.gate.weight"):
+                tensors[name] = router_scale * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            else:
+                continue
+            changed = True
+        if changed:
+            save_file(tensors, folder / shard, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,7 @@ def tiny_folder(scratch) -> Path:
     LlamaForCausalLM(config).save_pretrained(source)
     output = scratch / "tiny-dar"
     upcycle(source, output, dar_block_size=3)  # 8 branches: blocks of 3, 3, 2 (a partial block at the end)
-    perturb_dar_shard(output)
+    perturb_dar_parameters(output)
     return output
 
 
@@ -142,8 +145,7 @@ def tiny_moe_folder(scratch, tiny_folder) -> Path:
     output = scratch / "tiny-dar-moe"
     upcycle_to_dar_moe(scratch / "tiny-llama", output, num_experts=4, top_k=2, expert_noise=0.5, seed=1,
                        dar_block_size=3)
-    perturb_dar_shard(output)
-    perturb_routers(output)
+    perturb_dar_parameters(output, router_scale=0.5)
     return output
 
 

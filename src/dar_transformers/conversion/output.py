@@ -124,7 +124,8 @@ def check_output_folder(output: str | os.PathLike, overwrite: bool, source: obje
             f"or run the command from {output.parent}."
         )
     marker = _read_marker(output) if output.is_dir() else None
-    if marker is not None and not _run_ended(output, marker):
+    # (a marker naming the output itself was carried into place by a swap whose run was killed before removing it)
+    if marker is not None and marker.get("output") != str(output) and not _run_ended(output, marker):
         raise ValueError(
             f"Output folder {shown} is the working folder of a conversion that is still running (process "
             f"{marker.get('pid')} on {marker.get('host')}, writing {marker.get('output')}); choose another output."
@@ -154,6 +155,8 @@ def _left_staging_note(output: Path) -> str:
         entries = list(output.parent.iterdir())
     for entry in entries:
         if not (entry.name.startswith(f".{output.name}.") and entry.name.endswith(STAGING_SUFFIX)):
+            continue
+        if entry in _MARKER_LOCKS:  # this run's own: alive, and not to be read (`_marker_locked`)
             continue
         with contextlib.suppress(OSError):  # one gone since the listing, say: not named
             if not stat.S_ISDIR(os.lstat(entry).st_mode):
@@ -589,8 +592,15 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
     takes its permission bits, owner and group (`_take_over_metadata`). On any error or interrupt, the staging folder
     and the parent folders this call created are removed and the error propagates; an OS error is re-raised as one
     `OSError` line that names the output, an interrupt with `output_written`: whether the new output is in place."""
+    read_before = isinstance(output, (str, os.PathLike))  # what is there before the check (else it says why)
+    try:
+        before = _output_state(resolve_path(output)) if read_before else None
+    except OSError:
+        read_before, before = False, None
     output = check_output_folder(output, overwrite, source)
     checked = _output_state(output)
+    if read_before and checked is not None and checked != before:  # the check passed another run's output
+        raise FileExistsError(_written_meanwhile(output, before))
     created: list[Path] = []
     staging = None
     swapped = False
@@ -605,7 +615,9 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
                 _apply_umask(staging)
                 write_manifest(staging)  # last: what `overwrite` may replace later
                 for path, status in walk_without_symlinks(staging):  # on the disk before the rename makes it the output
-                    if stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
+                    if path == STAGING_MARKER:  # through its locked descriptor: closing another releases an NFS lock
+                        os.fsync(_MARKER_LOCKS[staging])
+                    elif stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
                         _fsync(staging / path)
                 _fsync(staging)
                 _check_again(output, overwrite, source, checked)  # another process may have written it meanwhile
@@ -837,7 +849,7 @@ def _marker_locked(folder: Path) -> bool | None:
     process id decides then."""
     if fcntl is None:
         return None
-    if folder in _MARKER_LOCKS:  # this process's own (a probe's close would release a lock that NFS emulates)
+    if folder in _MARKER_LOCKS:  # this process's own (closing a probe's descriptor would release its lock on NFS)
         return True
     try:
         descriptor = os.open(folder / STAGING_MARKER, os.O_RDONLY | os.O_NOFOLLOW)
@@ -1053,6 +1065,8 @@ def remove_stale_runs(parent: Path) -> list[Path]:
     for entry in sorted(parent.iterdir()):
         if not (entry.name.startswith(".") and entry.name.endswith((STAGING_SUFFIX, RETIRED_SUFFIX))):
             continue
+        if entry in _MARKER_LOCKS:  # this process's own, alive; reading its marker would release an NFS lock
+            continue
         try:
             if not stat.S_ISDIR(os.lstat(entry).st_mode):  # a symlink (never followed: not a run's) or a file
                 continue
@@ -1108,11 +1122,17 @@ def output_run_id(folder: Path) -> str | None:
 
 
 def _remove_marked(folder: Path) -> None:
-    """Remove a marked folder, its marker last: a folder that cannot be removed whole stays recognisable."""
+    """Remove a marked folder, its marker last: a folder that cannot be removed whole stays recognisable. This run's
+    own marker is closed (its lock released) just before it goes: NFS renames a removed file that is still open
+    (`.nfsXXXX`), and the folder would stay behind; once the lock is free another run may remove the rest first."""
     for entry in folder.iterdir():
         if entry.name != STAGING_MARKER:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    shutil.rmtree(folder)
+    _release_marker(folder)
+    with contextlib.suppress(FileNotFoundError):
+        (folder / STAGING_MARKER).unlink()
+    with contextlib.suppress(FileNotFoundError):
+        folder.rmdir()
 
 
 def _read_marker(folder: Path) -> dict | None:
