@@ -914,8 +914,9 @@ def _unmark(staging: Path, output: Path) -> None:
     """Remove the marker the staging folder carried into place (`_move_into_place`) and release its lock: only that
     file (the one this run holds open), not one another run's folder put at `output` meanwhile."""
     marker, descriptor = output / STAGING_MARKER, _MARKER_LOCKS.get(staging)
+    held = os.fstat(descriptor) if descriptor is not None else None
+    _release_marker(staging)  # closed before it is removed: NFS keeps a removed file that is still open (.nfsXXXX)
     try:
-        held = os.fstat(descriptor) if descriptor is not None else None
         found = os.lstat(marker)
         if held is None or (held.st_dev, held.st_ino) == (found.st_dev, found.st_ino):
             marker.unlink()
@@ -924,7 +925,6 @@ def _unmark(staging: Path, output: Path) -> None:
     except OSError as error:
         logger.warning(f"Wrote {output}, but its run marker {STAGING_MARKER} could not be removed from it "
                        f"({_describe(error)}); remove it yourself.")
-    _release_marker(staging)
 
 
 def _exchange(first: Path, second: Path) -> bool:
