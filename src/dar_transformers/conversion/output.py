@@ -19,9 +19,11 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   parent, which cannot replace a mount point. Nor the current working folder, which the swap would leave removed
   under the user's shell. Both refused before any work.
 - The new folder is written and verified in a staging folder next to the output, flushed to the disk (fsync), and
-  only then renamed into place; a replaced output is exchanged with it in one step where the system can
+  only then renamed into place: over no folder or an empty one by one rename, which the system refuses if another
+  process wrote a folder there meanwhile; a replaced output is exchanged with it in one step where the system can
   (`_exchanged_into_place`; else moved aside first) and removed last, once the swap is on the disk (kept, with a
-  warning, if it was written to after its last check). The new folder takes the replaced
+  warning, if it was written to after its last check). An output that another process wrote or replaced since the
+  first check (another conversion into it) is refused, left as it is (`_check_again`). The new folder takes the replaced
   folder's permission bits (setgid included) and, as far as this process may, its owner and group. Signals are held
   back while folders are swapped or cleaned up, and any error (or interrupt) removes what this run created; an
   interrupt after the swap says that the output was written.
@@ -29,7 +31,8 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   locked (`flock`) while the folder is its own (a staging folder until it is renamed into place); a later run removes
   those of runs that are no longer alive (a SIGKILL leaves them behind: where locks work, a free lock says so) and
   never touches a folder without it, a symlink, nor one whose marker is still locked (a run whose process id means
-  nothing here: another container with the same host name and its own process ids).
+  nothing here: another container with the same host name and its own process ids). The marker is opened for
+  writing and only ever touched through its locked descriptor by its own run (NFS's emulated locks, `_marked_folder`).
 """
 
 import contextlib
