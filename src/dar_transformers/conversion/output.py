@@ -31,8 +31,9 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   locked (`flock`) while the folder is its own (a staging folder until it is renamed into place); a later run removes
   those of runs that are no longer alive (a SIGKILL leaves them behind: where locks work, a free lock says so) and
   never touches a folder without it, a symlink, nor one whose marker is still locked (a run whose process id means
-  nothing here: another container with the same host name and its own process ids). The marker is opened for
-  writing and only ever touched through its locked descriptor by its own run (NFS's emulated locks, `_marked_folder`).
+  nothing here: another container with the same host name and its own process ids). Its own run opens the marker for
+  writing, writes and flushes it only through that locked descriptor, and closes it before removing it (NFS's
+  emulated locks, `_marked_folder`).
 """
 
 import contextlib
