@@ -4,7 +4,7 @@
 The file name does not match `test_*.py` on purpose: the default suite never collects it; `make test-vllm` names
 it. The references (HF `generate`, HF's chat answer) are computed here, in the project venv with this package; vLLM
 runs in its own venv without the package (`tests/vllm/vllm_runner.py`, one engine per subprocess, bounded by a
-timeout), so the folder's remote code is all it has. For two folders written by the converter:
+timeout), so the folder's remote code is all it has. For three folders written by the converter:
 
 - a tiny Llama (head_dim 64: vLLM's CPU attention takes no smaller head) converted by `upcycle`, then every DAR
   parameter moved off its init in the written DAR shard (at the init, DAR reduces to the source's residual sum and a
@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import dar_transformers  # noqa: F401  (the references run with the package)
 from dar_transformers.conversion import upcycle_to_dar_moe
 from dar_transformers.convert import chat_input_ids, upcycle
+from dar_transformers.training import is_dar_parameter
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -47,7 +48,6 @@ TEXT_PROMPTS = [
     "def fibonacci(n):\n    ",
     "Water boils at a temperature of",
 ]
-DAR_MODULE_NAMES = ("attn_residual", "mlp_residual", "final_readout")
 
 sys.path.insert(0, str(REPOSITORY / "examples"))
 from demo import smollm2_gguf, tiny_source  # noqa: E402
@@ -80,10 +80,6 @@ def run_vllm(mode: str, folder: Path, scratch: Path, *args: str, compiled: bool)
         tail = log.read_text()[-4000:]
         pytest.fail(f"vLLM {mode} ({'compiled' if compiled else 'eager'}) failed with code {code}:\n{tail}")
     return json.loads(out.read_text())
-
-
-def is_dar_parameter(name: str) -> bool:
-    return any(part in DAR_MODULE_NAMES for part in name.split("."))
 
 
 def perturb_dar_parameters(folder: Path, scale: float = 0.5, router_scale: float | None = None) -> None:

@@ -128,6 +128,7 @@ def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
     variant = "Full DAR" if config.dar_block_size == 1 else f"Block DAR, {num_blocks} blocks"
     one_stream = config.dar_num_streams == 1  # no routing, read or write gates, nor transport (Attention Residuals)
     none = "none (one stream)"
+    dtype = str(config.dtype).removeprefix("torch.")
     rows = [
         ("block size K (branches; 2 per layer)", f"{config.dar_block_size} of {num_branches} ({variant})"),
         ("streams", str(config.dar_num_streams)),
@@ -138,10 +139,8 @@ def _settings_rows(config, kept_dtypes: str = "") -> list[tuple[str, str]]:
          else "none (blocks of one branch carry no partial to transport)"),
         ("partial block as a source / count scaling", f"{config.dar_include_partial} / {config.dar_count_scaling}"),
         ("branch family (HF attention / MLP modules)", config.dar_branch_family),
-        ("weights dtype", str(config.dtype).removeprefix("torch.") + (
-            f"; {kept_dtypes}" if kept_dtypes else "") + (
-            "; DAR's own parameters float32, as they load"
-            if str(config.dtype).removeprefix("torch.") in ("bfloat16", "float16") else "")),
+        ("weights dtype", dtype + (f"; {kept_dtypes}" if kept_dtypes else "") + (
+            "; DAR's own parameters float32, as they load" if dtype in ("bfloat16", "float16") else "")),
         ("tied input/output embeddings", str(config.tie_word_embeddings)),
     ]
     if hasattr(config, "num_experts"):  # DAR-MoE

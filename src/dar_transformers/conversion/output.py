@@ -154,22 +154,14 @@ def _left_staging_note(output: Path) -> str:
     """A sentence naming the staging folders beside `output` that killed runs into it left (their marker's output is
     `output` and their run ended: what `remove_stale_runs` removes), for a refusal that comes before that clean-up, so
     that a hidden folder as large as the model does not stay unnoticed; empty if there is none."""
-    left, entries = [], []
-    with contextlib.suppress(OSError):
-        entries = list(output.parent.iterdir())
-    for entry in entries:
-        if not (entry.name.startswith(f".{output.name}.") and entry.name.endswith(STAGING_SUFFIX)):
-            continue
-        if entry in _MARKER_LOCKS:  # this run's own: alive, and not to be read (`_marker_locked`)
-            continue
-        with contextlib.suppress(OSError):  # one gone since the listing, say: not named
-            if not stat.S_ISDIR(os.lstat(entry).st_mode):
-                continue
-            marker = _read_marker(entry)
-            if marker is not None and marker.get("output") == str(output) and _run_ended(entry, marker):
-                size = sum(status.st_size for _, status in walk_without_symlinks(entry)
-                           if stat.S_ISREG(status.st_mode))
-                left.append(f"{entry} ({size / 2**30:.2f} GiB)")
+    left = []
+    with contextlib.suppress(OSError):  # a parent that cannot be listed: nothing named
+        for entry, marker in _marked_folders(output.parent, f".{output.name}.", (STAGING_SUFFIX,)):
+            if marker.get("output") == str(output) and _run_ended(entry, marker):
+                with contextlib.suppress(OSError):  # one that cannot be read (or went meanwhile): not named
+                    size = sum(status.st_size for _, status in walk_without_symlinks(entry)
+                               if stat.S_ISREG(status.st_mode))
+                    left.append(f"{entry} ({size / 2**30:.2f} GiB)")
     if not left:
         return ""
     one = len(left) == 1
@@ -186,8 +178,14 @@ def _run_ended(entry: Path, marker: dict) -> bool:
     locked = _marker_locked(entry)
     if locked is False and marker.get("locked") is False:  # its run could not lock it: a free lock says nothing
         locked = None
-    gone_here = marker.get("host") == socket.gethostname() and not _alive(marker.get("pid"))
-    return not locked and (locked is not None or gone_here)
+    if locked is None:
+        return marker.get("host") == socket.gethostname() and not _alive(marker.get("pid"))
+    return not locked
+
+
+def _may_write(path: Path, mode: int = os.W_OK) -> bool:
+    """Whether this process may write `path` (`mode`), by its effective ids where the system can tell."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
 
 
 def _refuse_unwritable(output: Path, shown: str) -> None:
@@ -196,15 +194,14 @@ def _refuse_unwritable(output: Path, shown: str) -> None:
     and an existing output folder is moved aside into a folder beside it (`_retire`), which needs write permission on
     it (a folder's `..` entry changes). Else a read-only previous output was found only at the swap, after the whole
     conversion, and a read-only parent was named by the hidden staging path the run had tried to create."""
-    effective = os.access in os.supports_effective_ids
     parent = _nearest_existing(output.parent)
-    if not os.access(parent, os.W_OK | os.X_OK, effective_ids=effective):
+    if not _may_write(parent, os.W_OK | os.X_OK):
         raise PermissionError(
             f"Output {shown}: the folder {parent} is not writable ({_mode_and_file_system(parent)}), and the "
             f"conversion creates its staging folder (and any missing folder) there. Choose an output in a folder you "
             "can write to."
         )
-    if os.path.lexists(output) and not os.access(output, os.W_OK, effective_ids=effective):
+    if os.path.lexists(output) and not _may_write(output):
         raise PermissionError(
             f"Output folder {shown} is not writable ({_mode_and_file_system(output)}): replacing it moves it aside "
             f"into a folder beside it, which needs write permission on it. Make it writable (chmod u+w {output}) or "
@@ -886,9 +883,8 @@ def _move_into_place(staging: Path, output: Path, checked: str | None) -> None:
         existing = None
     if existing is None or checked is None:
         if existing is not None:
-            effective = os.access in os.supports_effective_ids
-            if not os.access(output, os.W_OK, effective_ids=effective):  # made read-only after the last check
-                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(output))  # as `_refuse_unwritable` does
+            if not _may_write(output):  # made read-only after the last check, which refuses that (`_refuse_unwritable`)
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(output))
             _take_over_metadata(staging, existing)
         try:
             os.replace(staging, output)  # replaces an empty folder only (a non-empty one: ENOTEMPTY)
@@ -1066,19 +1062,7 @@ def remove_stale_runs(parent: Path) -> list[Path]:
     removed = []
     if not parent.is_dir():
         return removed
-    for entry in sorted(parent.iterdir()):
-        if not (entry.name.startswith(".") and entry.name.endswith((STAGING_SUFFIX, RETIRED_SUFFIX))):
-            continue
-        if entry in _MARKER_LOCKS:  # this process's own, alive; reading its marker would release an NFS lock
-            continue
-        try:
-            if not stat.S_ISDIR(os.lstat(entry).st_mode):  # a symlink (never followed: not a run's) or a file
-                continue
-        except FileNotFoundError:  # gone since the listing (another run's, renamed into place or removed)
-            continue
-        marker = _read_marker(entry)
-        if marker is None:
-            continue
+    for entry, marker in _marked_folders(parent, ".", (STAGING_SUFFIX, RETIRED_SUFFIX)):
         pid, host, output = marker.get("pid"), marker.get("host"), Path(str(marker.get("output", "")))
         # Every run holds its marker locked while the folder is its own, so where locks work a free lock says the run
         # ended, whatever its process id now names (reused: process 1 in a container) or its host was called.
@@ -1102,6 +1086,24 @@ def remove_stale_runs(parent: Path) -> list[Path]:
             continue
         removed.append(entry)
     return removed
+
+
+def _marked_folders(parent: Path, prefix: str, suffixes: tuple[str, ...]) -> Iterator[tuple[Path, dict]]:
+    """(folder, marker) of each folder in `parent` named `prefix`...`suffix` that holds a run's marker, in name
+    order: real folders only (a symlink named like one is never followed: its target is not a run's), none gone since
+    the listing (another run's, renamed into place or removed), and none of this process's own (alive; reading its
+    marker would release an NFS lock, `_marked_folder`)."""
+    for entry in sorted(parent.iterdir()):
+        if not (entry.name.startswith(prefix) and entry.name.endswith(suffixes)) or entry in _MARKER_LOCKS:
+            continue
+        try:
+            if not stat.S_ISDIR(os.lstat(entry).st_mode):
+                continue
+        except FileNotFoundError:
+            continue
+        marker = _read_marker(entry)
+        if marker is not None:
+            yield entry, marker
 
 
 def _replaced_by(output: Path, marker: dict) -> bool:
