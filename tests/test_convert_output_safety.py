@@ -18,6 +18,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -993,6 +994,71 @@ def test_an_output_another_conversion_replaced_meanwhile_is_not_replaced_again(t
     assert ("The folder it replaced changed while it was being replaced (another folder took its place after this "
             "conversion's last check: another conversion's output?), so it was kept, not removed: "
             f"{retired / 'out'}") in caplog.text
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_run_checks_its_output_last_only_after_another_runs_swap_there(tmp_path, tiny_source, overwrite, caplog):
+    """The window the refusals above left: another conversion's output put in place between a run's last check and
+    its swap (milliseconds) was replaced by this run, kept in a hidden folder and named, and the other run had said
+    "Wrote" (with `--overwrite`; without it this run's rename was refused after the fact). Now the last check and the
+    swap hold the output's parent folder locked, as the other run does through its own: here the test is that run,
+    holding the lock while this one waits, putting its output in place, then letting go. This run then finds it, and
+    is refused as for an output written meanwhile; the other run's output stays in place as it was."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    for folder in ((out, other) if overwrite else (other,)):
+        assert run_convert_in_process(tiny_source, folder, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    before = tree_state(other)
+    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the other run, about to swap
+    failures = []
+
+    def other_run_swaps_once_this_one_is_written():
+        try:
+            deadline = time.monotonic() + 300
+            while not list(tmp_path.glob(f".out.*.partial/{MANIFEST_NAME}")):  # this run's last write before checking
+                assert time.monotonic() < deadline, "the run never wrote its staging folder"
+                time.sleep(0.01)
+            time.sleep(1.0)  # without the lock, this run would check and swap now
+            if overwrite:
+                shutil.rmtree(out)
+            os.rename(other, out)
+        except BaseException as error:  # noqa: BLE001 - reported by the test below
+            failures.append(error)
+        finally:
+            os.close(lock)
+
+    thread = threading.Thread(target=other_run_swaps_once_this_one_is_written)
+    thread.start()
+    try:
+        code, stderr = run_convert_in_process(tiny_source, out, *(["--overwrite"] if overwrite else []),
+                                              "--max-new-tokens", "0", "--block-size", "1", cwd=tmp_path)
+    finally:
+        thread.join()
+    assert failures == []
+    assert code == 1, stderr
+    found = ("the previous conversion output this run was to replace is not the one there now" if overwrite
+             else "it was missing or empty when this run checked it")
+    assert messages(stderr)[-1] == (
+        f"dar convert: error: Output folder {out} was written by another process while this conversion ran ({found}: "
+        "another conversion into the same folder?); nothing was written, and the folder was left as it is.")
+    assert f"Waiting for another process that holds {tmp_path} locked" in caplog.text
+    assert tree_state(out) == before and leftovers(tmp_path) == []
+
+
+def test_a_parent_folder_that_cannot_be_locked_leaves_the_swap_unlocked(tmp_path, tiny_source, monkeypatch):
+    """NFS emulates flock with POSIX locks, whose exclusive lock needs a file open for writing, which a folder cannot
+    be (EBADF): the swap goes on unlocked, as before the lock, rather than fail the conversion."""
+    flock = fcntl.flock
+
+    def no_locks_on_folders(descriptor, operation):
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return flock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_locks_on_folders)
+    out = tmp_path / "out"
+    assert run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", cwd=tmp_path)[0] == 0
+    assert_complete_output(out) and leftovers(tmp_path) == []
 
 
 def test_an_output_that_appeared_while_the_run_worked_is_refused_saying_so(tmp_path, tiny_source, monkeypatch):

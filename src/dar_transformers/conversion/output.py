@@ -23,10 +23,11 @@ The rules (users point `dar convert` at the only copy of a checkpoint):
   process wrote a folder there meanwhile; a replaced output is exchanged with it in one step where the system can
   (`_exchanged_into_place`; else moved aside first) and removed last, once the swap is on the disk (kept, with a
   warning, if it was written to after its last check). An output that another process wrote or replaced since the
-  first check (another conversion into it) is refused, left as it is (`_check_again`). The new folder takes the replaced
-  folder's permission bits (setgid included) and, as far as this process may, its owner and group. Signals are held
-  back while folders are swapped or cleaned up, and any error (or interrupt) removes what this run created; an
-  interrupt after the swap says that the output was written.
+  first check (another conversion into it) is refused, left as it is (`_check_again`); the last check and the swap
+  hold the parent folder locked, so that two runs do not check and swap in between each other
+  (`_swaps_one_at_a_time`). The new folder takes the replaced folder's permission bits (setgid included) and, as far
+  as this process may, its owner and group. Signals are held back while folders are swapped or cleaned up, and any
+  error (or interrupt) removes what this run created; an interrupt after the swap says that the output was written.
 - Staging and retired folders carry a marker file (`STAGING_MARKER`) naming the run's process, which the run holds
   locked (`flock`) while the folder is its own (a staging folder until it is renamed into place); a later run removes
   those of runs that are no longer alive (a SIGKILL leaves them behind: where locks work, a free lock says so) and
@@ -605,6 +606,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
     created: list[Path] = []
     staging = None
     swapped = False
+    swap_turn = contextlib.ExitStack()
     try:
         try:
             remove_stale_runs(output.parent)
@@ -621,6 +623,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
                     elif stat.S_ISREG(status.st_mode) or stat.S_ISDIR(status.st_mode):
                         _fsync(staging / path)
                 _fsync(staging)
+                swap_turn.enter_context(_swaps_one_at_a_time(output.parent))  # to the end of the swap
                 _check_again(output, overwrite, source, checked)  # another process may have written it meanwhile
                 interrupts.raise_lost()  # one a finalizer swallowed stops the conversion here, nothing in place
             with signals_held():
@@ -637,6 +640,7 @@ def write_repo_folder(output: Path, write: Callable[[Path], None], overwrite: bo
             raise _write_error(output, number, str(error)) from error
         finally:
             with signals_held():
+                swap_turn.close()
                 if staging is not None and os.path.lexists(staging):
                     _remove_own_folder(staging)
                 if staging is not None:
@@ -655,6 +659,36 @@ def _output_state(output: Path) -> str | None:
     if not output.is_dir() or not any(output.iterdir()):
         return None
     return output_run_id(output) or ""
+
+
+@contextlib.contextmanager
+def _swaps_one_at_a_time(parent: Path) -> Iterator[None]:
+    """Hold the output's parent folder locked (`flock`) from the last check to the end of the swap, so that of two
+    conversions into one output the later to get there checks only once the earlier one's output is in place, and is
+    refused (`_check_again`); without it, an output put in place between another run's last check and its swap was
+    replaced (kept in a hidden folder and named) and its run had said "Wrote". Every conversion into that folder waits
+    for the lock, whatever its output, for the milliseconds of a swap (and the removal of a replaced output). Where the
+    folder cannot be opened or locked (no read permission, NFS, whose emulated locks need a file open for writing, no
+    `fcntl`), the swap goes on unlocked, as before."""
+    descriptor = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            descriptor = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if descriptor is not None:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.warning(f"Waiting for another process that holds {parent} locked (another conversion putting "
+                               "its output in place there?) before this one checks its output again and puts it in "
+                               "place.")
+                fcntl.flock(descriptor, fcntl.LOCK_EX)  # an interrupt still stops the wait
+            except OSError:  # no locks on this file system
+                pass
+        yield
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)
 
 
 def _check_again(output: Path, overwrite: bool, source: object, checked: str | None) -> None:
