@@ -682,7 +682,8 @@ def _swaps_one_at_a_time(parent: Path) -> Iterator[None]:
                 logger.warning(f"Waiting for another process that holds {parent} locked (another conversion putting "
                                "its output in place there?) before this one checks its output again and puts it in "
                                "place.")
-                fcntl.flock(descriptor, fcntl.LOCK_EX)  # an interrupt still stops the wait
+                with contextlib.suppress(OSError):  # an interrupt still stops the wait
+                    fcntl.flock(descriptor, fcntl.LOCK_EX)
             except OSError:  # no locks on this file system
                 pass
         yield
