@@ -1045,6 +1045,34 @@ def test_a_run_checks_its_output_last_only_after_another_runs_swap_there(tmp_pat
     assert tree_state(out) == before and leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_waiting_for_another_runs_swap_stops_on_an_interrupt_and_leaves_nothing(tmp_path, tiny_source, signum):
+    """The wait for the parent folder's lock is not one of the held moments: Ctrl-C or SIGTERM while another process
+    holds it (here the test) stops the run as before its swap, its staging folder removed."""
+    lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def interrupt_once_it_waits():
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob(f".out.*.partial/{MANIFEST_NAME}")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # in the wait by now: nothing else is left to do before it
+        os.kill(os.getpid(), signum)
+
+    thread = threading.Thread(target=interrupt_once_it_waits)
+    inherited_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the tests above
+    try:
+        thread.start()
+        code, stderr = run_convert_in_process(tiny_source, tmp_path / "out", "--max-new-tokens", "0", cwd=tmp_path)
+    finally:
+        thread.join()
+        signal.signal(signal.SIGINT, inherited_sigint)
+        os.close(lock)
+    assert code == 128 + signum
+    assert messages(stderr)[-1] == f"dar convert: interrupted by {signal.Signals(signum).name}; nothing was written."
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_parent_folder_that_cannot_be_locked_leaves_the_swap_unlocked(tmp_path, tiny_source, monkeypatch):
     """NFS emulates flock with POSIX locks, whose exclusive lock needs a file open for writing, which a folder cannot
     be (EBADF): the swap goes on unlocked, as before the lock, rather than fail the conversion."""
