@@ -168,18 +168,79 @@ def test_from_pretrained_overrides_give_the_config_the_constructor_gives(tmp_pat
     assert DARConfig.from_pretrained(tmp_path / "dar", num_hidden_layers=4).dar_block_size == 8
 
 
-def test_a_mistyped_dar_keyword_stays_unused_and_is_refused_by_the_model(tmp_path):
-    """Only declared fields are built into the config: a typo (`dar_blocksize`) is handed back unused, and the model
-    refuses it, as before the overrides were built in (it was stored in the config and saved, silently)."""
+def test_a_mistyped_dar_field_is_refused_naming_it_wherever_it_is_given(tmp_path):
+    """A name with DAR's prefix that is no field (`dar_blocksize`, `dar_include_partials`): HF keeps an unknown key of
+    config.json or of the constructor as an attribute, and hands an unknown `from_pretrained` keyword back unused
+    (`AutoConfig.from_pretrained` drops it), so the model loaded with the field's default and no word said (a helper's
+    audit: a config.json with `dar_include_partials` gave logits 0.013 off the saved model's). Refused everywhere,
+    naming the key and the field it is closest to."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dar_transformers import DARForCausalLM, DARMoeConfig
+
+    def refused(name, close):
+        return pytest.raises(ValueError, match=re.escape(f"has no field {name} ({name}: did you mean {close}?)"))
+
+    with refused("dar_blocksize", "dar_block_size"):
+        tiny_dar_config(dar_blocksize=1)
+    with refused("dar_num_expert", "dar_num_streams"):  # DAR-MoE's fields are its own (num_experts)
+        DARMoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     dar_num_expert=4)
+    DARForCausalLM(tiny_dar_config(dar_include_partial=False)).save_pretrained(tmp_path)
+    for load in (DARConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with refused("dar_blocksize", "dar_block_size"):
+            load(tmp_path, dar_blocksize=1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dar_include_partials"] = config.pop("dar_include_partial")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for load in (AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with refused("dar_include_partials", "dar_include_partial"):
+            load(tmp_path, dtype=torch.float32) if load is AutoModelForCausalLM.from_pretrained else load(tmp_path)
+
+
+def test_a_saved_config_missing_a_dar_field_warns_naming_it_and_takes_whole_numbers_for_floats(tmp_path):
+    """A saved config holds every DAR field; one without (edited by hand, or older than the field) loaded the default
+    without a word, and a float field written as a whole number (`"dar_gate_delta": 0`, as JSON tools rewrite 0.0)
+    was refused as a type error. Now the first warns naming the field and the default, the second loads as the
+    float."""
+    import json
+
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    tiny_dar_config(dar_routing="fixedkv", dar_include_partial=False).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dar_gate_delta"] == 0.0
+    config["dar_gate_delta"] = 0
+    del config["dar_include_partial"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with CaptureLogger(logging.get_logger("dar_transformers.configuration_dar")) as captured:
+        loaded = DARConfig.from_pretrained(tmp_path)
+    assert type(loaded.dar_gate_delta) is float and loaded.dar_gate_delta == 0.0
+    assert loaded.dar_include_partial is True  # the default, said:
+    assert "This dar config has no dar_include_partial, which dar-transformers writes in every config; the " \
+           "defaults are taken (dar_include_partial=True" in captured.out
+    with CaptureLogger(logging.get_logger("dar_transformers.configuration_dar")) as captured:
+        DARConfig.from_dict(tiny_dar_config().to_dict())
+    assert captured.out == ""  # a complete config says nothing
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 0), ("sliding_window", 0), ("sliding_window", -2)])
+def test_a_layer_count_or_window_set_on_a_built_model_that_construction_refuses_is_refused_at_its_forward(field,
+                                                                                                          value):
+    """A built model's config set to a value `DARConfig(...)` refuses: 0 layers failed as an IndexError, a window of 0
+    as a shape error in the mask, and a window of -2 ran with logits 0.19 off (a helper's audit)."""
     import torch
 
     from dar_transformers import DARForCausalLM
 
-    DARForCausalLM(tiny_dar_config()).save_pretrained(tmp_path)
-    config, unused = DARConfig.from_pretrained(tmp_path, dar_blocksize=1, return_unused_kwargs=True)
-    assert unused == {"dar_blocksize": 1} and not hasattr(config, "dar_blocksize")
-    with pytest.raises(TypeError, match="dar_blocksize"):
-        DARForCausalLM.from_pretrained(tmp_path, dar_blocksize=1, dtype=torch.float32)
+    model = DARForCausalLM(tiny_dar_config()).eval()
+    setattr(model.config, field, value)
+    with pytest.raises(ValueError, match=re.escape(f"config.{field} must be ")):
+        model(torch.tensor([[1, 2, 3, 4]]))
 
 
 def test_dar_moe_overrides_give_the_config_the_constructor_gives(tmp_path):

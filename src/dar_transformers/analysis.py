@@ -662,9 +662,9 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int, tokenizer_name: ob
                          f"{vocab_size} ids (vocab_size): a tokenizer of another model? Pass the model's own.")
 
 
-def at_least(minimum, kind=int):
-    """An argparse type: a finite `kind` value of at least `minimum`, else the usual one-line usage error naming
-    both ("nan" and "inf" parse as floats and compare false or true to anything)."""
+def at_least(minimum, kind=int, maximum=None):
+    """An argparse type: a finite `kind` value of at least `minimum` (and at most `maximum`, if given), else the usual
+    one-line usage error naming both ("nan" and "inf" parse as floats and compare false or true to anything)."""
 
     def parse(text: str):
         value = kind(text)
@@ -672,6 +672,8 @@ def at_least(minimum, kind=int):
             raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text} is below {minimum}, the least it takes")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{text} is above {maximum}, the most it takes")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message

@@ -293,7 +293,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         "instead of its default one")
     parser.add_argument("--temperature", type=at_least(0.0, float), default=0.0,
                         help="0 = greedy; above 0 samples, with the folder's generation settings (top_k, top_p)")
-    parser.add_argument("--seed", type=at_least(0), default=None,
+    parser.add_argument("--seed", type=at_least(0, maximum=2**32 - 1), default=None,  # numpy's seed range (set_seed)
                         help="seed of the sampling (--temperature above 0), so that a run can be repeated")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
                         help="the dtype the model computes in (default float32, whatever the folder stores)")
@@ -318,6 +318,8 @@ def missing_model_folder(name: str, needs_tokenizer: bool = False) -> str | None
     Hub id (absolute, relative to ".", ".." or "~", deeper than org/name, or "org/name" where "org" is a folder here,
     `outputs/model-dar` mistyped, and no Hub model of that name is cached: no Hub retries), a folder without
     config.json, or, with `needs_tokenizer`, one without tokenizer files."""
+    if not name.strip():  # Path("") is the working folder
+        return "the model is an empty path (an unset shell variable?); name the model folder"
     path = Path(name).expanduser()
     if path.is_file():
         return f"{name} is a file; pass a model folder (a GGUF file: convert it with `dar convert` first)"

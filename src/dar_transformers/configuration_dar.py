@@ -50,6 +50,7 @@
   compiled reads, the other backends and other devices are unaffected.
 """
 
+import difflib
 import math
 import os
 from pathlib import Path
@@ -114,6 +115,18 @@ DAR_LAYOUT_FIELDS = ("rms_norm_eps", "dar_num_streams", "dar_block_size", "dar_r
                      "dar_include_partial", "dar_count_scaling", "dar_branch_family")
 
 
+def check_forward_fields(config) -> None:
+    """Refuse, at a forward, values set on a built model's config that its construction would have refused: a layer
+    count below 1 (a prefix of the layers, as `generate(assistant_early_exit=L)` sets it, needs one; 0 failed as an
+    IndexError) and a sliding window that is not a positive integer (0 failed in the mask, -2 ran with a wrong one)."""
+    layers, window = config.num_hidden_layers, config.sliding_window
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"config.num_hidden_layers must be a positive integer (the layers a forward runs), got "
+                         f"{layers!r}.")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"config.sliding_window must be None or a positive integer, got {window!r}.")
+
+
 def dar_layout(config) -> tuple:
     return tuple(getattr(config, field) for field in DAR_LAYOUT_FIELDS)
 
@@ -127,6 +140,21 @@ def check_layout_unchanged(config, built: tuple) -> None:
         raise ValueError(
             f"DARConfig.{field} was changed on a built model ({was!r} -> {value!r}); its modules were built for "
             f"{was!r}. Set it back, or build a new model from the changed config."
+        )
+
+
+def refuse_unknown_dar_fields(cls, given) -> None:
+    """Refuse names in `given` that look like DAR fields (the `dar_` prefix, this package's) but are none of `cls`'s:
+    HF keeps any unknown key as an attribute, so `dar_include_partials` (a typo) in config.json or a keyword loaded a
+    model with the field's default and no word said."""
+    known = [name for name in cls.__dataclass_fields__ if name.startswith("dar_")]
+    unknown = sorted(name for name in given if name.startswith("dar_") and name not in known)
+    if unknown:
+        close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+        hints = "".join(f" ({name}: did you mean {match[0]}?)" for name, match in close.items() if match)
+        raise ValueError(
+            f"{cls.__name__} has no field {', '.join(unknown)}{hints}. Its DAR fields are {', '.join(sorted(known))}; "
+            "a config written by a newer dar-transformers may hold fields this version does not know: upgrade it."
         )
 
 
@@ -186,8 +214,14 @@ class DARConfig(LlamaConfig):
 
     # Fields besides the DAR ones that `__post_init__` derives defaults from: `from_dict` builds them in.
     derivation_fields: ClassVar[tuple[str, ...]] = ("num_hidden_layers",)
+    # The fields of this class (not Llama's) that decide the function a saved model computes: one missing from a saved
+    # config is warned about (`from_dict`). Not the backend options, nor the initialisation's spreads.
+    function_fields: ClassVar[tuple[str, ...]] = (
+        *(field for field in DAR_LAYOUT_FIELDS if field.startswith("dar_")), "sliding_window",
+    )
 
     def __post_init__(self, **kwargs):
+        refuse_unknown_dar_fields(type(self), kwargs)  # a key HF would set as an attribute and no module reads
         num_branches = 2 * self.num_hidden_layers
         if self.dar_block_size is None:
             self.dar_block_size = max(1, math.ceil(num_branches / DAR_TARGET_BLOCKS))
@@ -237,7 +271,7 @@ class DARConfig(LlamaConfig):
             raise ValueError(f"DARConfig.dar_gate_delta must be a finite number >= 0, got {self.dar_gate_delta!r}.")
         if self.dar_routing == "fixedkv" and self.dar_gate_delta != 0.0:
             raise ValueError(
-                "DARConfig.dar_gate_delta must be 0 with dar_routing='fixedkv': values come from stream 1 only, so "
+                "DARConfig.dar_gate_delta must be 0.0 with dar_routing='fixedkv': values come from stream 1 only, so "
                 f"anti-symmetric write gates would change the function at initialisation (got {self.dar_gate_delta!r})."
             )
 
@@ -252,10 +286,26 @@ class DARConfig(LlamaConfig):
         from the layers), so an override valid in `DARConfig(...)` failed, or got another default. Then the DAR
         validation again: HF checks the types of the other overrides only, so a bad value loaded (a block size beyond
         the layers re-initialised trained parameters as missing) or failed later without naming its field."""
-        fields = cls.__dataclass_fields__  # a name that is no field stays an unused keyword (a typo: refused by HF)
+        fields = cls.__dataclass_fields__
+        refuse_unknown_dar_fields(cls, kwargs)  # HF would drop it as an unused keyword
         built = {key: kwargs.pop(key) for key in list(kwargs)
                  if key in fields and (key.startswith("dar_") or key in cls.derivation_fields)}
-        result = super().from_dict({**config_dict, **built}, **kwargs)
+        config_dict = {**config_dict, **built}
+        owned = [name for name in fields if name not in LlamaConfig.__dataclass_fields__]  # DAR's (and DAR-MoE's)
+        for name in owned:  # a whole number where a float is typed (`0` for 0.0: JSON tools write it so)
+            value = config_dict.get(name)
+            if cls.__dataclass_fields__[name].type in (float, float | None) and type(value) is int:
+                config_dict[name] = float(value)
+        if config_dict.get("model_type") == cls.model_type:  # a saved config: every field is written
+            missing = [name for name in cls.function_fields if name not in config_dict]
+            if missing:
+                defaults = ", ".join(f"{name}={cls.__dataclass_fields__[name].default!r}" for name in missing)
+                logger.warning(
+                    f"This {cls.model_type} config has no {', '.join(missing)}, which dar-transformers writes in "
+                    f"every config; the defaults are taken ({defaults}; None: derived). A config.json edited by hand, "
+                    "or written by an older version before the field existed?"
+                )
+        result = super().from_dict(config_dict, **kwargs)
         (result[0] if isinstance(result, tuple) else result).validate()
         return result
 

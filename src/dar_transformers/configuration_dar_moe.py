@@ -74,6 +74,11 @@ class DARMoeConfig(DARConfig):
         *DARConfig.derivation_fields, "intermediate_size", "moe_intermediate_size", "mlp_only_layers",
     )
 
+    function_fields: ClassVar[tuple[str, ...]] = (  # `DARConfig.function_fields`
+        *DARConfig.function_fields, "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+    )
+
     def __post_init__(self, **kwargs):
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size

@@ -68,7 +68,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_dar import DARConfig, check_layout_unchanged, dar_layout, dar_routing
+from .configuration_dar import DARConfig, check_forward_fields, check_layout_unchanged, dar_layout, dar_routing
 from .depth_backends import (
     DepthState, dar_compute_dtype, dar_history_dtype, depth_backend, depth_key_norm_eps, module_registrations,
 )
@@ -636,6 +636,7 @@ class DARModel(DARPreTrainedModel):
         the reference backend then computes them (`depth_backend`), so that they are differentiable."""
         config = self.config
         check_layout_unchanged(config, self.dar_layout)
+        check_forward_fields(config)
         refuse_forward_only_adapters(self)
         history_dtype = dar_history_dtype(config, inputs_embeds.dtype)  # the backends store every commit in it
         embedding = inputs_embeds.to(history_dtype) * config.dar_embedding_scale  # [B, T, D]

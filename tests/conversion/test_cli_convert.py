@@ -78,7 +78,9 @@ def test_a_conversion_whose_report_cannot_be_printed_exits_0_with_its_output_in_
     (["{untokenized}"], "dar generate: error: {untokenized} holds no tokenizer (tokenizer.json, tokenizer_config.json, "
                         "tokenizer.model, vocab.json)"),
     (["./missing"], "dar generate: error: no folder ./missing\n"),  # said "(./ is a folder here, so it names a path")
-])
+    (["{folder}", "--seed", "4294967296"], "argument --seed: 4294967296 is above 4294967295, the most it takes"),
+    ([""], "dar generate: error: the model is an empty path (an unset shell variable?); name the model folder\n"),
+])  # --seed 2**32: numpy's traceback after the model loaded; "": an empty name in "error:  holds no config.json"
 def test_dar_generate_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch, arguments, message):
     paths = {"missing": str(tmp_path / "missing"), "file": str(tmp_path / "model.gguf"), "folder": str(tmp_path),
              "untokenized": str(tmp_path / "untokenized")}
@@ -360,3 +362,21 @@ def test_running_out_of_memory_is_one_line_saying_nothing_was_written(tmp_path, 
         message = capsys.readouterr().err.strip().splitlines()[-1]
         assert message.startswith("dar convert: error: out of memory (") and "nothing was written" in message
     assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+def test_an_empty_source_or_model_name_is_refused_not_read_as_the_working_folder(tmp_path, capsys, monkeypatch):
+    """`dar convert "$SRC" out` with SRC unset converted the folder it ran in (Path("") is "."), and elsewhere said the
+    output "lies inside the source folder"; `dar analyze ""` named an empty model. Both are refused as empty paths,
+    nothing written, even from inside a model folder."""
+    model = save_source(tmp_path / "model")
+    monkeypatch.chdir(model)
+    before = sorted(path.name for path in model.iterdir())
+    assert cli_main(["convert", "", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "dar convert: error: The source is an empty path (an unset shell variable?); name the model folder or .gguf "
+        "file to convert.")
+    assert not (tmp_path / "out").exists() and sorted(path.name for path in model.iterdir()) == before
+    (tmp_path / "text.txt").write_text("Hello world, tiny models")
+    assert cli_main(["analyze", "", "--text", str(tmp_path / "text.txt"), "--out", str(tmp_path / "analysis")]) == 1
+    assert "the model is an empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert not (tmp_path / "analysis").exists()

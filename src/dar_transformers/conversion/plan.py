@@ -260,6 +260,9 @@ def in_memory_source(source):
     compiles; an in-memory model whose weights are all here. Refused, saying what to do: a PEFT model or one with
     adapters loaded (its adapter would be lost or its keys refused: merge it first), weights on the meta device
     (offloaded by accelerate, or a model built without weights), any other object."""
+    if isinstance(source, str) and not source.strip():  # Path("") is the working folder, which was converted
+        raise ValueError("The source is an empty path (an unset shell variable?); name the model folder or .gguf "
+                         "file to convert.")
     if isinstance(source, (str, os.PathLike)):
         return source
     compiled = getattr(source, "_orig_mod", None)  # torch.compile's OptimizedModule
