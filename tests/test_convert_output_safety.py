@@ -119,6 +119,16 @@ def leftovers(parent: Path) -> list[str]:
     return sorted(path.name for path in parent.iterdir() if path.name.endswith((".partial", ".old")))
 
 
+def written_meanwhile(out: Path, replacing: bool) -> str:
+    """The CLI's last line for an output another process wrote while the run worked: found missing or empty at the
+    check, or (`replacing`) holding another previous output than the one the run was to replace."""
+    found = ("the previous conversion output this run was to replace is not the one there now" if replacing
+             else "it was missing or empty when this run checked it")
+    return (f"dar convert: error: Output folder {out} was written by another process while this conversion ran "
+            f"({found}: another conversion into the same folder?); nothing was written, and the folder was left as it "
+            "is.")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The issue's reproductions, as a user runs them.
 
@@ -942,10 +952,7 @@ def test_an_output_another_run_put_in_place_meanwhile_is_left_in_place_without_o
     monkeypatch.setattr(output_module, "_move_into_place", run_b_finishes_first)
     code, stderr = run_convert_in_process(tiny_source, out, "--max-new-tokens", "0", "--block-size", "1", cwd=tmp_path)
     assert code == 1
-    assert messages(stderr)[-1] == (
-        f"dar convert: error: Output folder {out} was written by another process while this conversion ran (it was "
-        "missing or empty when this run checked it: another conversion into the same folder?); nothing was written, "
-        "and the folder was left as it is.")
+    assert messages(stderr)[-1] == written_meanwhile(out, replacing=False)
     assert tree_state(out) == before and leftovers(tmp_path) == []
 
 
@@ -969,10 +976,7 @@ def test_an_output_another_conversion_replaced_meanwhile_is_not_replaced_again(t
     monkeypatch.setattr(output_module, "write_manifest", other_run_swaps_first)
     code, stderr = run_convert_in_process(tiny_source, out, "--overwrite", "--max-new-tokens", "0", cwd=tmp_path)
     assert code == 1
-    assert messages(stderr)[-1] == (
-        f"dar convert: error: Output folder {out} was written by another process while this conversion ran (the "
-        "previous conversion output this run was to replace is not the one there now: another conversion into the "
-        "same folder?); nothing was written, and the folder was left as it is.")
+    assert messages(stderr)[-1] == written_meanwhile(out, replacing=True)
     assert tree_state(out) == before and leftovers(tmp_path) == []
 
     monkeypatch.setattr(output_module, "write_manifest", write)
@@ -1036,11 +1040,7 @@ def test_a_run_checks_its_output_last_only_after_another_runs_swap_there(tmp_pat
         thread.join()
     assert failures == []
     assert code == 1, stderr
-    found = ("the previous conversion output this run was to replace is not the one there now" if overwrite
-             else "it was missing or empty when this run checked it")
-    assert messages(stderr)[-1] == (
-        f"dar convert: error: Output folder {out} was written by another process while this conversion ran ({found}: "
-        "another conversion into the same folder?); nothing was written, and the folder was left as it is.")
+    assert messages(stderr)[-1] == written_meanwhile(out, replacing=overwrite)
     assert f"Waiting for another process that holds {tmp_path} locked" in caplog.text
     assert tree_state(out) == before and leftovers(tmp_path) == []
 

@@ -115,16 +115,28 @@ DAR_LAYOUT_FIELDS = ("rms_norm_eps", "dar_num_streams", "dar_block_size", "dar_r
                      "dar_include_partial", "dar_count_scaling", "dar_branch_family")
 
 
-def check_forward_fields(config) -> None:
-    """Refuse, at a forward, values set on a built model's config that its construction would have refused: a layer
-    count below 1 (a prefix of the layers, as `generate(assistant_early_exit=L)` sets it, needs one; 0 failed as an
-    IndexError) and a sliding window that is not a positive integer (0 failed in the mask, -2 ran with a wrong one)."""
-    layers, window = config.num_hidden_layers, config.sliding_window
+def check_layer_count(config, owner: str) -> None:
+    """Refuse a layer count below 1, naming the field as `owner.num_hidden_layers` (else a block size in [1, 0])."""
+    layers = config.num_hidden_layers
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"config.num_hidden_layers must be a positive integer (the layers a forward runs), got "
-                         f"{layers!r}.")
+        raise ValueError(f"{owner}.num_hidden_layers must be a positive integer (DAR mixes the outputs of the decoder "
+                         f"layers over depth), got {layers!r}.")
+
+
+def check_sliding_window(config, owner: str) -> None:
+    """Refuse a sliding window that is neither None nor a positive integer, naming it as `owner.sliding_window`."""
+    window = config.sliding_window
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"config.sliding_window must be None or a positive integer, got {window!r}.")
+        raise ValueError(f"{owner}.sliding_window must be None or a positive integer, got {window!r}.")
+
+
+def check_forward_fields(config) -> None:
+    """Refuse, at a forward, values set on a built model's config that its construction refuses (`validate_dar`): a
+    layer count below 1 (a prefix of the layers, as `generate(assistant_early_exit=L)` sets it, needs one; 0 failed as
+    an IndexError) and a sliding window that is not a positive integer (0 failed in the mask, -2 ran with a wrong
+    one)."""
+    check_layer_count(config, "config")
+    check_sliding_window(config, "config")
 
 
 def dar_layout(config) -> tuple:
@@ -240,10 +252,8 @@ class DARConfig(LlamaConfig):
 
     def validate_dar(self):
         """Part of `@strict` validation: every DAR field, with the field name and the allowed values."""
+        check_layer_count(self, type(self).__name__)
         num_branches = 2 * self.num_hidden_layers
-        if isinstance(self.num_hidden_layers, bool) or self.num_hidden_layers < 1:  # else a block size in [1, 0]
-            raise ValueError(f"{type(self).__name__}.num_hidden_layers must be a positive integer (DAR mixes the "
-                             f"outputs of the decoder layers over depth), got {self.num_hidden_layers!r}.")
         if isinstance(self.dar_block_size, bool) or not 1 <= self.dar_block_size <= num_branches:
             raise ValueError(
                 f"DARConfig.dar_block_size must be an integer in [1, {num_branches}] (branches: 2 per layer, "
@@ -263,8 +273,7 @@ class DARConfig(LlamaConfig):
                 "DARConfig.dar_history_dtype='model' needs dar_implementation 'two_phase' or 'reference' (the fused "
                 "'fast' path keeps its depth buffers, and so the history, in float32), got dar_implementation='fast'."
             )
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
-            raise ValueError(f"DARConfig.sliding_window must be None or a positive integer, got {self.sliding_window!r}.")
+        check_sliding_window(self, "DARConfig")
         if not 0.0 < self.dar_rho_init < 1.0:
             raise ValueError(f"DARConfig.dar_rho_init must lie strictly between 0 and 1, got {self.dar_rho_init!r}.")
         if not (math.isfinite(self.dar_gate_delta) and self.dar_gate_delta >= 0.0):
@@ -294,12 +303,12 @@ class DARConfig(LlamaConfig):
         owned = [name for name in fields if name not in LlamaConfig.__dataclass_fields__]  # DAR's (and DAR-MoE's)
         for name in owned:  # a whole number where a float is typed (`0` for 0.0: JSON tools write it so)
             value = config_dict.get(name)
-            if cls.__dataclass_fields__[name].type in (float, float | None) and type(value) is int:
+            if fields[name].type in (float, float | None) and type(value) is int:
                 config_dict[name] = float(value)
         if config_dict.get("model_type") == cls.model_type:  # a saved config: every field is written
             missing = [name for name in cls.function_fields if name not in config_dict]
             if missing:
-                defaults = ", ".join(f"{name}={cls.__dataclass_fields__[name].default!r}" for name in missing)
+                defaults = ", ".join(f"{name}={fields[name].default!r}" for name in missing)
                 logger.warning(
                     f"This {cls.model_type} config has no {', '.join(missing)}, which dar-transformers writes in "
                     f"every config; the defaults are taken ({defaults}; None: derived). A config.json edited by hand, "
